@@ -1,0 +1,161 @@
+"""`semkv` command line: generate, methods (and the subcommands other modules register).
+
+Bad input prints one line `semkv: error: ...` and exits with code 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from semkv.errors import SemkvError
+
+def parse_budget(text: str | None) -> int | float | None:
+    """'512' -> 512 tokens, '0.1' or '10%' -> fraction 0.1, None -> None."""
+    if text is None:
+        return None
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise SemkvError(f"budget {text!r} is not a number; give tokens (512) or a fraction (0.1 or 10%)") from None
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """['window=64', 'pooling=max'] -> {'window': 64, 'pooling': 'max'}."""
+    params: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SemkvError(f"--param {item!r} must look like name=value")
+        try:
+            params[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    return params
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (1..256)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--method", default="full", help="KV method (see `semkv methods`)")
+    p.add_argument("--budget", default=None, help="tokens per head and layer (512) or a fraction (0.1, 10%%)")
+    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file with the prompt (e.g. a long document)")
+    p.add_argument("--question", default=None, help="question appended after the prompt (marks the query)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    p.add_argument("--allow-overlong", action="store_true", help="allow prompts longer than the model's context")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import semkv
+    from semkv.methods import get_method
+
+    method = get_method(args.method, parse_budget(args.budget), **parse_params(args.param))  # fail before loading
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise SemkvError(f"prompt file {args.prompt_file!r} does not exist")
+        prompt = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        prompt = args.prompt
+    llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                    prefill_chunk=args.prefill_chunk)
+    out = llm.generate(
+        prompt,
+        method=method,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        chat=args.chat,
+        questions=None if args.question is None else [args.question],
+        allow_overlong=args.allow_overlong,
+        progress=sys.stderr.isatty(),
+    )[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "method": args.method, "budget": parse_budget(args.budget), "model": llm.source,
+                          "stats": out.stats.as_dict()}, indent=2))
+    else:
+        print(out.text)
+        s = out.stats
+        print(f"[{args.method}] prompt {s.prompt_tokens} tok, {s.new_tokens} new | prefill {s.prefill_s:.2f}s "
+              f"({s.prefill_tokens_per_s:.0f} tok/s), decode {s.decode_s:.2f}s ({s.decode_tokens_per_s:.1f} tok/s) | "
+              f"KV resident {s.kv_resident_tokens:.0f}, attended {s.kv_attended_tokens:.0f}/step/layer",
+              file=sys.stderr)
+    return 0
+
+
+def _add_methods(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true")
+
+
+def _run_methods(args: argparse.Namespace) -> int:
+    from semkv.methods import METHODS
+
+    if args.json:
+        print(json.dumps({name: {"summary": cls.summary, "kind": cls.kind, "parameters": cls.parameters()}
+                          for name, cls in METHODS.items()}, indent=2, default=str))
+        return 0
+    for name, cls in METHODS.items():
+        print(f"{name:<14} {cls.summary}")
+        params = ", ".join(f"{k}={v!r}" for k, v in cls.parameters().items() if k != "budget")
+        print(f"{'':<14} [{cls.kind}] {params or 'no parameters'}")
+    return 0
+
+
+# subcommand -> (help, add_arguments, run)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "generate": ("generate text with a KV method and budget", _add_generate, _run_generate),
+    "methods": ("list the KV methods with their parameters", _add_methods, _run_methods),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="semkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add, _) in COMMANDS.items():
+        add(sub.add_parser(name, help=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command][2](args)
+    except SemkvError as exc:
+        print(f"semkv: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:
+        print(f"semkv: error: out of memory: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

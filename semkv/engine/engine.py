@@ -1,0 +1,246 @@
+"""The inference loop: chunked prefill of each request, then batched decode steps, through the paged cache.
+
+At every attention call the engine asks the KV method which cached slots to attend to and hands that decision to
+the one sparse attention path (`semkv.kernels`); it never inspects what a method does.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.sampler import sample
+from semkv.engine.sequence import Sequence
+from semkv.kernels import reference
+from semkv.methods.base import DecodeBatch, KVMethod
+from semkv.models.config import ModelConfig
+from semkv.models.llama import LlamaModel
+from semkv.models.rotary import RotaryEmbedding
+
+
+def plan_chunks(lo: int, hi: int, chunk: int, min_last: int) -> list[tuple[int, int]]:
+    """Split [lo, hi) into chunks of `chunk` tokens whose last one holds at least min(min_last, hi - lo) tokens."""
+    bounds = list(range(lo, hi, chunk)) + [hi]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    need = min(min_last, hi - lo)
+    if spans and spans[-1][1] - spans[-1][0] < need:
+        last_start = hi - need
+        spans = [(a, min(b, last_start)) for a, b in spans if a < last_start] + [(last_start, hi)]
+    return spans
+
+
+class PrefillStep:
+    """AttentionContext for one chunk of one sequence."""
+
+    def __init__(self, engine: "Engine", seq: Sequence, method: KVMethod, positions: torch.Tensor, evict: bool,
+                 record_window: int = 0):
+        self.engine, self.seq, self.method, self.evict = engine, seq, method, evict
+        self.positions = positions
+        self.record_window = record_window  # keep the last queries of each layer for methods applied later
+        self.cos, self.sin = engine.rotary.cos_sin(positions, engine.dtype, seq_len=len(seq.prompt_ids))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rotate = self.engine.rotary.rotate
+        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+        kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
+        start = kv.num_slots[layer]
+        kv.ensure_slots(layer, start + chunk)
+        kv.write(layer, torch.arange(start, start + chunk, device=q.device), k, v, self.positions)
+        kv.num_slots[layer] = start + chunk
+        self.method.observe_prefill(layer, self.seq, q, start)
+        context = self.method.prefill_context(layer, self.seq, q, start)
+        out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
+        if self.record_window:
+            self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
+        if self.evict:
+            evict_layer(self.method, self.seq, layer, q)
+        return out
+
+
+def evict_layer(method: KVMethod, seq: Sequence, layer: int, q_last: torch.Tensor) -> None:
+    """Prefill-time eviction of one layer, given the queries of the last prompt tokens [w', heads, D]."""
+    stats = seq.stats
+    stats.kv_resident_prefill_peak = max(stats.kv_resident_prefill_peak, seq.kv.resident_slots())
+    window = min(method.window_size(), q_last.shape[0])
+    keep = method.evict_prefill(layer, seq, q_last[q_last.shape[0] - window:])
+    if keep is not None:
+        seq.kv.compact(layer, keep)
+
+
+class DecodeStep:
+    """AttentionContext for one decode step of a batch."""
+
+    def __init__(self, engine: "Engine", batch: DecodeBatch, method: KVMethod, write_slots: torch.Tensor):
+        self.engine, self.batch, self.method = engine, batch, method
+        self.write_slots = write_slots  # [B, layers, kv_heads] logical slot of the new token
+        self.tables = _stack_tables([s.kv.table for s in batch.seqs])  # [B, layers, max_pages]
+        self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
+        size = len(batch.seqs)
+        self.attended_sum = torch.zeros(size, device=engine.device)
+        self.attended_max = torch.zeros(size, dtype=torch.long, device=engine.device)
+        self.selection_s = 0.0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        engine, pool, batch = self.engine, self.engine.pool, self.batch
+        rotate = engine.rotary.rotate
+        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+        size = pool.page_size
+        tables = self.tables[:, layer]  # [B, max_pages]
+        slots = self.write_slots[:, layer]  # [B, kv_heads]
+        rows = torch.gather(tables, 1, slots // size) * size + slots % size
+        kf, vf, pf = pool.flat()
+        heads = torch.arange(pool.num_kv_heads, device=rows.device)[None, :]
+        kf[rows, heads], vf[rows, heads] = k, v
+        pf[rows, heads] = batch.positions.to(torch.int32)[:, None]
+        started = time.perf_counter()
+        selection = self.method.select(layer, batch, q)
+        self.selection_s += time.perf_counter() - started
+        if selection is None:
+            lengths = batch.num_slots[:, layer : layer + 1]
+            out = reference.decode_attention(q, pool.k, pool.v, tables, None, lengths, engine.scale)
+        else:
+            lengths = selection.lengths
+            out = reference.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
+        self.attended_sum += lengths.float().mean(-1)
+        self.attended_max = torch.maximum(self.attended_max, lengths.max(-1).values)
+        return out
+
+
+def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    width = max(t.shape[1] for t in tables)
+    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 page_size: int = 16, prefill_chunk: int = 512):
+        self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.prefill_chunk = prefill_chunk
+        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
+        self.scale = config.head_dim**-0.5
+        self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
+
+    # -- prefill --------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, method: KVMethod, progress: bool = False, record_window: int = 0) -> torch.Tensor:
+        """Run the prompt through the model; return the logits of its last token [vocab].
+
+        record_window > 0 keeps the last queries of every layer in `seq.window_queries`, so that methods can later be
+        applied to copies of this prefilled sequence (`fork` + `apply_prefill`)."""
+        started = time.perf_counter()
+        n = len(seq.prompt_ids)
+        split = seq.question_start if method.uses_question_split() and seq.question_start else n
+        phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
+        window = max(method.window_size(), record_window)
+        spans = [(a, b, evict and b == hi) for lo, hi, evict in phases
+                 for a, b in plan_chunks(lo, hi, self.prefill_chunk, window if evict else 0)]
+        ids = torch.tensor(seq.prompt_ids, device=self.device)
+        bar = tqdm(total=n, desc="prefill", unit="tok", disable=not progress, leave=False)
+        logits = None
+        for a, b, evict in spans:
+            positions = torch.arange(a, b, device=self.device)
+            step = PrefillStep(self, seq, method, positions, evict, record_window if b == n else 0)
+            seq.num_computed = b  # methods see the chunk's tokens as computed while it runs
+            logits = self.model(ids[a:b], step, logits_at=torch.tensor([b - a - 1], device=self.device))
+            bar.update(b - a)
+        bar.close()
+        method.finish_prefill(seq)
+        self._prefill_done(seq)
+        seq.stats.prefill_s = time.perf_counter() - started
+        return logits[0]
+
+    @staticmethod
+    def _prefill_done(seq: Sequence) -> None:
+        resident = seq.kv.resident_slots()
+        seq.stats.kv_resident_prefill_peak = max(seq.stats.kv_resident_prefill_peak, resident)
+        seq.stats.kv_resident_tokens = resident
+
+    @torch.inference_mode()
+    def fork(self, seq: Sequence, seq_id: int) -> Sequence:
+        """A copy of a prefilled sequence with its own pages (the K/V are copied), ready for another method."""
+        twin = Sequence(seq_id, seq.prompt_ids, seq.params, SeqKV(self.pool), seq.question_start)
+        for layer in range(self.config.num_layers):
+            n = seq.kv.num_slots[layer]
+            twin.kv.ensure_slots(layer, n)
+            twin.kv.num_slots[layer] = n
+            src, dst = seq.kv.table[layer, : len(seq.kv.pages[layer])], twin.kv.table[layer, : len(seq.kv.pages[layer])]
+            self.pool.k[dst], self.pool.v[dst], self.pool.pos[dst] = self.pool.k[src], self.pool.v[src], self.pool.pos[src]
+        twin.num_computed = seq.num_computed
+        twin.window_queries = dict(seq.window_queries)
+        twin.stats.prefill_s = seq.stats.prefill_s
+        return twin
+
+    @torch.inference_mode()
+    def apply_prefill(self, seq: Sequence, method: KVMethod) -> None:
+        """Apply a method's prefill-time eviction and summaries to a sequence prefilled with Full KV."""
+        started = time.perf_counter()
+        seq.method_state = method.new_state(seq)
+        for layer in range(self.config.num_layers):
+            evict_layer(method, seq, layer, seq.window_queries[layer])
+        method.finish_prefill(seq)
+        self._prefill_done(seq)
+        seq.stats.prefill_s += time.perf_counter() - started
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence], method: KVMethod) -> torch.Tensor:
+        """Feed each sequence's last sampled token; return next-token logits [B, vocab]."""
+        layers = self.config.num_layers
+        positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
+        slots_before = torch.tensor([s.kv.num_slots for s in seqs], device=self.device)  # [B, layers]
+        pre = DecodeBatch(seqs, positions, slots_before, self.config)
+        write = method.begin_step(pre)
+        if write is None:
+            write = slots_before[:, :, None].expand(-1, -1, self.config.num_kv_heads)
+        appends = (write == slots_before[:, :, None]).any(-1)  # [B, layers]
+        for b, seq in enumerate(seqs):
+            for layer in range(layers):
+                if appends[b, layer]:
+                    seq.kv.num_slots[layer] += 1
+                    seq.kv.ensure_slots(layer, seq.kv.num_slots[layer])
+        slots_after = torch.tensor([s.kv.num_slots for s in seqs], device=self.device)
+        batch = DecodeBatch(seqs, positions, slots_after, self.config)
+        step = DecodeStep(self, batch, method, write.contiguous())
+        tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
+        logits = self.model(tokens, step)
+        for b, seq in enumerate(seqs):
+            seq.num_computed += 1
+            seq.attended_total += float(step.attended_sum[b]) / layers
+            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(step.attended_max[b]))
+            seq.stats.selection_s += step.selection_s / len(seqs)
+        return logits
+
+    def generate(self, seqs: list[Sequence], method: KVMethod, first_logits: list[torch.Tensor],
+                 is_stop) -> None:
+        """Decode until every sequence finished. `is_stop(seq)` checks EOS / stop strings / length."""
+        for seq, logits in zip(seqs, first_logits):
+            self._append(seq, sample(logits, seq.params, seq.generator), is_stop)
+        active = [s for s in seqs if not s.finished]
+        started = time.perf_counter()
+        while active:
+            logits = self.decode_step(active, method)
+            tokens = [sample(logits[b], s.params, s.generator) for b, s in enumerate(active)]
+            batch = DecodeBatch(active, torch.tensor([s.num_computed for s in active]),
+                                torch.tensor([s.kv.num_slots for s in active]), self.config)
+            method.end_step(batch, logits, tokens)
+            for seq, token in zip(active, tokens):
+                seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, seq.kv.resident_slots())
+                self._append(seq, token, is_stop)
+            now = time.perf_counter()
+            for seq in active:
+                seq.stats.decode_s += now - started
+            started = now
+            active = [s for s in active if not s.finished]
+        for seq in seqs:
+            steps = max(len(seq.output_ids) - 1, 1)
+            seq.stats.kv_attended_tokens = seq.attended_total / steps
+
+    @staticmethod
+    def _append(seq: Sequence, token: int, is_stop) -> None:
+        seq.output_ids.append(token)
+        seq.stats.new_tokens = len(seq.output_ids)
+        reason = is_stop(seq)
+        if reason:
+            seq.finished, seq.finish_reason = True, reason

@@ -1,0 +1,176 @@
+"""Paged KV cache: one pool of fixed-size pages shared by all sequences and layers, and a page table per
+(sequence, layer).
+
+A page holds `page_size` slots; a slot holds the key, value and original token position of every KV head, so a head
+may keep other tokens than its neighbours after per-head eviction. Layers have their own page tables because
+eviction methods keep different numbers of tokens per layer (PyramidKV); freeing a page returns it to the pool for
+real. Methods address the cache by *logical slot* (0..num_slots-1 of one sequence and layer); `physical()` maps
+slots to rows of the flattened pool.
+"""
+from __future__ import annotations
+
+import torch
+
+from semkv.errors import SemkvError
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_pages: int = 64,
+        max_pages: int | None = None,
+    ):
+        if not 1 <= page_size <= 256:
+            raise SemkvError(f"page_size={page_size} is out of range; allowed: 1..256")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size, self.dtype, self.device = page_size, dtype, device
+        self.max_pages = max_pages  # None: grow as needed
+        self.k = torch.empty(0, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.pos = torch.empty(0, page_size, num_kv_heads, dtype=torch.int32, device=device)
+        self.free: list[int] = []
+        self.in_use = 0
+        self.peak_in_use = 0
+        self._grow(num_pages)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.k.element_size()
+
+    def _grow(self, new_pages: int) -> None:
+        old = self.num_pages
+        shape = (new_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: padded slots of a batch are read and multiplied by a zero probability, and 0 * NaN
+        # garbage would poison the output; stale data of freed pages is always finite
+        self.k = torch.cat([self.k, torch.zeros(shape, dtype=self.dtype, device=self.device)])
+        self.v = torch.cat([self.v, torch.zeros(shape, dtype=self.dtype, device=self.device)])
+        self.pos = torch.cat([self.pos, torch.zeros(shape[:3], dtype=torch.int32, device=self.device)])
+        self.free.extend(range(old + new_pages - 1, old - 1, -1))  # pop() hands out low ids first
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            needed = n - len(self.free)
+            if self.max_pages is not None and self.num_pages + needed > self.max_pages:
+                raise MemoryError(f"KV pool exhausted: need {needed} more pages, limit {self.max_pages}")
+            self._grow(max(needed, self.num_pages // 2, 16))
+        pages = [self.free.pop() for _ in range(n)]
+        self.in_use += n
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+        self.in_use -= len(pages)
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views [num_pages * page_size, kv_heads, head_dim] (and positions [.., kv_heads]) indexed by physical slot."""
+        rows = self.num_pages * self.page_size
+        return (
+            self.k.view(rows, self.num_kv_heads, self.head_dim),
+            self.v.view(rows, self.num_kv_heads, self.head_dim),
+            self.pos.view(rows, self.num_kv_heads),
+        )
+
+
+class SeqKV:
+    """One sequence's page tables (a device tensor [layers, capacity_pages]) and slot counts per layer."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        layers = pool.num_layers
+        self.pages: list[list[int]] = [[] for _ in range(layers)]
+        self.num_slots = [0] * layers
+        self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
+
+    def ensure_slots(self, layer: int, n: int) -> None:
+        """Allocate pages so that slots [0, n) exist in `layer`."""
+        have = len(self.pages[layer])
+        need = -(-n // self.pool.page_size)
+        if need <= have:
+            return
+        new = self.pool.allocate(need - have)
+        self.pages[layer].extend(new)
+        if need > self.table.shape[1]:
+            grown = torch.zeros(self.table.shape[0], max(need, 2 * self.table.shape[1]), dtype=torch.long,
+                                device=self.table.device)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[layer, have:need] = torch.tensor(new, dtype=torch.long, device=self.table.device)
+
+    def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Logical slots (any shape) of `layer` -> physical rows of the flattened pool."""
+        size = self.pool.page_size
+        return self.table[layer][slots // size] * size + slots % size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store tokens: slots [T] (all heads) or [T, kv_heads] (per head), k/v [T, kv_heads, D], pos [T]."""
+        kf, vf, pf = self.pool.flat()
+        rows = self.physical(layer, slots)
+        if rows.dim() == 1:
+            kf[rows], vf[rows] = k, v
+            pf[rows] = pos.to(torch.int32)[:, None].expand(-1, self.pool.num_kv_heads)
+        else:
+            heads = torch.arange(self.pool.num_kv_heads, device=rows.device)[None, :]
+            kf[rows, heads], vf[rows, heads] = k, v
+            pf[rows, heads] = pos.to(torch.int32)[:, None].expand_as(rows)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """slots [kv_heads or 1, n] -> keys, values [kv_heads, n, D] and positions [kv_heads, n]."""
+        kf, vf, pf = self.pool.flat()
+        rows = self.physical(layer, slots)
+        heads = self.pool.num_kv_heads
+        if rows.shape[0] == 1:
+            return kf[rows[0]].transpose(0, 1), vf[rows[0]].transpose(0, 1), pf[rows[0]].transpose(0, 1)
+        idx = torch.arange(heads, device=rows.device)[:, None]
+        return kf[rows, idx], vf[rows, idx], pf[rows, idx]
+
+    def all_slots(self, layer: int) -> torch.Tensor:
+        return torch.arange(self.num_slots[layer], device=self.table.device)[None, :]
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """All stored keys of `layer`: [kv_heads, num_slots, D]."""
+        return self.gather(layer, self.all_slots(layer))[0]
+
+    def positions(self, layer: int) -> torch.Tensor:
+        """Original token position of every stored slot: [kv_heads, num_slots]."""
+        return self.gather(layer, self.all_slots(layer))[2]
+
+    def compact(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep only slots `keep` [kv_heads or 1, n_keep] (ascending per head), moved to slots [0, n_keep); the pages
+        no longer needed go back to the pool."""
+        n_keep = keep.shape[1]
+        k, v, pos = self.gather(layer, keep)  # copies: safe to overwrite in place
+        heads = self.pool.num_kv_heads
+        rows = self.physical(layer, torch.arange(n_keep, device=keep.device))
+        kf, vf, pf = self.pool.flat()
+        kf[rows], vf[rows], pf[rows] = k.transpose(0, 1), v.transpose(0, 1), pos.transpose(0, 1).expand(-1, heads)
+        self.truncate(layer, n_keep)
+
+    def truncate(self, layer: int, n: int) -> None:
+        """Drop slots >= n and release the pages past them."""
+        self.num_slots[layer] = n
+        need = -(-n // self.pool.page_size)
+        extra = self.pages[layer][need:]
+        if extra:
+            del self.pages[layer][need:]
+            self.pool.release(extra)
+
+    def resident_slots(self) -> float:
+        """Mean stored slots per layer (per KV head)."""
+        return sum(self.num_slots) / len(self.num_slots)
+
+    def release(self) -> None:
+        for layer in range(len(self.pages)):
+            self.pool.release(self.pages[layer])
+            self.pages[layer] = []
+            self.num_slots[layer] = 0

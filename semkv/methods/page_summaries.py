@@ -1,0 +1,71 @@
+"""Per-page key summaries (element-wise min / max / sum of keys per KV head), stored by physical page id.
+
+Summaries live beside the KV pool, so a batch gathers them through the page tables like the keys themselves: no
+per-sequence copies, and freeing a page frees its summary. Used by page-level selection methods (Quest, CHESS).
+"""
+from __future__ import annotations
+
+import torch
+
+from semkv.engine.kv_cache import KVPool, SeqKV
+
+STATS = ("min", "max", "sum")
+
+
+class PageSummaries:
+    def __init__(self, stats: tuple[str, ...]):
+        unknown = set(stats) - set(STATS)
+        if unknown:
+            raise ValueError(f"unknown summary statistics {sorted(unknown)}; allowed: {STATS}")
+        self.stats = stats
+        self.data: dict[str, torch.Tensor] = {}
+
+    def ensure(self, pool: KVPool) -> None:
+        """Grow the summary tables with the pool."""
+        for stat in self.stats:
+            old = self.data.get(stat)
+            have = 0 if old is None else old.shape[0]
+            if have < pool.num_pages:
+                dtype = torch.float32
+                new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim, dtype=dtype,
+                                  device=pool.device)
+                self.data[stat] = new if old is None else torch.cat([old, new])
+
+    def build(self, kv: SeqKV, layer: int) -> None:
+        """Summaries of every page of one sequence and layer, from its stored keys."""
+        self.ensure(kv.pool)
+        n, size = kv.num_slots[layer], kv.pool.page_size
+        if n == 0:
+            return
+        pages = -(-n // size)
+        keys = kv.keys(layer).float()  # [kv_heads, n, D]
+        padded = torch.nn.functional.pad(keys, (0, 0, 0, pages * size - n), value=float("nan"))
+        blocks = padded.view(keys.shape[0], pages, size, -1)  # [kv_heads, pages, size, D]
+        ids = kv.table[layer, :pages]
+        valid = ~torch.isnan(blocks)
+        if "min" in self.stats:
+            self.data["min"][ids] = torch.where(valid, blocks, float("inf")).amin(2).transpose(0, 1)
+        if "max" in self.stats:
+            self.data["max"][ids] = torch.where(valid, blocks, float("-inf")).amax(2).transpose(0, 1)
+        if "sum" in self.stats:
+            self.data["sum"][ids] = torch.where(valid, blocks, 0.0).sum(2).transpose(0, 1)
+
+    def add_tokens(self, pool: KVPool, tables: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fold the keys just written at logical slots [B, kv_heads] into their pages' summaries (a slot at a page
+        start resets the page). tables: [B, max_pages] of the layer."""
+        self.ensure(pool)
+        size = pool.page_size
+        page_ids = torch.gather(tables, 1, slots // size)  # [B, kv_heads]
+        rows = page_ids * size + slots % size
+        heads = torch.arange(pool.num_kv_heads, device=slots.device)[None, :]
+        kf = pool.flat()[0]
+        keys = kf[rows, heads].float()  # [B, kv_heads, D]
+        fresh = (slots % size == 0)[..., None]
+        for stat, op in (("min", torch.minimum), ("max", torch.maximum), ("sum", torch.add)):
+            if stat in self.stats:
+                table = self.data[stat]
+                table[page_ids, heads] = torch.where(fresh, keys, op(table[page_ids, heads], keys))
+
+    def gather(self, stat: str, tables: torch.Tensor) -> torch.Tensor:
+        """tables [B, n_pages] physical ids -> [B, n_pages, kv_heads, D]."""
+        return self.data[stat][tables]

@@ -1,0 +1,63 @@
+"""StreamingLLM: attention sinks plus a sliding window of recent tokens (Xiao et al., 2024, "Efficient Streaming
+Language Models with Attention Sinks", https://arxiv.org/abs/2309.17453).
+
+The cache keeps the first `n_sink` tokens and the most recent `budget - n_sink`. At the end of prefill the middle of
+the prompt is evicted; during decoding, once the cache holds `budget` tokens, each new token overwrites the oldest
+non-sink slot, so resident memory stays at the budget. Keys are stored after RoPE, i.e.
+with their original positions (the paper's in-cache re-positioning is not used; with the budget at least the context
+the result equals Full KV exactly).
+
+Parameters
+----------
+budget: resident tokens per KV head and layer, sinks included (a float: fraction of the current context).
+n_sink: attention sinks, 4 (the paper's default).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from semkv.engine.sequence import Sequence
+from semkv.methods.base import DecodeBatch, KVMethod, check_range, resolve_budget
+
+
+@dataclass
+class StreamingLLM(KVMethod):
+    n_sink: int = 4
+
+    name = "streaming_llm"
+    summary = "StreamingLLM: attention sinks + recent window; evicts the oldest token as generation goes on"
+    kind = "decode_eviction"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("n_sink", self.n_sink, 0, None, int)
+
+    def new_state(self, seq: Sequence) -> list[deque[int]]:
+        return [deque() for _ in range(seq.kv.pool.num_layers)]  # window slots per layer, oldest first
+
+    def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
+        n = seq.kv.num_slots[layer]
+        n_keep = resolve_budget(self.budget, n)
+        if n_keep >= n:
+            return None
+        sinks = min(self.n_sink, n_keep)
+        keep = torch.cat([torch.arange(sinks), torch.arange(n - (n_keep - sinks), n)])
+        return keep.to(seq.kv.table.device)[None]
+
+    def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """Overwrite the oldest window slot wherever the cache is full; otherwise append."""
+        slots = batch.num_slots.clone()  # [B, layers]: append by default
+        for b, seq in enumerate(batch.seqs):
+            capacity = resolve_budget(self.budget, seq.num_computed + 1)
+            for layer, window in enumerate(seq.method_state):
+                n = int(batch.num_slots[b, layer])
+                if not window:  # after prefill the window slots are in age order
+                    window.extend(range(min(self.n_sink, n), n))
+                slot = window.popleft() if n >= capacity and window else n
+                if slot >= self.n_sink:
+                    window.append(slot)
+                slots[b, layer] = slot
+        return slots[:, :, None].expand(-1, -1, batch.model.num_kv_heads)

@@ -1,0 +1,99 @@
+"""Engine behaviour on a tiny random model: invariances of the paged cache, chunking and batching; sampling; stops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import semkv
+from semkv.engine.engine import plan_chunks
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    "A paged cache stores keys and values in fixed-size pages. " * 5,
+    "Short prompt.",
+    "Numbers: " + " ".join(str(i) for i in range(60)),
+]
+
+
+def greedy(llm, prompts, **kw):
+    return [o.token_ids for o in llm.generate(prompts, max_new_tokens=24, ignore_eos=True, chat=False, **kw)]
+
+
+def test_plan_chunks_keeps_a_full_window_in_the_last_chunk():
+    assert plan_chunks(0, 1000, 512, 32) == [(0, 512), (512, 1000)]
+    assert plan_chunks(0, 1030, 512, 32) == [(0, 512), (512, 998), (998, 1030)]
+    assert plan_chunks(0, 20, 512, 32) == [(0, 20)]
+    assert plan_chunks(100, 1124, 512, 0) == [(100, 612), (612, 1124)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 32, 256])
+def test_page_size_invariance(tiny_model_dir, tiny_llm, page_size):
+    reference = greedy(tiny_llm, PROMPTS[:2])
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", page_size=page_size)
+    assert greedy(llm, PROMPTS[:2]) == reference
+
+
+def test_prefill_chunk_size_invariance(tiny_model_dir, tiny_llm):
+    reference = greedy(tiny_llm, PROMPTS[:1])
+    for chunk in (7, 64):
+        assert greedy(semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=chunk), PROMPTS[:1]) == reference
+
+
+def test_batch_equals_one_at_a_time(tiny_llm):
+    batched = greedy(tiny_llm, PROMPTS)
+    assert batched == [greedy(tiny_llm, [p])[0] for p in PROMPTS]
+
+
+def test_pages_are_returned_after_generation(tiny_llm):
+    greedy(tiny_llm, PROMPTS)
+    assert tiny_llm.engine.pool.in_use == 0
+
+
+def test_sampling_is_seeded(tiny_llm):
+    kw = dict(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.9, chat=False, ignore_eos=True)
+    a = tiny_llm.generate(PROMPTS[0], seed=3, **kw)[0].token_ids
+    assert a == tiny_llm.generate(PROMPTS[0], seed=3, **kw)[0].token_ids
+    assert a != tiny_llm.generate(PROMPTS[0], seed=4, **kw)[0].token_ids
+
+
+def test_top_k_one_is_greedy(tiny_llm):
+    sampled = tiny_llm.generate(PROMPTS[0], max_new_tokens=12, temperature=0.7, top_k=1, chat=False, ignore_eos=True)
+    assert sampled[0].token_ids == greedy(tiny_llm, PROMPTS[:1])[0][:12]
+
+
+def test_stop_string_ends_generation_and_is_cut(tiny_llm):
+    full = tiny_llm.generate(PROMPTS[0], max_new_tokens=24, chat=False, ignore_eos=True)[0]
+    stop = full.text[5:9]
+    assert stop.strip()
+    out = tiny_llm.generate(PROMPTS[0], max_new_tokens=24, chat=False, ignore_eos=True, stop=[stop])[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+
+
+def test_eos_ends_generation(tiny_llm):
+    full = tiny_llm.generate(PROMPTS[0], max_new_tokens=24, chat=False, ignore_eos=True)[0]
+    tiny_llm.config.eos_token_ids.append(full.token_ids[3])
+    try:
+        out = tiny_llm.generate(PROMPTS[0], max_new_tokens=24, chat=False)[0]
+    finally:
+        tiny_llm.config.eos_token_ids.pop()
+    assert out.finish_reason == "eos"
+    assert out.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[3]) + 1]
+
+
+def test_stats_are_filled(tiny_llm):
+    out = tiny_llm.generate(PROMPTS[0], max_new_tokens=10, chat=False, ignore_eos=True)[0]
+    s = out.stats
+    assert s.prompt_tokens == len(out.prompt_token_ids) and s.new_tokens == 10
+    assert s.prefill_s > 0 and s.decode_s > 0
+    # Full KV: the cache holds the prompt and the tokens fed back so far
+    assert s.kv_resident_tokens == s.prompt_tokens + 9
+    assert s.kv_attended_max == s.prompt_tokens + 9
+
+
+def test_question_start_marks_the_question(tiny_llm):
+    ids, start = tiny_llm.encode("Some long context.", "What is it?", chat=True)
+    text = tiny_llm.tokenizer.decode(ids[start:])
+    assert text.startswith("What is it?")
+    ids_plain, start_plain = tiny_llm.encode("Some long context.", "What is it?", chat=False)
+    assert tiny_llm.tokenizer.decode(ids_plain[start_plain:]).startswith("What is it?")

@@ -1,0 +1,97 @@
+"""Bad input: one clear message naming the bad value and what is allowed; exit code 2 from the CLI."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import semkv
+from semkv.cli.main import main
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "semkv.cli.main", *args], capture_output=True, text=True)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "hi", "--method", "nope"], "unknown method 'nope'; available: full"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "0"], "budget=0 must be a positive number"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "-5"], "budget=-5 must be a positive number"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "1.5"], r"budget=1.5 as a fraction must be in \(0, 1\]"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "lots"], "budget 'lots' is not a number"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "8", "--param", "window=-1"], "window=-1 is out of range"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "8", "--param", "nope=1"], "unknown parameter"),
+        (["--prompt", "hi", "--method", "snapkv"], "method 'snapkv' needs a budget"),
+        (["--prompt", "hi", "--device", "tpu"], "unknown device 'tpu'"),
+        (["--prompt", "hi", "--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
+        (["--prompt-file", "/no/such/file.txt"], "prompt file '/no/such/file.txt' does not exist"),
+    ],
+)
+def test_cli_bad_input(args, message, capsys):
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("semkv: error: ")
+    assert __import__("re").search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_cli_exit_code_in_a_subprocess():
+    code, err = run_cli("generate", "--prompt", "hi", "--method", "nope")
+    assert code == 2 and "Traceback" not in err and "unknown method" in err
+
+
+def test_empty_prompt(tiny_llm):
+    with pytest.raises(semkv.SemkvError, match="prompt 0 is empty"):
+        tiny_llm.generate("   ")
+    with pytest.raises(semkv.SemkvError, match="no prompts"):
+        tiny_llm.generate([])
+
+
+def test_prompt_longer_than_context(tiny_llm):
+    limit = tiny_llm.max_context
+    text = "word " * (limit + 10)
+    with pytest.raises(semkv.SemkvError, match=rf"prompt 0 has \d+ tokens .* > the model's context of {limit}"):
+        tiny_llm.generate(text, chat=False, max_new_tokens=2)
+
+
+def test_overlong_prompt_can_be_allowed(tiny_model_dir):
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    llm.config.max_position_embeddings = 64
+    out = llm.generate("word " * 70, chat=False, max_new_tokens=2, allow_overlong=True, ignore_eos=True)
+    assert len(out[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_k=-2), "top_k=-2"),
+    (dict(stop=[""]), "stop="),
+])
+def test_bad_sampling_parameters(tiny_llm, kw, message):
+    with pytest.raises(semkv.SemkvError, match=message):
+        tiny_llm.generate("hello", **kw)
+
+
+def test_corrupted_weight_files(tmp_path, tiny_model_dir):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(semkv.SemkvError, match="corrupted weight file"):
+        semkv.LLM(folder, device="cpu")
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(semkv.SemkvError, match="could not read the GGUF file"):
+        semkv.LLM(gguf, device="cpu")
+
+
+def test_bad_page_size(tiny_model_dir):
+    with pytest.raises(semkv.SemkvError, match="page_size=0 is out of range; allowed: 1..256"):
+        semkv.LLM(tiny_model_dir("llama"), device="cpu", page_size=0)
