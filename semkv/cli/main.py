@@ -127,10 +127,38 @@ def _run_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibrate(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--method", required=True, help="method to calibrate (dynsplit, chess)")
+    p.add_argument("--text-file", action="append", required=True, help="calibration text (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens of each text used")
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    import semkv
+    from semkv.methods import METHODS, calibration
+
+    if args.method not in METHODS:
+        raise SemkvError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
+    texts = []
+    for name in args.text_file:
+        if not Path(name).is_file():
+            raise SemkvError(f"text file {name!r} does not exist")
+        texts.append(Path(name).read_text(encoding="utf-8", errors="replace"))
+    llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                    prefill_chunk=args.prefill_chunk)
+    data = METHODS[args.method].calibrate(llm, texts, args.max_tokens)
+    path = calibration.save(args.method, llm.config.source, data)
+    print(json.dumps(data, indent=2, default=str))
+    print(f"saved to {path}", file=sys.stderr)
+    return 0
+
+
 # subcommand -> (help, add_arguments, run)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "generate": ("generate text with a KV method and budget", _add_generate, _run_generate),
     "methods": ("list the KV methods with their parameters", _add_methods, _run_methods),
+    "calibrate": ("calibrate a method offline for a model (cached per model)", _add_calibrate, _run_calibrate),
 }
 
 

@@ -129,6 +129,12 @@ class KVMethod:
     def new_state(self, seq: "Sequence") -> Any:
         return None
 
+    @classmethod
+    def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:
+        """Offline calibration on `texts` (each cut to `max_tokens`) for the model of `llm`; the returned dict is
+        saved by `semkv calibrate` (see `methods/calibration.py`) and read back in `bind`."""
+        raise SemkvError(f"method {cls.name!r} has nothing to calibrate")
+
     # -- prefill --------------------------------------------------------------------------------------------------
     def window_size(self) -> int:
         """How many trailing prompt queries `evict_prefill` needs (the engine keeps them in the last chunk)."""

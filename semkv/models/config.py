@@ -35,6 +35,7 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: Any = None  # the transformers config, kept for RoPE scaling parameters
+    source: str = ""  # the path the model was loaded from (keys per-model calibration files)
 
     @property
     def group_size(self) -> int:

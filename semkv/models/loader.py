@@ -162,6 +162,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     except Exception as exc:
         raise SemkvError(f"could not load the tokenizer from {folder}: {exc}") from None
     cfg.eos_token_ids = _eos_ids(folder, cfg, tokenizer)
+    cfg.source = str(path)
 
     with torch.device("meta"):
         net = LlamaModel(cfg)
