@@ -97,3 +97,36 @@ def test_question_start_marks_the_question(tiny_llm):
     assert text.startswith("What is it?")
     ids_plain, start_plain = tiny_llm.encode("Some long context.", "What is it?", chat=False)
     assert tiny_llm.tokenizer.decode(ids_plain[start_plain:]).startswith("What is it?")
+
+
+def test_static_buffer_decode_equals_eager(tiny_llm):
+    """The CUDA-graph step (run eagerly here: same static buffers, padding rows on the scratch page) gives the
+    logits of the plain decode step."""
+    from semkv.engine.cuda_graph import GraphRunner
+    from semkv.engine.kv_cache import SeqKV
+    from semkv.engine.sequence import SamplingParams, Sequence
+    from semkv.methods import FullKV
+
+    engine, method = tiny_llm.engine, FullKV()
+
+    def prefilled(text):
+        ids = tiny_llm.tokenizer(text)["input_ids"]
+        seq = Sequence(0, ids, SamplingParams(), SeqKV(engine.pool))
+        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+        return seq
+
+    eager = [prefilled(p) for p in PROMPTS[:3]]
+    static = [prefilled(p) for p in PROMPTS[:3]]
+    runner = GraphRunner(engine, method, max_pages=40)
+    assert not runner.capture  # CPU: no capture, same code path
+    for _ in range(5):
+        want = engine.decode_step(eager, method)
+        got = runner.decode_step(static)  # batch of 3 padded to the bucket of 4
+        assert (got - want).abs().max() < 1e-4
+        for e, s in zip(eager, static):
+            token = int(want[eager.index(e)].argmax())
+            e.output_ids.append(token)
+            s.output_ids.append(token)
+    for seq in eager + static:
+        seq.kv.release()
+    assert engine.pool.in_use == 0

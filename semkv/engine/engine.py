@@ -10,10 +10,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
-from semkv.kernels import reference
+from semkv import kernels
 from semkv.methods.base import DecodeBatch, KVMethod
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
@@ -51,7 +52,7 @@ class PrefillStep:
         kv.num_slots[layer] = start + chunk
         self.method.observe_prefill(layer, self.seq, q, start)
         context = self.method.prefill_context(layer, self.seq, q, start)
-        out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
+        out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
         if self.record_window:
             self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
         if self.evict:
@@ -75,9 +76,9 @@ class DecodeStep:
     def __init__(self, engine: "Engine", batch: DecodeBatch, method: KVMethod, write_slots: torch.Tensor):
         self.engine, self.batch, self.method = engine, batch, method
         self.write_slots = write_slots  # [B, layers, kv_heads] logical slot of the new token
-        self.tables = _stack_tables([s.kv.table for s in batch.seqs])  # [B, layers, max_pages]
+        self.tables = batch.tables  # [B, layers, max_pages]
         self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
-        size = len(batch.seqs)
+        size = batch.positions.shape[0]
         self.attended_sum = torch.zeros(size, device=engine.device)
         self.attended_max = torch.zeros(size, dtype=torch.long, device=engine.device)
         self.selection_s = 0.0
@@ -99,10 +100,10 @@ class DecodeStep:
         self.selection_s += time.perf_counter() - started
         if selection is None:
             lengths = batch.num_slots[:, layer : layer + 1]
-            out = reference.decode_attention(q, pool.k, pool.v, tables, None, lengths, engine.scale)
+            out = kernels.decode_attention(q, pool.k, pool.v, tables, None, lengths, engine.scale, batch.max_slots)
         else:
             lengths = selection.lengths
-            out = reference.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
+            out = kernels.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
         self.attended_sum += lengths.float().mean(-1)
         self.attended_max = torch.maximum(self.attended_max, lengths.max(-1).values)
         return out
@@ -115,9 +116,10 @@ def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 page_size: int = 16, prefill_chunk: int = 512):
+                 page_size: int = 16, prefill_chunk: int = 512, cuda_graphs: bool = True):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.prefill_chunk = prefill_chunk
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
         self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
@@ -187,6 +189,16 @@ class Engine:
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], method: KVMethod) -> torch.Tensor:
         """Feed each sequence's last sampled token; return next-token logits [B, vocab]."""
+        batch, write = self.prepare_step(seqs, method)
+        step = DecodeStep(self, batch, method, write)
+        tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
+        logits = self.model(tokens, step)
+        self.finish_step(seqs, step)
+        return logits
+
+    def prepare_step(self, seqs: list[Sequence], method: KVMethod) -> tuple[DecodeBatch, torch.Tensor]:
+        """Host-side work before a decode step: the method picks write slots (decode eviction), appended tokens get
+        pages. Returns the batch as `select` will see it and the write slots [B, layers, kv_heads]."""
         layers = self.config.num_layers
         positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
         slots_before = torch.tensor([s.kv.num_slots for s in seqs], device=self.device)  # [B, layers]
@@ -194,23 +206,27 @@ class Engine:
         write = method.begin_step(pre)
         if write is None:
             write = slots_before[:, :, None].expand(-1, -1, self.config.num_kv_heads)
-        appends = (write == slots_before[:, :, None]).any(-1)  # [B, layers]
+        appends = (write == slots_before[:, :, None]).any(-1).tolist()  # [B][layers]
         for b, seq in enumerate(seqs):
             for layer in range(layers):
-                if appends[b, layer]:
+                if appends[b][layer]:
                     seq.kv.num_slots[layer] += 1
                     seq.kv.ensure_slots(layer, seq.kv.num_slots[layer])
-        slots_after = torch.tensor([s.kv.num_slots for s in seqs], device=self.device)
-        batch = DecodeBatch(seqs, positions, slots_after, self.config)
-        step = DecodeStep(self, batch, method, write.contiguous())
-        tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
-        logits = self.model(tokens, step)
+        slots_after = [s.kv.num_slots for s in seqs]
+        tables = _stack_tables([s.kv.table for s in seqs])
+        batch = DecodeBatch(seqs, positions, torch.tensor(slots_after, device=self.device), self.config, tables,
+                            max(max(n) for n in slots_after))
+        return batch, write.contiguous()
+
+    def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
+        layers = self.config.num_layers
+        attended = (step.attended_sum[: len(seqs)] / layers).tolist()
+        attended_max = step.attended_max[: len(seqs)].tolist()
         for b, seq in enumerate(seqs):
             seq.num_computed += 1
-            seq.attended_total += float(step.attended_sum[b]) / layers
-            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(step.attended_max[b]))
+            seq.attended_total += attended[b]
+            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, attended_max[b])
             seq.stats.selection_s += step.selection_s / len(seqs)
-        return logits
 
     def generate(self, seqs: list[Sequence], method: KVMethod, first_logits: list[torch.Tensor],
                  is_stop) -> None:
@@ -218,9 +234,13 @@ class Engine:
         for seq, logits in zip(seqs, first_logits):
             self._append(seq, sample(logits, seq.params, seq.generator), is_stop)
         active = [s for s in seqs if not s.finished]
+        graphs = self.graph_runner(method, seqs)
         started = time.perf_counter()
         while active:
-            logits = self.decode_step(active, method)
+            if graphs is not None and graphs.fits(active):
+                logits = graphs.decode_step(active)
+            else:
+                logits = self.decode_step(active, method)
             tokens = [sample(logits[b], s.params, s.generator) for b, s in enumerate(active)]
             batch = DecodeBatch(active, torch.tensor([s.num_computed for s in active]),
                                 torch.tensor([s.kv.num_slots for s in active]), self.config)
@@ -236,6 +256,13 @@ class Engine:
         for seq in seqs:
             steps = max(len(seq.output_ids) - 1, 1)
             seq.stats.kv_attended_tokens = seq.attended_total / steps
+
+    def graph_runner(self, method: KVMethod, seqs: list[Sequence]) -> GraphRunner | None:
+        """CUDA graphs for this generation, when the device, the method and the RoPE variant allow them."""
+        if not (self.cuda_graphs and method.graph_safe and self.rotary.rope_type != "dynamic"):
+            return None
+        longest = max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
+        return GraphRunner(self, method, max_pages=-(-longest // self.pool.page_size) + 1)
 
     @staticmethod
     def _append(seq: Sequence, token: int, is_stop) -> None:

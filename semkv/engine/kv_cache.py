@@ -38,6 +38,7 @@ class KVPool:
         self.in_use = 0
         self.peak_in_use = 0
         self._grow(num_pages)
+        self.scratch = self.free.pop()  # page 0: never given out; padding rows of graph batches write here
 
     @property
     def num_pages(self) -> int:

@@ -1,0 +1,37 @@
+"""Attention over the paged cache: Triton kernels on CUDA, the plain-torch reference elsewhere (or when
+`SEMKV_KERNELS=reference`). Both take the same arguments, so the engine and the methods never see which one runs."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from semkv.kernels import reference
+
+
+def use_triton(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("SEMKV_KERNELS") == "reference":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, max_len: int = 0):
+    """See `reference.decode_attention`. max_len: an upper bound of `lengths` when slots is None (0: read it)."""
+    if use_triton(q.device):
+        from semkv.kernels import triton_decode
+
+        return triton_decode.decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, max_len=max_len)
+    return reference.decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale)
+
+
+def prefill_attention(q, k_pool, v_pool, table, start, context, scale):
+    """See `reference.prefill_attention`."""
+    if use_triton(q.device):
+        from semkv.kernels import triton_prefill
+
+        return triton_prefill.prefill_attention(q, k_pool, v_pool, table, start, context, scale)
+    return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale)

@@ -62,12 +62,17 @@ class Selection:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """What `select` sees of a decode step. num_slots counts the current token, which is stored before selection."""
+    """What `select` sees of a decode step. num_slots counts the current token, which is stored before selection.
+
+    Under CUDA-graph replay the tensors are static buffers (padded to the graph's batch size, padding rows point at
+    a scratch page) and `max_slots` is the capacity; methods marked `graph_safe` compute from these tensors only."""
 
     seqs: list["Sequence"]
     positions: torch.Tensor  # [B] position of the current token
     num_slots: torch.Tensor  # [B, layers] stored slots per layer, current token included
     model: "ModelConfig"
+    tables: torch.Tensor | None = None  # [B, layers, max_pages] physical page ids
+    max_slots: int = 0  # upper bound of num_slots (fixes shapes without reading device values)
 
     @property
     def size(self) -> int:
@@ -116,6 +121,9 @@ class KVMethod:
     #   "full": no budget; "prefill_eviction": the prompt is compressed to the budget, generated tokens are appended;
     #   "decode_eviction": resident tokens never exceed the budget; "selection": every step attends to <= budget.
     kind: ClassVar[str] = "full"
+    # True when `select`/`begin_step` work from DecodeBatch tensors alone (no per-sequence Python state, no reads of
+    # device values), so the decode step can be captured in a CUDA graph.
+    graph_safe: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         validate_budget(self.budget)

@@ -10,5 +10,6 @@ from semkv.methods.base import KVMethod
 class FullKV(KVMethod):
     """Dense attention over the whole cache; `budget` is ignored (there is nothing to drop)."""
 
+    graph_safe = True
     name = "full"
     summary = "Full KV cache: attend to every cached token (the exact reference)"

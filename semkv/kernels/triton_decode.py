@@ -1,0 +1,127 @@
+"""Triton decode attention over the paged cache (flash-decoding): one query per sequence attends to the slots of an
+index list (token granularity), or to every stored slot, reading K/V straight from the pool through the page table.
+
+Same contract as `reference.decode_attention`. A program handles one (sequence, KV head, split of the attended list)
+and all query heads of the KV group at once, so each K/V row is read once per group (GQA); partial results of the
+splits are merged by a second small kernel with their log-sum-exp. Page-granular selections (Quest, CHESS) are
+expanded to slot lists by `Selection`, so whole pages stay contiguous reads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial(
+    Q, K, V, Tables, Slots, Lengths, Out, Lse,
+    stride_qb, stride_qh, stride_kr, stride_kh, stride_tb, stride_sb, stride_ss, stride_lb, stride_ls,
+    stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
+    scale, split_len,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PER_HEAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    sel = kvh if PER_HEAD else 0
+    length = tl.load(Lengths + b * stride_lb + sel * stride_ls)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * GROUP + g
+    q_mask = g < GROUP
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask[:, None], other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        valid = j < end
+        if HAS_SLOTS:
+            slot = tl.load(Slots + b * stride_sb + sel * stride_ss + j, mask=valid, other=0)
+        else:
+            slot = j
+        page = tl.load(Tables + b * stride_tb + slot // PAGE, mask=valid, other=0)
+        row = page.to(tl.int64) * PAGE + slot % PAGE
+        k = tl.load(K + row[:, None] * stride_kr + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(V + row[:, None] * stride_kr + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+
+    has = l > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=q_mask[:, None])
+    tl.store(Lse + b * stride_eb + heads * stride_eh + split, lse, mask=q_mask)
+
+
+@triton.jit
+def _combine(Out, Lse, O, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, stride_fb, stride_fh,
+             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    mask = s < SPLITS
+    lse = tl.load(Lse + b * stride_eb + h * stride_eh + s, mask=mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(mask, tl.exp(lse - m), 0.0)
+    part = tl.load(Out + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=mask[:, None],
+                   other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_fb + h * stride_fh + d, o.to(O.dtype.element_ty))
+
+
+def num_splits_for(max_len: int, batch_heads: int, sm_count: int = 132, block_n: int = 64) -> int:
+    """Enough splits to give every SM a few programs, none shorter than two blocks."""
+    by_work = max(1, -(-max_len // (2 * block_n)))
+    by_sms = max(1, -(-2 * sm_count // max(batch_heads, 1)))
+    return min(by_work, by_sms, 128)
+
+
+def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_splits=None, block_n=64, max_len=0):
+    """q [B, heads, D]; k_pool/v_pool [pages, page_size, kv_heads, D]; tables [B, max_pages]; slots [B, S, n] or None
+    (all stored slots); lengths [B, S]; max_len: upper bound of lengths when slots is None (0: read it from the
+    device, which a CUDA graph cannot do). Returns [B, heads, D] in q's dtype."""
+    batch, n_heads, dim = q.shape
+    _, page, kv_heads, _ = k_pool.shape
+    group = n_heads // kv_heads
+    if slots is not None:
+        max_len = slots.shape[-1]
+    elif not max_len:
+        max_len = int(lengths.max())
+    splits = num_splits or num_splits_for(max_len, batch * kv_heads, block_n=block_n)
+    split_len = -(-max(max_len, 1) // splits)
+    split_len = -(-split_len // block_n) * block_n
+    out = torch.empty(batch, n_heads, splits, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch, n_heads, splits, device=q.device, dtype=torch.float32)
+    kf, vf = k_pool.view(-1, kv_heads, dim), v_pool.view(-1, kv_heads, dim)
+    lengths = lengths.to(torch.int32)
+    slot_arg = slots if slots is not None else lengths  # placeholder pointer when every slot is attended
+    _partial[(batch, kv_heads, splits)](
+        q, kf, vf, tables, slot_arg, lengths, out, lse,
+        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), tables.stride(0),
+        slot_arg.stride(0), slot_arg.stride(1) if slots is not None else 0, lengths.stride(0), lengths.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        scale, split_len,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, PAGE=page,
+        HAS_SLOTS=slots is not None, PER_HEAD=lengths.shape[1] > 1,
+    )
+    final = torch.empty_like(q)
+    _combine[(batch, n_heads)](
+        out, lse, final, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        final.stride(0), final.stride(1), SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=dim,
+    )
+    return final
