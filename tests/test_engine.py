@@ -130,3 +130,15 @@ def test_static_buffer_decode_equals_eager(tiny_llm):
     for seq in eager + static:
         seq.kv.release()
     assert engine.pool.in_use == 0
+
+
+def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
+    """Continuous batching: with a pool that holds about two requests, four still complete (the others wait), and
+    give the same tokens as with a large pool."""
+    small = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=3 * 2 * 12)
+    big = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    prompts = [p[:300] for p in PROMPTS]
+    assert greedy(small, prompts) == greedy(big, prompts)
+    assert small.engine.pool.peak_in_use <= small.engine.pool.num_pages
+    with pytest.raises(MemoryError, match="needs .* KV pages"):
+        semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=4).generate(PROMPTS[0], chat=False)

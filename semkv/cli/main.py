@@ -154,11 +154,25 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from semkv.bench import cli
+
+    cli.add_arguments(p)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from semkv.bench import cli
+
+    return cli.run(args)
+
+
 # subcommand -> (help, add_arguments, run)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "generate": ("generate text with a KV method and budget", _add_generate, _run_generate),
     "methods": ("list the KV methods with their parameters", _add_methods, _run_methods),
     "calibrate": ("calibrate a method offline for a model (cached per model)", _add_calibrate, _run_calibrate),
+    "bench": ("decode speed, TTFT, memory of methods on a model shape (random weights) or a model",
+              _add_bench, _run_bench),
 }
 
 

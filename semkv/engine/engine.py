@@ -6,6 +6,7 @@ the one sparse attention path (`semkv.kernels`); it never inspects what a method
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 from tqdm.auto import tqdm
@@ -95,15 +96,22 @@ class DecodeStep:
         heads = torch.arange(pool.num_kv_heads, device=rows.device)[None, :]
         kf[rows, heads], vf[rows, heads] = k, v
         pf[rows, heads] = batch.positions.to(torch.int32)[:, None]
+        timer = engine.timer
+        span = timer.start("selection") if timer else None
         started = time.perf_counter()
         selection = self.method.select(layer, batch, q)
         self.selection_s += time.perf_counter() - started
+        if timer:
+            timer.stop(span)
+            span = timer.start("attention")
         if selection is None:
             lengths = batch.num_slots[:, layer : layer + 1]
             out = kernels.decode_attention(q, pool.k, pool.v, tables, None, lengths, engine.scale, batch.max_slots)
         else:
             lengths = selection.lengths
             out = kernels.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
+        if timer:
+            timer.stop(span)
         self.attended_sum += lengths.float().mean(-1)
         self.attended_max = torch.maximum(self.attended_max, lengths.max(-1).values)
         return out
@@ -116,13 +124,28 @@ def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 page_size: int = 16, prefill_chunk: int = 512, cuda_graphs: bool = True):
+                 page_size: int = 16, prefill_chunk: int = 512, cuda_graphs: bool = True,
+                 num_pages: int | None = None, gpu_memory_utilization: float = 0.9):
+        """num_pages: size of the KV pool, fixed; None sizes it from free GPU memory (keeping
+        `1 - gpu_memory_utilization` of the card and 2 GiB for activations free) on CUDA, and lets it grow on
+        demand on the CPU."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.timer = None  # set by benchmarks to time the selection and attention of eager steps
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
-        self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
+        shape = (config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
+        if num_pages is None and device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            page_bytes = 2 * page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+            num_pages = int((free - (1 - gpu_memory_utilization) * total - 2 * 2**30) // page_bytes)
+            if num_pages < 2:
+                raise MemoryError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
+        if num_pages is None:
+            self.pool = KVPool(*shape)
+        else:
+            self.pool = KVPool(*shape, num_pages=num_pages, max_pages=num_pages)
 
     # -- prefill --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -228,34 +251,72 @@ class Engine:
             seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, attended_max[b])
             seq.stats.selection_s += step.selection_s / len(seqs)
 
+    def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
+        """Continuous batching: admit waiting requests while the pool can hold them to the end, prefill each on
+        admission, decode the running batch one step at a time, release finished requests. A request that cannot
+        fit waits; one that cannot fit even alone is an error."""
+        waiting, running = deque(seqs), []
+        graphs = self.graph_runner(method, seqs)
+        while waiting or running:
+            while waiting and self.fits(waiting[0], running):
+                seq = waiting.popleft()
+                first = self.prefill(seq, method, progress)
+                self._append(seq, sample(first, seq.params, seq.generator), is_stop)
+                (self._done if seq.finished else running.append)(seq)
+            if not running:
+                need = self.pages_needed(waiting[0])
+                raise MemoryError(f"request {waiting[0].seq_id} needs {need} KV pages; the pool has "
+                                  f"{self.pool.num_pages - 1} (raise gpu_memory_utilization or shorten it)")
+            self._step(running, method, graphs, is_stop)
+            for seq in [s for s in running if s.finished]:
+                running.remove(seq)
+                self._done(seq)
+
     def generate(self, seqs: list[Sequence], method: KVMethod, first_logits: list[torch.Tensor],
                  is_stop) -> None:
-        """Decode until every sequence finished. `is_stop(seq)` checks EOS / stop strings / length."""
+        """Decode already-prefilled sequences until each finished (see `run` for the scheduled path)."""
         for seq, logits in zip(seqs, first_logits):
             self._append(seq, sample(logits, seq.params, seq.generator), is_stop)
-        active = [s for s in seqs if not s.finished]
+        running = [s for s in seqs if not s.finished]
         graphs = self.graph_runner(method, seqs)
-        started = time.perf_counter()
-        while active:
-            if graphs is not None and graphs.fits(active):
-                logits = graphs.decode_step(active)
-            else:
-                logits = self.decode_step(active, method)
-            tokens = [sample(logits[b], s.params, s.generator) for b, s in enumerate(active)]
-            batch = DecodeBatch(active, torch.tensor([s.num_computed for s in active]),
-                                torch.tensor([s.kv.num_slots for s in active]), self.config)
-            method.end_step(batch, logits, tokens)
-            for seq, token in zip(active, tokens):
-                seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, seq.kv.resident_slots())
-                self._append(seq, token, is_stop)
-            now = time.perf_counter()
-            for seq in active:
-                seq.stats.decode_s += now - started
-            started = now
-            active = [s for s in active if not s.finished]
+        while running:
+            self._step(running, method, graphs, is_stop)
+            running = [s for s in running if not s.finished]
         for seq in seqs:
-            steps = max(len(seq.output_ids) - 1, 1)
-            seq.stats.kv_attended_tokens = seq.attended_total / steps
+            self._done(seq)
+
+    def _step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop) -> None:
+        started = time.perf_counter()
+        if graphs is not None and graphs.fits(running):
+            logits = graphs.decode_step(running)
+        else:
+            logits = self.decode_step(running, method)
+        tokens = [sample(logits[b], s.params, s.generator) for b, s in enumerate(running)]
+        batch = DecodeBatch(running, torch.tensor([s.num_computed for s in running]),
+                            torch.tensor([s.kv.num_slots for s in running]), self.config)
+        method.end_step(batch, logits, tokens)
+        elapsed = time.perf_counter() - started
+        for seq, token in zip(running, tokens):
+            seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, seq.kv.resident_slots())
+            seq.stats.decode_s += elapsed
+            self._append(seq, token, is_stop)
+
+    @staticmethod
+    def _done(seq: Sequence) -> None:
+        seq.stats.kv_attended_tokens = seq.attended_total / max(len(seq.output_ids) - 1, 1)
+        seq.kv.release()
+
+    def pages_needed(self, seq: Sequence) -> int:
+        """Pages a request may hold at most: every layer keeps its whole prompt and output (Full KV)."""
+        tokens = len(seq.prompt_ids) + seq.params.max_new_tokens
+        return self.config.num_layers * -(-tokens // self.pool.page_size)
+
+    def fits(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether the pool can take `seq` while every running request may still grow to its own bound."""
+        if self.pool.max_pages is None:
+            return True
+        growth = sum(max(self.pages_needed(s) - sum(map(len, s.kv.pages)), 0) for s in running)
+        return len(self.pool.free) - growth >= self.pages_needed(seq)
 
     def graph_runner(self, method: KVMethod, seqs: list[Sequence]) -> GraphRunner | None:
         """CUDA graphs for this generation, when the device, the method and the RoPE variant allow them."""

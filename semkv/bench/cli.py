@@ -1,0 +1,134 @@
+"""`semkv bench` command: run the grid, print tables, write JSON + markdown + PNG plots."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from semkv.errors import SemkvError
+
+
+def parse_sizes(text: str, what: str) -> list[int]:
+    """'1,4,16' or '4k,32k' -> ints."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        try:
+            out.append(int(float(item[:-1]) * 1024) if item.endswith("k") else int(item))
+        except ValueError:
+            raise SemkvError(f"--{what} {text!r}: {item!r} is not a number (e.g. 1,4,16 or 4k,32k)") from None
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--shape", default="llama3-8b", help="random-weight model shape: llama3-8b, qwen2-7b, smollm2-135m")
+    src.add_argument("--model", default=None, help="a local model instead of a shape")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", default="full", help="comma-separated method names")
+    p.add_argument("--budget", default="0.01", help="budget of the non-full methods (tokens or fraction)")
+    p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
+    p.add_argument("--batches", default="1")
+    p.add_argument("--contexts", default="4k,8k,16k,32k")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
+    p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
+    p.add_argument("--long-gen", type=int, default=0, help="TPOT over this many generated tokens (largest context)")
+    p.add_argument("--hf", default="", help="points 'BxCTX' (e.g. 1x4k,14x32k) to time HF transformers' eager decode")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
+    p.add_argument("--out", default="bench-results", help="output directory")
+
+
+def method_params(items: list[str] | None) -> dict[str, dict]:
+    from semkv.cli.main import parse_params
+
+    out: dict[str, dict] = {}
+    for item in items or []:
+        method, sep, rest = item.partition(".")
+        if not sep:
+            raise SemkvError(f"--param {item!r} must look like method.name=value")
+        out.setdefault(method, {}).update(parse_params([rest]))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from semkv.bench import report
+    from semkv.bench.device import device_info
+    from semkv.bench.run import bench_decode, bench_long_generation, bench_ttft
+    from semkv.cli.main import parse_budget
+    from semkv.methods import METHODS
+
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SemkvError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
+    batches, contexts = parse_sizes(args.batches, "batches"), parse_sizes(args.contexts, "contexts")
+    budget, params = parse_budget(args.budget), method_params(args.param)
+    engine, label = build_engine(args)
+    info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs)
+    print(json.dumps(info))
+    results: dict = dict(info=info, decode=[], ttft=[], long_generation={}, hf=[])
+    cfg = engine.config
+    results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+    for name in methods:
+        b = None if name == "full" else budget
+        for context in contexts:
+            for batch in batches:
+                try:
+                    row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name))
+                except MemoryError as exc:
+                    print(f"{name} B={batch} ctx={context}: skipped ({exc})")
+                    continue
+                results["decode"].append(asdict(row))
+                print(report.decode_line(row))
+        if args.ttft:
+            for context in contexts:
+                ttft = bench_ttft(engine, name, b, context, params=params.get(name))
+                results["ttft"].append(dict(method=name, context=context, ttft_s=ttft))
+        if args.long_gen:
+            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name))
+            results["long_generation"][name] = curve
+    if args.hf:
+        from semkv.bench.hf_baseline import hf_decode_tpot_ms
+
+        shape = args.shape if args.model is None else None
+        if shape is None:
+            raise SemkvError("--hf needs --shape (HF is built from the shape's config)")
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        for point in args.hf.split(","):
+            batch, _, ctx = point.partition("x")
+            batch, context = int(batch), parse_sizes(ctx, "hf")[0]
+            tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
+                                     torch.bfloat16 if "cuda" in info["device"] else torch.float32)
+            results["hf"].append(dict(batch=batch, context=context, tpot_ms=tpot, tokens_per_s=1e3 * batch / tpot))
+            print(f"HF eager B={batch} ctx={context}: {tpot:.2f} ms/token")
+    out = Path(args.out)
+    report.write(results, out)
+    print(f"wrote {out}/results.json, results.md and plots")
+    return 0
+
+
+def build_engine(args: argparse.Namespace):
+    from semkv.bench.shapes import random_model
+    from semkv.engine.engine import Engine
+    from semkv.models.loader import load_model, resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.model:
+        loaded = load_model(args.model, device, dtype)
+        model, config, label = loaded.model, loaded.config, loaded.source
+    else:
+        model = random_model(args.shape, device, dtype)
+        config, label = model.config, f"{args.shape} (random weights)"
+    engine = Engine(model, config, device, dtype, page_size=args.page_size, cuda_graphs=not args.no_graphs,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
+    return engine, label

@@ -1,0 +1,42 @@
+"""HF transformers' own decode (eager attention, DynamicCache) on the same shape: the reference the speed targets
+compare against. The cache is filled with random K/V like semkv's benchmark cache."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from semkv.bench.shapes import hf_config_for
+from semkv.bench.run import sync
+
+
+@torch.inference_mode()
+def hf_decode_tpot_ms(shape: str, batch: int, context: int, steps: int, device: torch.device, dtype: torch.dtype,
+                      attn_implementation: str = "eager") -> float:
+    """Median ms per decode step of `transformers` with `batch` sequences of `context` cached tokens."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = hf_config_for(shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+    cache = DynamicCache(config=config)
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape_kv = (batch, config.num_key_value_heads, context, config.hidden_size // config.num_attention_heads)
+    for layer in range(config.num_hidden_layers):
+        k = torch.randn(shape_kv, generator=gen, device=device, dtype=dtype)
+        v = torch.randn(shape_kv, generator=gen, device=device, dtype=dtype)
+        cache.update(k, v, layer)
+    tokens = torch.ones(batch, 1, dtype=torch.long, device=device)
+    times = []
+    for step in range(steps + 3):
+        position = torch.full((batch, 1), context + step, device=device)
+        sync(device)
+        started = time.perf_counter()
+        model(input_ids=tokens, past_key_values=cache, position_ids=position, use_cache=True)
+        sync(device)
+        times.append(time.perf_counter() - started)
+    del model, cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    times = sorted(times[3:])
+    return 1e3 * times[len(times) // 2]

@@ -1,0 +1,104 @@
+"""Tables and plots of a `semkv bench` run: results.json, results.md, PNGs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def decode_line(row) -> str:
+    return (f"{row.method:<12} B={row.batch:<3} ctx={row.context:<6} TPOT {row.tpot_ms:8.2f} ms  "
+            f"{row.tokens_per_s:9.1f} tok/s  peak {row.peak_memory_gib:6.1f} GiB  attended {row.attended_per_layer:8.0f}")
+
+
+def floor_ms(row: dict, info: dict, kv_token_bytes: int) -> float:
+    """Bytes a step must move (weights + the K/V it attends to) over the measured bandwidth."""
+    bandwidth = info.get("hbm_bandwidth_gbs") or 0
+    if not bandwidth:
+        return 0.0
+    moved = info["weight_bytes"] + row["batch"] * row["attended_per_layer"] * kv_token_bytes
+    return 1e3 * moved / (bandwidth * 1e9)
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    info = results["info"]
+    kv_token_bytes = info.get("kv_token_bytes", 0)
+    lines = ["# semkv bench", "", "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()]
+    full = {(r["batch"], r["context"]): r for r in results["decode"] if r["method"] == "full"}
+    lines += ["", "## Decode", "",
+              "| method | batch | context | TPOT ms | tokens/s | x Full KV | floor ms | TPOT / floor | peak GiB | "
+              "attended / layer | graphs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["decode"]:
+        base = full.get((r["batch"], r["context"]))
+        speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        floor = floor_ms(r, info, kv_token_bytes)
+        ratio = f"{r['tpot_ms'] / floor:.2f}" if floor else "-"
+        lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
+                     f"| {speedup} | {floor:.2f} | {ratio} | {r['peak_memory_gib']:.1f} | "
+                     f"{r['attended_per_layer']:.0f} | {r['graphs']} |")
+    lines += ["", "## Step breakdown (one eager step, ms)", "",
+              "| method | batch | context | step | selection | attention | rest | selection share |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results["decode"]:
+        b = r["breakdown_ms"]
+        share = 100 * b.get("selection", 0) / b["step"] if b.get("step") else 0
+        lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {b.get('step', 0):.2f} | "
+                     f"{b.get('selection', 0):.2f} | {b.get('attention', 0):.2f} | {b.get('rest', 0):.2f} | "
+                     f"{share:.2f}% |")
+    if results["ttft"]:
+        lines += ["", "## Time to first token (batch 1, real prefill)", "", "| method | context | TTFT s |",
+                  "|---|---|---|"]
+        lines += [f"| {t['method']} | {t['context']} | {t['ttft_s']:.3f} |" for t in results["ttft"]]
+    if results["long_generation"]:
+        lines += ["", "## TPOT over a long generation (batch 1)", "",
+                  "| method | first ms | last ms | growth |", "|---|---|---|---|"]
+        for name, curve in results["long_generation"].items():
+            first, last = curve[0][1], curve[-1][1]
+            lines.append(f"| {name} | {first:.2f} | {last:.2f} | {100 * (last / first - 1):+.1f}% |")
+    if results["hf"]:
+        lines += ["", "## HF transformers (eager attention, DynamicCache)", "",
+                  "| batch | context | TPOT ms | tokens/s |", "|---|---|---|---|"]
+        lines += [f"| {h['batch']} | {h['context']} | {h['tpot_ms']:.2f} | {h['tokens_per_s']:.1f} |"
+                  for h in results["hf"]]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    plots(results, out)
+
+
+def plots(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["decode"]
+    methods = sorted({r["method"] for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    smallest = min((r["batch"] for r in rows), default=1)
+    largest = max((r["context"] for r in rows), default=0)
+    for m in methods:
+        pts = sorted((r["context"], r["tpot_ms"]) for r in rows if r["method"] == m and r["batch"] == smallest)
+        if pts:
+            ax1.plot(*zip(*pts), marker="o", label=m)
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["method"] == m and r["context"] == largest)
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=m)
+    ax1.set(xlabel="context (tokens)", ylabel="TPOT (ms)", title=f"decode latency, batch {smallest}")
+    ax2.set(xlabel="batch", ylabel="tokens/s", title=f"throughput at context {largest}")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "decode.png", dpi=120)
+    plt.close(fig)
+    if results["long_generation"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, curve in results["long_generation"].items():
+            ax.plot(*zip(*curve), label=name)
+        ax.set(xlabel="generated tokens", ylabel="TPOT (ms)", title="TPOT over a long generation")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "long_generation.png", dpi=120)
+        plt.close(fig)

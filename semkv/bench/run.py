@@ -1,0 +1,184 @@
+"""`semkv bench`: decode speed of methods over a batch x context grid, TTFT, peak memory, a per-step time breakdown
+and TPOT over a long generation, on a model of a real shape with random weights (or a local model).
+
+Decode measurements start from a cache filled with random K/V (`fill_random`: speed does not depend on the values),
+to which each method's prefill-time work is applied (eviction with random window queries, summaries); TTFT runs a
+real prefill. Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from semkv.engine.engine import Engine
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.methods import KVMethod, get_method
+
+
+@dataclass
+class DecodeResult:
+    method: str
+    budget: int | float | None
+    batch: int
+    context: int
+    tpot_ms: float
+    tokens_per_s: float
+    peak_memory_gib: float
+    kv_pages_peak: int
+    attended_per_layer: float
+    graphs: bool
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+
+
+def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> None:
+    """Store `context` tokens of random K/V (unit-variance keys and values) in every layer of `seq`."""
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+    cfg, kv = engine.config, seq.kv
+    for layer in range(cfg.num_layers):
+        kv.ensure_slots(layer, context)
+        for start in range(0, context, 8192):
+            n = min(8192, context - start)
+            shape = (n, cfg.num_kv_heads, cfg.head_dim)
+            k = torch.randn(shape, generator=gen, device=engine.device).to(engine.dtype)
+            v = torch.randn(shape, generator=gen, device=engine.device).to(engine.dtype)
+            slots = torch.arange(start, start + n, device=engine.device)
+            kv.write(layer, slots, k, v, slots)
+        kv.num_slots[layer] = context
+        seq.window_queries[layer] = torch.randn(64, cfg.num_heads, cfg.head_dim, generator=gen,
+                                                device=engine.device).to(engine.dtype)
+    seq.num_computed = context
+
+
+def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int) -> list[Sequence]:
+    seqs = []
+    for i in range(batch):
+        ids = [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
+        seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
+        fill_random(engine, seq, context, seed=i)
+        engine.apply_prefill(seq, method)
+        seq.output_ids.append(ids[-1])
+        seqs.append(seq)
+    return seqs
+
+
+class EventTimer:
+    """Times regions of the decode step with CUDA events (or the host clock on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def start(self, name: str):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return name, event
+        return name, time.perf_counter()
+
+    def stop(self, token) -> None:
+        name, begin = token
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.setdefault(name, []).append((begin, end))
+        else:
+            self.spans.setdefault(name, []).append(time.perf_counter() - begin)
+
+    def totals_ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: sum(b.elapsed_time(e) for b, e in v) for k, v in self.spans.items()}
+        return {k: 1e3 * sum(v) for k, v in self.spans.items()}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(engine: Engine, method: KVMethod, seqs: list[Sequence], steps: int, graphs) -> list[float]:
+    """Seconds per decode step for `steps` steps (the fed token is fixed: speed does not depend on it)."""
+    times = []
+    for _ in range(steps):
+        sync(engine.device)
+        started = time.perf_counter()
+        if graphs is not None and graphs.fits(seqs):
+            graphs.decode_step(seqs)
+        else:
+            engine.decode_step(seqs, method)
+        sync(engine.device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+@torch.inference_mode()
+def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, steps: int = 32,
+                 warmup: int = 4, params: dict | None = None) -> DecodeResult:
+    method = get_method(name, budget, **(params or {}))
+    method.bind(engine.config, None, engine.pool.page_size)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    engine.pool.peak_in_use = engine.pool.in_use
+    seqs = prefilled_batch(engine, method, batch, context, warmup + steps + 8)
+    graphs = engine.graph_runner(method, seqs)
+    time_steps(engine, method, seqs, warmup, graphs)
+    times = sorted(time_steps(engine, method, seqs, steps, graphs))
+    tpot = times[len(times) // 2]
+    breakdown = step_breakdown(engine, method, seqs)
+    attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
+    peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if engine.device.type == "cuda" else 0.0
+    for seq in seqs:
+        seq.kv.release()
+    return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / tpot, peak, engine.pool.peak_in_use,
+                        attended, graphs is not None, breakdown)
+
+
+def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> dict[str, float]:
+    """One eager step with its selection and attention regions timed (ms); `rest` is everything else."""
+    timer = EventTimer(engine.device)
+    engine.timer = timer
+    try:
+        whole = timer.start("step")
+        engine.decode_step(seqs, method)
+        timer.stop(whole)
+    finally:
+        engine.timer = None
+    totals = timer.totals_ms()
+    step = totals.pop("step")
+    return dict(step=step, **totals, rest=step - sum(totals.values()))
+
+
+@torch.inference_mode()
+def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | None = None) -> float:
+    """Seconds from prompt to first token (a real prefill) for one request."""
+    method = get_method(name, budget, **(params or {}))
+    method.bind(engine.config, None, engine.pool.page_size)
+    ids = [1 + t % (engine.config.vocab_size - 2) for t in range(context)]
+    seq = Sequence(0, ids, SamplingParams(max_new_tokens=1), SeqKV(engine.pool))
+    seq.method_state = method.new_state(seq)
+    sync(engine.device)
+    started = time.perf_counter()
+    engine.prefill(seq, method)
+    sync(engine.device)
+    elapsed = time.perf_counter() - started
+    seq.kv.release()
+    return elapsed
+
+
+@torch.inference_mode()
+def bench_long_generation(engine: Engine, name: str, budget, context: int, new_tokens: int, every: int = 100,
+                          params: dict | None = None) -> list[tuple[int, float]]:
+    """(generated tokens, TPOT ms) every `every` steps over a long generation at batch 1."""
+    method = get_method(name, budget, **(params or {}))
+    method.bind(engine.config, None, engine.pool.page_size)
+    seqs = prefilled_batch(engine, method, 1, context, new_tokens + 8)
+    graphs = engine.graph_runner(method, seqs)
+    curve = []
+    for done in range(0, new_tokens, every):
+        times = sorted(time_steps(engine, method, seqs, min(every, new_tokens - done), graphs))
+        curve.append((done + every, 1e3 * times[len(times) // 2]))
+    seqs[0].kv.release()
+    return curve
