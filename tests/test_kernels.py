@@ -68,3 +68,17 @@ def test_prefill_kernel_matches_reference(start, chunk):
         want = reference.prefill_attention(q, k, v, table, start, context, 0.3)
         got = prefill_attention(q, k, v, table, start, context, 0.3, block_m=16, block_n=16)
         assert (got - want).abs().max() < 1e-5
+
+
+def test_fused_norm_and_silu_match_reference():
+    from semkv.kernels import triton_fused
+
+    gen = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(5, 72, generator=gen), torch.randn(5, 72, generator=gen)
+    weight = torch.randn(72, generator=gen)
+    for res in (None, residual):
+        want = reference.rms_norm(x, weight, 1e-5, res)
+        got = triton_fused.rms_norm(x, weight, 1e-5, res)
+        assert all((g - w).abs().max() < 1e-5 for g, w in zip(got, want))
+    gate_up = torch.randn(4, 2 * 1500, generator=gen)
+    assert (triton_fused.silu_mul(gate_up) - reference.silu_mul(gate_up)).abs().max() < 1e-5

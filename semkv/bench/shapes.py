@@ -52,4 +52,5 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
             param.normal_(0.0, 0.02, generator=gen)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse()
     return model.eval()

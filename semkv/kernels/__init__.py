@@ -35,3 +35,21 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale):
 
         return triton_prefill.prefill_attention(q, k_pool, v_pool, table, start, context, scale)
     return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """See `reference.rms_norm`."""
+    if use_triton(x.device):
+        from semkv.kernels import triton_fused
+
+        return triton_fused.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_mul(gate_up):
+    """See `reference.silu_mul`."""
+    if use_triton(gate_up.device):
+        from semkv.kernels import triton_fused
+
+        return triton_fused.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)

@@ -108,3 +108,17 @@ def prefill_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != n_heads
     )  # [1, heads, C, D]
     return out[0].transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [T, n] (+ residual) -> (RMSNorm(x + residual) * weight, x + residual), computed in float32 like HF."""
+    if residual is not None:
+        x = x + residual
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2n] -> SiLU(gate) * up [T, n]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

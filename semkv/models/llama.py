@@ -1,9 +1,10 @@
 """The Llama family as one compact decoder: RMSNorm, GQA attention (optional q/k/v bias and q/k norm), SwiGLU MLP.
 
-Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a HF state dict loads as is. Tokens of
+Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a HF state dict loads as is; `fuse()`
+then concatenates q/k/v and gate/up into one projection each (fewer, larger matrix products per layer). Tokens of
 all sequences in a step are flattened to [tokens, hidden] (no padding); attention itself is delegated to the
 engine's `AttentionContext`, which applies RoPE, writes K/V into the paged cache and attends over the positions the
-KV method selected.
+KV method selected. Norms and the SwiGLU product go through `semkv.kernels` (fused Triton kernels on CUDA).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semkv import kernels
 from semkv.models.config import ModelConfig
 
 
@@ -27,11 +29,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual); x [..., dim]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        normed, summed = kernels.rms_norm(flat, self.weight, self.eps,
+                                          None if residual is None else residual.reshape(-1, shape[-1]))
+        return normed.view(shape), summed.view(shape)
+
+
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing the concatenation of `parts`' outputs."""
+    weight = torch.cat([p.weight for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
 class Attention(nn.Module):
@@ -46,13 +62,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+    def fuse(self) -> None:
+        self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         out = ctx.attend(self.layer, q, k, v)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -64,8 +86,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    def fuse(self) -> None:
+        self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -76,9 +102,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext):
+        """Pre-norm block with the residual stream carried separately (so the add fuses into the norm)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, ctx), residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -100,11 +128,17 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up projections (after loading weights)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, logits_at: torch.Tensor | None = None):
         """logits_at: indices of the tokens whose logits are needed (default all)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
+            x, residual = layer(x, residual, ctx)
         if logits_at is not None:
-            x = x[logits_at]
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = x[logits_at], residual[logits_at]
+        return self.lm_head(self.model.norm(x, residual)[0]).float()

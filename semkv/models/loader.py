@@ -178,5 +178,6 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
+    net.fuse()
     net = net.to(device).eval()
     return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, source=str(path))

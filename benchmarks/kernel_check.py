@@ -1,0 +1,124 @@
+"""GPU check of semkv's Triton kernels against the torch reference, then their speed.
+
+    python benchmarks/kernel_check.py            # on a CUDA machine
+
+Correctness: fresh random inputs (never zeros), outputs poisoned with NaN first, error ||out - ref|| / ||ref|| with
+the reference computed in float32 from the same bf16 inputs; bf16 should land near 1e-3..1e-2, NaN never passes.
+Speed: median of CUDA-event timings (triton.testing.do_bench), next to the bytes each kernel must read over the
+measured bandwidth (the floor). Llama-3.1-8B head shape: 32 query heads, 8 KV heads, head_dim 128, page 16.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from semkv.bench.device import measured_bandwidth
+from semkv.kernels import reference, triton_decode, triton_fused, triton_prefill
+
+H, HK, D, PAGE = 32, 8, 128, 16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def pool(tokens: int, batch: int, gen: torch.Generator):
+    pages = batch * (-(-tokens // PAGE)) + 1
+    k = torch.randn(pages, PAGE, HK, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(pages, PAGE, HK, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    tables = torch.randperm(pages - 1, device="cuda", generator=gen)[: batch * (pages // batch)] + 1
+    return k, v, tables.view(batch, -1)
+
+
+def check_decode(gen, bandwidth: float) -> list[dict]:
+    from triton.testing import do_bench
+
+    rows = []
+    for batch, context in [(1, 4096), (1, 32768), (8, 8192), (16, 32768)]:
+        k, v, tables = pool(context, batch, gen)
+        q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+        lengths = torch.full((batch, 1), context, device="cuda")
+        want = reference.decode_attention(q.float(), k.float(), v.float(), tables, None, lengths, D**-0.5)
+        got = triton_decode.decode_attention(q, k, v, tables, None, lengths, D**-0.5)
+        # a per-head index list of 1% of the context
+        n = max(context // 100, 64)
+        slots = torch.sort(torch.stack([torch.randperm(context, device="cuda", generator=gen)[:n]
+                                        for _ in range(batch * HK)]).view(batch, HK, n), -1).values
+        sel_lengths = torch.full((batch, HK), n, device="cuda")
+        want_sel = reference.decode_attention(q.float(), k.float(), v.float(), tables, slots, sel_lengths, D**-0.5)
+        got_sel = triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, D**-0.5)
+        full_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, None, lengths, D**-0.5,
+                                                                  max_len=context), return_mode="median")
+        ref_ms = do_bench(lambda: reference.decode_attention(q, k, v, tables, None, lengths, D**-0.5),
+                          return_mode="median")
+        sel_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, D**-0.5),
+                          return_mode="median")
+        floor_ms = 1e3 * batch * context * HK * D * 2 * 2 / bandwidth
+        rows.append(dict(kernel="decode", batch=batch, context=context, err_full=rel_err(got, want),
+                         err_selected=rel_err(got_sel, want_sel), triton_ms=full_ms, reference_ms=ref_ms,
+                         selected_1pct_ms=sel_ms, floor_ms=floor_ms))
+    return rows
+
+
+def check_prefill(gen) -> list[dict]:
+    from triton.testing import do_bench
+
+    rows = []
+    for start, chunk in [(0, 512), (8192, 512), (32768, 2048)]:
+        k, v, tables = pool(start + chunk, 1, gen)
+        table = tables[0]
+        q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+        want = reference.prefill_attention(q.float(), k.float(), v.float(), table, start, None, D**-0.5)
+        got = triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5)
+        tri_ms = do_bench(lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5),
+                          return_mode="median")
+        ref_ms = do_bench(lambda: reference.prefill_attention(q, k, v, table, start, None, D**-0.5),
+                          return_mode="median")
+        flops = 4 * chunk * (start + chunk / 2) * D * H
+        rows.append(dict(kernel="prefill", start=start, chunk=chunk, err=rel_err(got, want), triton_ms=tri_ms,
+                         reference_ms=ref_ms, triton_tflops=flops / tri_ms / 1e9))
+    return rows
+
+
+def check_fused(gen) -> list[dict]:
+    x = torch.randn(4, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(4, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+    weight = torch.randn(4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+    want, want_sum = reference.rms_norm(x, weight, 1e-5, residual)
+    got, got_sum = triton_fused.rms_norm(x, weight, 1e-5, residual)
+    gate_up = torch.randn(4, 2 * 14336, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return [dict(kernel="rms_norm", err=max(rel_err(got, want), rel_err(got_sum, want_sum))),
+            dict(kernel="silu_mul", err=rel_err(triton_fused.silu_mul(gate_up), reference.silu_mul(gate_up)))]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = measured_bandwidth(torch.device("cuda"))
+    rows = check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen)
+    print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
+    bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
+    print("| kernel | shape | error | triton ms | reference ms | note |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if r["kernel"] == "decode":
+            print(f"| decode | B={r['batch']} ctx={r['context']} | {r['err_full']:.1e} / {r['err_selected']:.1e} | "
+                  f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms, "
+                  f"1% list {r['selected_1pct_ms']:.3f} ms |")
+        elif r["kernel"] != "prefill":
+            print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
+        else:
+            print(f"| prefill | start={r['start']} chunk={r['chunk']} | {r['err']:.1e} | {r['triton_ms']:.3f} | "
+                  f"{r['reference_ms']:.3f} | {r['triton_tflops']:.0f} TFLOP/s |")
+    print("ALL KERNELS MATCH" if not bad else f"MISMATCH in {len(bad)} rows")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
