@@ -82,3 +82,25 @@ def test_fused_norm_and_silu_match_reference():
         assert all((g - w).abs().max() < 1e-5 for g, w in zip(got, want))
     gate_up = torch.randn(4, 2 * 1500, generator=gen)
     assert (triton_fused.silu_mul(gate_up) - reference.silu_mul(gate_up)).abs().max() < 1e-5
+
+
+def test_fused_rope_store_matches_reference():
+    from semkv.kernels import triton_fused
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, dim, rows_total = 3, 4, 2, 16, 20
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # RoPE tables repeat halves
+    rows = torch.tensor([[3, 7], [11, 11], [0, 19]])
+    positions = torch.tensor([5, 6, 7])
+    pools = [[torch.zeros(rows_total, kv_heads, dim), torch.zeros(rows_total, kv_heads, dim),
+              torch.zeros(rows_total, kv_heads, dtype=torch.int32)] for _ in range(2)]
+    want = reference.rope_store(q, k, v, cos, sin, rows, positions, *pools[0])
+    got = triton_fused.rope_store(q, k, v, cos, sin, rows, positions, *pools[1])
+    assert (got - want).abs().max() < 1e-5
+    assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))
+    shared = torch.tensor([2, 9, 4])[:, None].expand(-1, kv_heads)  # one row for all heads, as prefill passes it
+    triton_fused.rope_store(q, k, v, cos, sin, shared, positions, *pools[1])
+    reference.rope_store(q, k, v, cos, sin, shared, positions, *pools[0])
+    assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))

@@ -44,12 +44,12 @@ class PrefillStep:
         self.cos, self.sin = engine.rotary.cos_sin(positions, engine.dtype, seq_len=len(seq.prompt_ids))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rotate = self.engine.rotary.rotate
-        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
         kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
         start = kv.num_slots[layer]
         kv.ensure_slots(layer, start + chunk)
-        kv.write(layer, torch.arange(start, start + chunk, device=q.device), k, v, self.positions)
+        rows = kv.physical(layer, torch.arange(start, start + chunk, device=q.device))
+        q = kernels.rope_store(q, k, v, self.cos, self.sin, rows[:, None].expand(-1, k.shape[1]), self.positions,
+                               *pool.flat())
         kv.num_slots[layer] = start + chunk
         self.method.observe_prefill(layer, self.seq, q, start)
         context = self.method.prefill_context(layer, self.seq, q, start)
@@ -79,23 +79,16 @@ class DecodeStep:
         self.write_slots = write_slots  # [B, layers, kv_heads] logical slot of the new token
         self.tables = batch.tables  # [B, layers, max_pages]
         self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
-        size = batch.positions.shape[0]
-        self.attended_sum = torch.zeros(size, device=engine.device)
-        self.attended_max = torch.zeros(size, dtype=torch.long, device=engine.device)
+        self.lengths: list[torch.Tensor] = []  # attended slots per layer [B, S]: statistics, read after the step
         self.selection_s = 0.0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool, batch = self.engine, self.engine.pool, self.batch
-        rotate = engine.rotary.rotate
-        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
         size = pool.page_size
         tables = self.tables[:, layer]  # [B, max_pages]
         slots = self.write_slots[:, layer]  # [B, kv_heads]
         rows = torch.gather(tables, 1, slots // size) * size + slots % size
-        kf, vf, pf = pool.flat()
-        heads = torch.arange(pool.num_kv_heads, device=rows.device)[None, :]
-        kf[rows, heads], vf[rows, heads] = k, v
-        pf[rows, heads] = batch.positions.to(torch.int32)[:, None]
+        q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, batch.positions, *pool.flat())
         timer = engine.timer
         span = timer.start("selection") if timer else None
         started = time.perf_counter()
@@ -112,8 +105,7 @@ class DecodeStep:
             out = kernels.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
         if timer:
             timer.stop(span)
-        self.attended_sum += lengths.float().mean(-1)
-        self.attended_max = torch.maximum(self.attended_max, lengths.max(-1).values)
+        self.lengths.append(lengths)
         return out
 
 
@@ -242,9 +234,10 @@ class Engine:
         return batch, write.contiguous()
 
     def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
-        layers = self.config.num_layers
-        attended = (step.attended_sum[: len(seqs)] / layers).tolist()
-        attended_max = step.attended_max[: len(seqs)].tolist()
+        n = len(seqs)
+        per_layer = torch.stack([lengths[:n].float().mean(-1) for lengths in step.lengths], dim=1)  # [B, layers]
+        attended = per_layer.mean(-1).tolist()
+        attended_max = torch.stack([lengths[:n].max(-1).values for lengths in step.lengths], 1).max(-1).values.tolist()
         for b, seq in enumerate(seqs):
             seq.num_computed += 1
             seq.attended_total += attended[b]

@@ -53,3 +53,12 @@ def silu_mul(gate_up):
 
         return triton_fused.silu_mul(gate_up)
     return reference.silu_mul(gate_up)
+
+
+def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
+    """See `reference.rope_store`."""
+    if use_triton(q.device):
+        from semkv.kernels import triton_fused
+
+        return triton_fused.rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf)
+    return reference.rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf)

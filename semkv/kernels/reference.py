@@ -122,3 +122,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2n] -> SiLU(gate) * up [T, n]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: x [T, heads, D] rotated by cos/sin [T, D] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
+    """Rotate q and k, store k, v and positions at the pool rows [T, kv_heads]; returns the rotated q."""
+    heads = torch.arange(k.shape[1], device=rows.device)[None, :]
+    kf[rows, heads], vf[rows, heads] = rotate(k, cos, sin), v
+    pf[rows, heads] = positions.to(torch.int32)[:, None]
+    return rotate(q, cos, sin)

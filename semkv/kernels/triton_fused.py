@@ -53,3 +53,50 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
+
+
+@triton.jit
+def _rope_store(Q, K, V, COS, SIN, ROWS, POS, QO, KF, VF, PF,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_rt, stride_rh,
+                stride_ot, stride_oh, stride_fr, stride_fh, stride_pr,
+                HEADS: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    c = tl.load(COS + t * stride_ct + d).to(tl.float32)
+    s = tl.load(SIN + t * stride_ct + d).to(tl.float32)
+    if h < HEADS:  # a query head: rotate into the output
+        x1 = tl.load(Q + t * stride_qt + h * stride_qh + d).to(tl.float32)
+        x2 = tl.load(Q + t * stride_qt + h * stride_qh + HALF + d).to(tl.float32)
+        base = QO + t * stride_ot + h * stride_oh
+        tl.store(base + d, (x1 * c - x2 * s).to(QO.dtype.element_ty))
+        tl.store(base + HALF + d, (x2 * c + x1 * s).to(QO.dtype.element_ty))
+    else:  # a KV head: rotate the key, store key, value and position at the head's row of the pool
+        kh = h - HEADS
+        row = tl.load(ROWS + t * stride_rt + kh * stride_rh).to(tl.int64)
+        x1 = tl.load(K + t * stride_kt + kh * stride_kh + d).to(tl.float32)
+        x2 = tl.load(K + t * stride_kt + kh * stride_kh + HALF + d).to(tl.float32)
+        kbase = KF + row * stride_fr + kh * stride_fh
+        tl.store(kbase + d, (x1 * c - x2 * s).to(KF.dtype.element_ty))
+        tl.store(kbase + HALF + d, (x2 * c + x1 * s).to(KF.dtype.element_ty))
+        vbase = VF + row * stride_fr + kh * stride_fh
+        tl.store(vbase + d, tl.load(V + t * stride_vt + kh * stride_vh + d))
+        tl.store(vbase + HALF + d, tl.load(V + t * stride_vt + kh * stride_vh + HALF + d))
+        tl.store(PF + row * stride_pr + kh, tl.load(POS + t).to(tl.int32))
+
+
+def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
+    """Rotate q [T, heads, D] and k [T, kv_heads, D] by cos/sin [T, D] (RoPE tables: both halves equal, as
+    `RotaryEmbedding.cos_sin` makes them); store k, v and positions [T] at the pool rows [T, kv_heads] of kf/vf
+    [rows, kv_heads, D] and pf [rows, kv_heads]. Returns the rotated q."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    _rope_store[(tokens, heads + kv_heads)](
+        q, k, v, cos, sin, rows, positions, out, kf, vf, pf,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), rows.stride(0),
+        rows.stride(1),
+        out.stride(0), out.stride(1), kf.stride(0), kf.stride(1), pf.stride(0),
+        HEADS=heads, HALF=dim // 2,
+    )
+    return out

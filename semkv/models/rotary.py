@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from semkv.kernels import reference
+
 try:  # transformers >= 4.45
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 except ImportError:  # pragma: no cover - very old transformers
@@ -59,9 +61,4 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim], cos/sin [T, head_dim]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos[:, None, :] + rotated * sin[:, None, :]
+    rotate = staticmethod(reference.rotate)  # x [T, heads, head_dim], cos/sin [T, head_dim]
