@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import DecodeBatch, KVMethod
+from semkv.methods.base import DecodeBatch, KVMethod, Selection
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 class GraphedStep:
-    def __init__(self, engine, method: KVMethod, size: int, max_pages: int, capture: bool):
+    def __init__(self, engine, method: KVMethod, size: int, max_pages: int, capture: bool,
+                 step_selection: Selection | None):
         layers, heads = engine.config.num_layers, engine.config.num_kv_heads
         device, scratch = engine.device, engine.pool.scratch
         self.engine, self.method, self.size, self.max_pages = engine, method, size, max_pages
@@ -27,8 +28,15 @@ class GraphedStep:
         self.num_slots = torch.ones(size, layers, dtype=torch.long, device=device)
         self.write = torch.zeros(size, layers, heads, dtype=torch.long, device=device)
         self.tables = torch.full((size, layers, max_pages), scratch, dtype=torch.long, device=device)
-        self.batch = DecodeBatch(None, self.positions, self.num_slots, engine.config, self.tables,
-                                 max_pages * engine.pool.page_size)
+        max_slots = max_pages * engine.pool.page_size
+        self.selection = None
+        if step_selection is not None:  # static copy of the per-step selection (padding rows attend to slot 0)
+            shape = (size, step_selection.slots.shape[1])
+            width = method.selection_width(max_slots)
+            self.selection = Selection(torch.zeros(*shape, width, dtype=torch.long, device=device),
+                                       torch.ones(shape, dtype=torch.long, device=device))
+        self.batch = DecodeBatch(None, self.positions, self.num_slots, engine.config, self.tables, max_slots,
+                                 self.selection)
         self.graph = None
         if capture:
             self._capture()
@@ -63,6 +71,12 @@ class GraphedStep:
         self.tables[:n, :, width:] = scratch
         self.tables[n:] = scratch
         self.num_slots[n:], self.positions[n:], self.write[n:] = 1, 0, 0
+        if self.selection is not None:
+            chosen = batch.step_selection
+            width = chosen.slots.shape[2]
+            self.selection.slots[:n, :, :width] = chosen.slots
+            self.selection.lengths[:n] = chosen.lengths
+            self.selection.lengths[n:] = 1
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -88,7 +102,8 @@ class GraphRunner:
         batch, write = self.engine.prepare_step(seqs, self.method)
         size = next(b for b in BUCKETS if b >= len(seqs))
         if size not in self.steps:
-            self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture)
+            self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture,
+                                           batch.step_selection)
         graphed = self.steps[size]
         logits = graphed.run(seqs, batch, write)
         self.engine.finish_step(seqs, graphed.step)

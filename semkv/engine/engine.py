@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
@@ -92,7 +93,9 @@ class DecodeStep:
         timer = engine.timer
         span = timer.start("selection") if timer else None
         started = time.perf_counter()
-        selection = self.method.select(layer, batch, q)
+        selection = batch.step_selection
+        if selection is None:
+            selection = self.method.select(layer, batch, q)
         self.selection_s += time.perf_counter() - started
         if timer:
             timer.stop(span)
@@ -231,7 +234,7 @@ class Engine:
         tables = _stack_tables([s.kv.table for s in seqs])
         batch = DecodeBatch(seqs, positions, torch.tensor(slots_after, device=self.device), self.config, tables,
                             max(max(n) for n in slots_after))
-        return batch, write.contiguous()
+        return replace(batch, step_selection=method.step_selection(batch)), write.contiguous()
 
     def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
         n = len(seqs)

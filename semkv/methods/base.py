@@ -73,6 +73,7 @@ class DecodeBatch:
     model: "ModelConfig"
     tables: torch.Tensor | None = None  # [B, layers, max_pages] physical page ids
     max_slots: int = 0  # upper bound of num_slots (fixes shapes without reading device values)
+    step_selection: "Selection | None" = None  # from `KVMethod.step_selection`: serves every layer of the step
 
     @property
     def size(self) -> int:
@@ -174,6 +175,16 @@ class KVMethod:
     # -- decode ---------------------------------------------------------------------------------------------------
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
         return None
+
+    def step_selection(self, batch: DecodeBatch) -> Selection | None:
+        """One selection for every layer of this step, decided before the forward (per-step methods such as
+        CHESS). It may use per-sequence state; under CUDA graphs it is copied into the graph's static buffers, so
+        such a method can be `graph_safe` without its `select` being called. None: ask `select` per layer."""
+        return None
+
+    def selection_width(self, max_slots: int) -> int:
+        """An upper bound of a step selection's length (sizes the static buffer under CUDA graphs)."""
+        return max_slots
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         return None
