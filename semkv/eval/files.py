@@ -8,15 +8,16 @@ from typing import Any
 from semkv.errors import SemkvError
 
 
-def data_file(folder: str | Path, names: str | list[str], what: str) -> Path:
-    """The first of `names` that exists in `folder`, else a SemkvError naming the expected file(s) and folder."""
+def data_file(folder: str | Path, names: str | list[str], what: str, hint: str = "") -> Path:
+    """The first of `names` that exists in `folder`, else a SemkvError naming the expected file(s) and folder
+    (and `hint`: where to get the data)."""
     names = [names] if isinstance(names, str) else names
     for name in names:
         path = Path(folder) / name
         if path.is_file():
             return path
     expected = " or ".join(names)
-    raise SemkvError(f"{what}: expected {expected} in {Path(folder).resolve()}, not found")
+    raise SemkvError(f"{what}: expected {expected} in {Path(folder).resolve()}, not found{hint}")
 
 
 def read_json(path: Path) -> Any:
