@@ -2,7 +2,8 @@
 
 The stored files keep Project Gutenberg's header and license (the license asks for it); `book_text` returns what lies
 between the `*** START OF ...` and `*** END OF ...` lines, without the "End of [the] Project Gutenberg..." line
-before the end marker, with the byte-order mark removed and CRLF turned into LF.
+before the end marker and the volunteers' "Produced by ..." credits paragraph, with the byte-order mark removed and CRLF
+turned into LF.
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def book_text(data_dir: str | Path, book: str) -> str:
     footer = list(_END_LINE.finditer(body))
     if footer:
         body = body[:footer[-1].start()]
-    return body.strip() + "\n"
+    body = body.strip()
+    if body.lower().startswith("produced by"):
+        body = body.split("\n\n", 1)[-1].lstrip()
+    return body + "\n"
 
 
 def book_token_ids(tokenizer: Any, data_dir: str | Path, book: str, n_tokens: int) -> list[int]:
