@@ -207,7 +207,8 @@ def test_books_are_stripped_of_the_gutenberg_header_and_footer(tokenizer):
     text = book_text(folder, "pg1342_pride_and_prejudice")
     assert "It is a truth universally acknowledged" in text[:2000] and text.rstrip().endswith("uniting them.")
     ids = book_token_ids(tokenizer, folder, "pg1661_adventures_of_sherlock_holmes", 50_000)
-    assert len(ids) == 50_000 and tokenizer.decode(ids[:300]) in text
+    sherlock = book_text(folder, "pg1661_adventures_of_sherlock_holmes")
+    assert len(ids) == 50_000 and sherlock.startswith(tokenizer.decode(ids[:300]))
     with pytest.raises(SemkvError, match="fewer than"):
         book_token_ids(tokenizer, folder, "pg1661_adventures_of_sherlock_holmes", 10_000_000)
     with pytest.raises(SemkvError, match="no_such_book.txt"):
