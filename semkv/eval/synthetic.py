@@ -65,7 +65,7 @@ class NoiseRetrieval:
             def build(lines: int, depth=depth, key=key, needle=needle, i=i) -> Sample:
                 before = round(lines * depth / 100)
                 context = f"{self.instruction}\n\n{NOISE * before}{needle}{NOISE * (lines - before)}"
-                return Sample(self.name, f"{self.name}-{length}-s{seed}-{i}", context, self.question, [key],
+                return Sample(self.name, f"{self.name}-{length}-s{seed}-{i}-d{depth:g}", context, self.question, [key],
                               length=length, depth=depth, needles=[needle.strip()], meta={"noise_lines": lines},
                               answer_prefix=self.answer_line if self.chat else f"\n\n{self.answer_line}")
 
@@ -97,9 +97,9 @@ class KVRetrieval:
                 key, value = records[queried]
                 context = f"{self.instruction}\n\nJSON data:\n{json.dumps(dict(records))}"
                 question = f'\nKey: "{key}"\nThe value associated with the specified key is: '
-                return Sample(self.name, f"{self.name}-{length}-s{seed}-{i}", context, question, [value],
-                              length=length, depth=100 * queried / size, needles=[f'"{key}": "{value}"'],
-                              meta={"records": size})
+                sample_id = f"{self.name}-{length}-s{seed}-{i}-d{100 * i / n:g}"
+                return Sample(self.name, sample_id, context, question, [value], length=length,
+                              depth=100 * queried / size, needles=[f'"{key}": "{value}"'], meta={"records": size})
 
             sample, size = fit_sample(tokenizer, length, build, guess=16, start=size)
             out.append(sample)
