@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from semkv.errors import SemkvError
 from semkv.eval.files import data_file, read_json, read_jsonl
 from semkv.eval.longbench_metrics import extract_choice, score_v1
 from semkv.eval.task import Sample
@@ -51,6 +52,8 @@ class LongBenchV1:
     data_dir: Path
 
     def __post_init__(self):
+        if self.dataset not in V1_PROMPTS:
+            raise SemkvError(f"unknown LongBench dataset {self.dataset!r}; known: {', '.join(V1_PROMPTS)}")
         self.name = f"longbench_{self.dataset}"
         self.max_new_tokens = V1_MAX_NEW[self.dataset]
         self.chat = self.dataset not in V1_NO_CHAT

@@ -39,7 +39,7 @@ class Task(Protocol):
     chat: bool  # wrap in the chat template
 
     def samples(self, tokenizer: Any, length: int, n: int, seed: int) -> list[Sample]:
-        """`n` samples whose context + question is `length` tokens (within 2%) for this tokenizer."""
+        """`n` samples whose `prompt_text` is `length` tokens (within 2%) for this tokenizer."""
 
     def score(self, prediction: str, sample: Sample) -> float:
         """0..100: 100 on the gold answer, 0 on an empty prediction."""
