@@ -2,8 +2,8 @@
 `scripts/data/synthetic/`): each turns (data, random generator, haystack size) into the parts of one prompt.
 
 The random draws that do not depend on the size (keys, values, chains, vocabularies) come first, so every size tried
-while fitting the length shows the same needles. Every generator takes its own `random.Random`; RULER's fixed
-`Random(seed)` shuffles are that generator's shuffles here.
+while fitting the length shows the same needles. Each sample has its own `random.Random`; where RULER shuffles with
+a fresh `Random(seed)` (the same permutation for every sample of a size), the sample's generator shuffles here.
 """
 from __future__ import annotations
 
