@@ -73,6 +73,12 @@ class DecodeBatch:
     def size(self) -> int:
         return len(self.seqs)
 
+    def tables(self, layer: int) -> torch.Tensor:
+        """Page tables of `layer` padded to one width (sequences grow their tables separately): [B, max_pages]."""
+        width = max(s.kv.table.shape[1] for s in self.seqs)
+        return torch.stack([torch.nn.functional.pad(s.kv.table[layer], (0, width - s.kv.table.shape[1]))
+                            for s in self.seqs])
+
 
 def resolve_budget(budget: int | float | None, context: int) -> int:
     """Tokens a head may attend to at this context length; None means all of them."""
