@@ -42,9 +42,9 @@ QUERY_BLOCK = 256  # prompt queries scored at once, so a chunk's scores stay [he
 class H2OState:
     """Per sequence: accumulated attention and original position of every resident slot."""
 
-    scores: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, n] (prefill, then stacked)
-    positions: torch.Tensor | None = None  # [layers, kv_heads, n] during decoding
-    stacked: torch.Tensor | None = None  # [layers, kv_heads, n] accumulated scores during decoding
+    prefill_scores: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, n], until prefill ends
+    decode_scores: torch.Tensor | None = None  # [layers, kv_heads, n]: every layer holds the same count while decoding
+    positions: torch.Tensor | None = None  # [layers, kv_heads, n]
 
 
 @dataclass
@@ -65,7 +65,7 @@ class H2O(KVMethod):
     def new_state(self, seq: Sequence) -> H2OState:
         layers, heads = seq.kv.pool.num_layers, seq.kv.pool.num_kv_heads
         n = len(seq.prompt_ids)
-        return H2OState(scores=[torch.zeros(heads, n, device=seq.kv.pool.device) for _ in range(layers)])
+        return H2OState(prefill_scores=[torch.zeros(heads, n, device=seq.kv.pool.device) for _ in range(layers)])
 
     # -- prefill ----------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
@@ -73,7 +73,7 @@ class H2O(KVMethod):
         kv, end = seq.kv, start + q.shape[0]
         keys = kv.gather(layer, torch.arange(end, device=q.device)[None])[0]  # [kv_heads, end, D]
         key_positions = torch.arange(end, device=q.device)[None].expand(keys.shape[0], -1)
-        total = seq.method_state.scores[layer]
+        total = seq.method_state.prefill_scores[layer]
         for a in range(0, q.shape[0], QUERY_BLOCK):
             block = q[a : a + QUERY_BLOCK]
             probs = window_attention(block, keys, key_positions, torch.arange(start + a, start + a + len(block),
@@ -87,15 +87,15 @@ class H2O(KVMethod):
             return None
         state = seq.method_state
         recent = torch.arange(n, device=q_window.device) >= n - self.n_recent(n_keep)
-        keep = keep_top(state.scores[layer][:, :n], n_keep, recent)  # [kv_heads, n_keep]
-        state.scores[layer] = torch.gather(state.scores[layer], 1, keep)
+        keep = keep_top(state.prefill_scores[layer][:, :n], n_keep, recent)  # [kv_heads, n_keep]
+        state.prefill_scores[layer] = torch.gather(state.prefill_scores[layer], 1, keep)
         return keep
 
     def finish_prefill(self, seq: Sequence) -> None:
         state, kv = seq.method_state, seq.kv
-        state.stacked = torch.stack([s[:, : kv.num_slots[i]] for i, s in enumerate(state.scores)])
+        state.decode_scores = torch.stack([s[:, : kv.num_slots[i]] for i, s in enumerate(state.prefill_scores)])
         state.positions = torch.stack([kv.positions(i).long() for i in range(kv.pool.num_layers)])
-        state.scores = []
+        state.prefill_scores = []
 
     # -- decode -----------------------------------------------------------------------------------------------------
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor:
@@ -105,16 +105,16 @@ class H2O(KVMethod):
         for b, seq in enumerate(batch.seqs):
             state, position = seq.method_state, int(batch.positions[b])
             capacity = resolve_budget(self.budget, position + 1)
-            n = state.stacked.shape[-1]
+            n = state.decode_scores.shape[-1]
             if n < capacity:
-                layers = state.stacked.shape[0]
-                state.stacked = torch.cat([state.stacked, state.stacked.new_zeros(layers, heads, 1)], dim=-1)
-                state.positions = torch.cat([state.positions, state.positions.new_full((layers, heads, 1), position)],
-                                            dim=-1)
+                fresh = state.positions[..., :1]  # [layers, kv_heads, 1]
+                state.decode_scores = torch.cat([state.decode_scores, torch.zeros_like(fresh, dtype=torch.float)], -1)
+                state.positions = torch.cat([state.positions, torch.full_like(fresh, position)], -1)
                 continue
             recent = state.positions > position - self.n_recent(capacity)  # [layers, kv_heads, n]
-            victim = state.stacked.masked_fill(recent, math.inf).argmin(-1, keepdim=True)  # [layers, kv_heads, 1]
-            state.stacked.scatter_(-1, victim, 0.0)
+            scores = state.decode_scores.masked_fill(recent, math.inf)
+            victim = scores.argmin(-1, keepdim=True)  # [layers, kv_heads, 1]
+            state.decode_scores.scatter_(-1, victim, 0.0)
             state.positions.scatter_(-1, victim, position)
             write[b] = victim[..., 0].to(write.device)
         return write
@@ -128,5 +128,5 @@ class H2O(KVMethod):
         grouped = probs.view(batch.size, pool.num_kv_heads, -1, probs.shape[-1]).sum(2)  # [B, kv_heads, n]
         for b, seq in enumerate(batch.seqs):
             n = int(lengths[b])
-            seq.method_state.stacked[layer, :, :n] += grouped[b, :, :n]
+            seq.method_state.decode_scores[layer, :, :n] += grouped[b, :, :n]
         return None

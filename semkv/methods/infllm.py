@@ -110,7 +110,8 @@ class InfLLM(KVMethod):
         state.scores[layer][:, lo : start + q.shape[0]] += band_scores(q, keys, start, lo, state.window)
 
     def _update_memory(self, layer: int, seq: Sequence, q: torch.Tensor, n: int) -> torch.Tensor:
-        """Score the keys in the current query's window, form the blocks that left it; return [n_blocks, kv_heads, D]."""
+        """Score the keys in the current query's window, form the blocks that left it; return the block keys
+        [n_blocks, kv_heads, D]."""
         state, kv = seq.method_state, seq.kv
         scores = state.scores[layer]
         if scores.shape[1] < n:  # grow by doubling
