@@ -19,6 +19,10 @@ MATRIX: dict[str, list[dict]] = {
     "streaming_llm": [dict(), dict(n_sink=1)],
     "snapkv": [dict(), dict(window=8, kernel_size=1, pooling="max", query_aware=False)],
     "quest": [dict(), dict(group_reduce="max")],
+    "h2o": [dict(), dict(recent_ratio=0.2)],
+    "pyramidkv": [dict(), dict(window=8, beta=2, query_aware=False)],
+    "keydiff": [dict(), dict(window=4, query_aware=False)],
+    "infllm": [dict(), dict(n_init=2, block_size=4, n_repr=2, per_head=True)],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]
@@ -73,7 +77,10 @@ def test_budget_is_respected(llm, name, i, params, budget):
             compressed = len(ids) if method.query_aware else start
             prompt_limit = budget if isinstance(budget, int) else -(-budget * compressed // 1)
             appended = len(ids) - compressed + NEW - 1
-            assert s.kv_attended_max <= prompt_limit + appended
+            # per-layer schedules (PyramidKV) bind the mean over layers; a layer keeps its own budget
+            layer_limit = max(method.layer_budget(layer, compressed) for layer in range(llm.config.num_layers))
+            assert s.kv_attended_max <= layer_limit + appended
+            assert s.kv_attended_tokens <= prompt_limit + appended
             assert s.kv_resident_tokens <= prompt_limit + appended
         elif method.kind == "decode_eviction":
             assert s.kv_attended_max <= limit

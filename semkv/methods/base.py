@@ -77,7 +77,7 @@ class DecodeBatch:
 
     @property
     def size(self) -> int:
-        return len(self.seqs)
+        return self.positions.shape[0]
 
 
 def resolve_budget(budget: int | float | None, context: int) -> int:

@@ -62,7 +62,7 @@ class Quest(KVMethod):
         num_slots = batch.num_slots[:, layer]  # [B]
         n_pages = -(-num_slots // size)
         width = int(n_pages.max())
-        tables = torch.stack([s.kv.table[layer, :width] for s in batch.seqs])  # [B, width]
+        tables = batch.tables[:, layer][:, :width]  # [B, width]
         self.summaries.add_tokens(pool, tables, (num_slots - 1)[:, None].expand(-1, pool.num_kv_heads))
         budgets = torch.tensor([resolve_budget(self.budget, s.num_computed + 1) for s in batch.seqs])
         if layer < self.dense_layers or bool((budgets >= num_slots.cpu()).all()):
