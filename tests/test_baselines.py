@@ -66,7 +66,8 @@ class Run:
                 kv.num_slots[layer] += 1
                 kv.ensure_slots(layer, kv.num_slots[layer])
             kv.write(layer, slots[None], self.k[layer, t][None], self.k[layer, t][None], torch.tensor([t]))
-        batch = DecodeBatch([seq], torch.tensor([t]), torch.tensor([kv.num_slots]), CONFIG)
+        batch = DecodeBatch([seq], torch.tensor([t]), torch.tensor([kv.num_slots]), CONFIG, kv.table[None],
+                            max(kv.num_slots))
         selections = [self.method.select(layer, batch, self.q[layer, t][None]) for layer in range(LAYERS)]
         seq.num_computed += 1
         return selections
