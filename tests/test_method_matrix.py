@@ -19,6 +19,7 @@ MATRIX: dict[str, list[dict]] = {
     "streaming_llm": [dict(), dict(n_sink=1)],
     "snapkv": [dict(), dict(window=8, kernel_size=1, pooling="max", query_aware=False)],
     "quest": [dict(), dict(group_reduce="max")],
+    "chunkkv": [dict(), dict(window=8, chunk_size=3, reuse_layers=2, per_head=True, query_aware=False)],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]

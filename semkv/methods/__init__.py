@@ -5,15 +5,16 @@ from typing import Any
 
 from semkv.errors import SemkvError
 from semkv.methods.base import DecodeBatch, KVMethod, Selection
+from semkv.methods.chunkkv import ChunkKV
 from semkv.methods.full import FullKV
 from semkv.methods.quest import Quest
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
 
-METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest)}
+METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest, ChunkKV)}
 
-__all__ = ["METHODS", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SnapKV", "StreamingLLM",
-           "get_method"]
+__all__ = ["METHODS", "ChunkKV", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SnapKV",
+           "StreamingLLM", "get_method"]
 
 
 def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:
