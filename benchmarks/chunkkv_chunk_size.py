@@ -5,7 +5,7 @@ A 5-digit passkey sentence is hidden at several depths of Paul Graham essays cut
 comes after the text (query-aware compression, as in the paper). Accuracy: the passkey string is in the answer. As a
 steadier signal on a weak model, residency: the fraction of (layer, KV head) pairs whose cache still holds every token
 of the passkey after prefill-time compression. Each prompt is prefilled once with Full KV for all methods
-(`LLM.compare`), and once more to read the compressed caches.
+(`LLM.compare`), whose `inspect` hook reads each compressed cache before decoding.
 
     PYTHONPATH=$PWD python benchmarks/chunkkv_chunk_size.py --tokens 3000 --budgets 128 0.1 --depths 10 30 50 70 90
 """
@@ -17,11 +17,10 @@ import random
 import statistics
 from pathlib import Path
 
-import torch
-
 import semkv
-from chunkkv_index_similarity import compressed, essay_context
+from chunkkv_index_similarity import add_common_args, essay_context, load_llm
 from semkv.cli.main import parse_budget
+from semkv.engine.sequence import Sequence
 from semkv.methods import KVMethod, get_method
 
 NEEDLE = " The secret passkey is {}. Remember it. "
@@ -59,39 +58,37 @@ def build_methods(chunk_sizes: list[int], budgets: list[int | float]) -> dict[st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    add_common_args(p, "results/chunkkv_chunk_size.json")
     p.add_argument("--tokens", type=int, default=3000, help="context tokens (the question comes on top)")
     p.add_argument("--depths", type=float, nargs="*", default=[10, 30, 50, 70, 90])
     p.add_argument("--seeds", type=int, default=1, help="haystacks (and passkeys) per depth")
     p.add_argument("--chunk-sizes", type=int, nargs="*", default=[3, 5, 10, 20, 30])
     p.add_argument("--budgets", nargs="*", default=["128", "0.1"])
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--out", default="results/chunkkv_chunk_size.json")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = semkv.LLM(args.model, device="cpu")
+    llm = load_llm(args)
     budgets = [parse_budget(b) for b in args.budgets]
     methods = build_methods(args.chunk_sizes, budgets)
+    labels = {id(m): label for label, m in methods.items()}
     samples = []
     for seed in range(args.seeds):
         for depth in args.depths:
             context, passkey = passkey_prompt(llm, args.tokens, depth, seed)
             needle = passkey_token_positions(llm, context, passkey)
-            ids, start = llm.encode(context, QUESTION)
             resident = {}
-            for label, seq in compressed(llm, ids, start, methods):
-                held = [all(set(needle) <= set(head) for head in seq.kv.positions(layer).tolist())
-                        for layer in range(llm.config.num_layers)]
-                heads = [set(needle) <= set(head) for layer in range(llm.config.num_layers)
-                         for head in seq.kv.positions(layer).tolist()]
-                resident[label] = dict(heads=sum(heads) / len(heads), layers=sum(held) / len(held))
-            outs = llm.compare(context, list(methods.values()), question=QUESTION, max_new_tokens=args.new_tokens)
+
+            def look(method: KVMethod, seq: Sequence) -> None:
+                held = [[set(needle) <= set(head) for head in seq.kv.positions(layer).tolist()]
+                        for layer in range(llm.config.num_layers)]  # [layers][kv_heads]
+                resident[labels[id(method)]] = dict(heads=statistics.mean(h for layer in held for h in layer),
+                                                    layers=statistics.mean(all(layer) for layer in held))
+
+            outs = llm.compare(context, list(methods.values()), question=QUESTION, max_new_tokens=args.new_tokens,
+                               inspect=look)
             answers = {label: out.text for label, out in zip(methods, outs)}
-            samples.append(dict(seed=seed, depth=depth, passkey=passkey, prompt_tokens=len(ids), answers=answers,
+            samples.append(dict(seed=seed, depth=depth, passkey=passkey, prompt_tokens=outs[0].stats.prompt_tokens,
                                 correct={k: passkey in v for k, v in answers.items()}, resident=resident))
-            print(f"depth {depth:.0f} seed {seed}: {len(ids)} tokens, full says {answers['full']!r} (key {passkey})")
+            print(f"depth {depth:.0f} seed {seed}: {outs[0].stats.prompt_tokens} tokens, full says {answers['full']!r} (key {passkey})")
     summary = {label: dict(accuracy=100 * statistics.mean(s["correct"][label] for s in samples),
                            resident_heads=100 * statistics.mean(s["resident"][label]["heads"] for s in samples),
                            resident_layers=100 * statistics.mean(s["resident"][label]["layers"] for s in samples))

@@ -2,7 +2,7 @@
 
 Table 2: mean Jaccard similarity of the kept positions of adjacent layers after prefill-time compression, per KV
 head, on Paul Graham essays with a question at the end; any method of the registry, given as `label=name:k=v,...`
-(e.g. `h2o`, `chunkkv_reuse2=chunkkv:reuse_layers=2`). The Full-KV prefill is shared by the methods that allow it.
+(e.g. `h2o`, `chunkkv_reuse2=chunkkv:reuse_layers=2`), read in `LLM.compare` (one shared Full-KV prefill where methods allow it).
 Table 8: latency (prefill + decode) and throughput of Full KV, ChunkKV and ChunkKV with index reuse on one prompt of
 `--tokens` tokens, each method prefilling on its own, repeats interleaved; plus the time ChunkKV spends scoring.
 
@@ -17,14 +17,11 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Iterator
-
 import torch
 
 import semkv
 from semkv.cli.main import parse_budget, parse_params
-from semkv.engine.kv_cache import SeqKV
-from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.engine.sequence import Sequence
 from semkv.methods import METHODS, KVMethod, get_method
 
 SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
@@ -58,31 +55,6 @@ def parse_methods(specs: list[str], budget: int | float | None) -> dict[str, KVM
     return methods
 
 
-def compressed(llm: semkv.LLM, ids: list[int], question_start: int | None,
-               methods: dict[str, KVMethod]) -> Iterator[tuple[str, Sequence]]:
-    """Each method's sequence right after prefill-time compression (pages released after the caller's look)."""
-    engine, params = llm.engine, SamplingParams(max_new_tokens=1)
-    for m in methods.values():
-        m.bind(llm.config, llm.tokenizer, engine.pool.page_size)
-    shared = {k: m for k, m in methods.items() if not m.own_prefill(question_start is not None)}
-    if shared:
-        base = Sequence(0, ids, params, SeqKV(engine.pool), question_start)
-        engine.prefill(base, get_method("full"), record_window=max(1, *(m.window_size() for m in shared.values())))
-        for label, m in shared.items():
-            seq = engine.fork(base, 0)
-            engine.apply_prefill(seq, m)
-            yield label, seq
-            seq.kv.release()
-        base.kv.release()
-    for label, m in methods.items():
-        if label not in shared:
-            seq = Sequence(0, ids, params, SeqKV(engine.pool), question_start)
-            seq.method_state = m.new_state(seq)
-            engine.prefill(seq, m)
-            yield label, seq
-            seq.kv.release()
-
-
 def adjacent_jaccard(seq: Sequence) -> list[float]:
     """Mean over KV heads of |A ∩ B| / |A ∪ B| of the kept positions of layers l and l + 1, for every l."""
     kept = [seq.kv.positions(layer) for layer in range(seq.kv.pool.num_layers)]  # [kv_heads, n_keep] each
@@ -98,11 +70,11 @@ def adjacent_jaccard(seq: Sequence) -> list[float]:
 
 def similarity(llm, methods, samples: int, n_tokens: int) -> dict[str, dict]:
     per_method: dict[str, list[list[float]]] = {label: [] for label in methods}
+    labels = {id(m): label for label, m in methods.items()}
     for i in range(samples):
-        ids, start = llm.encode(essay_context(llm, n_tokens, start_file=7 * i), QUESTION)
-        for label, seq in compressed(llm, ids, start, methods):
-            per_method[label].append(adjacent_jaccard(seq))
-        print(f"sample {i}: {len(ids)} tokens")
+        llm.compare(essay_context(llm, n_tokens, start_file=7 * i), list(methods.values()), question=QUESTION,
+                    max_new_tokens=1, inspect=lambda m, seq: per_method[labels[id(m)]].append(adjacent_jaccard(seq)))
+        print(f"sample {i} done")
     return {label: dict(mean=statistics.mean(v for s in runs for v in s),
                         per_layer=[statistics.mean(col) for col in zip(*runs)]) for label, runs in per_method.items()}
 
@@ -132,9 +104,21 @@ def latency(llm, methods, n_tokens: int, new_tokens: int, repeats: int) -> dict[
     return out
 
 
+def add_common_args(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--out", default=out, help="JSON file of the results")
+
+
+def load_llm(args: argparse.Namespace) -> semkv.LLM:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return semkv.LLM(args.model, device="cpu")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    add_common_args(p, "results/chunkkv_index_similarity.json")
     p.add_argument("--budget", default="0.1", help="tokens (128) or a fraction (0.1, 10%%)")
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--tokens", type=int, default=4096, help="context tokens")
@@ -142,12 +126,8 @@ def main() -> None:
     p.add_argument("--latency-methods", nargs="*", default=LATENCY_METHODS)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--out", default="results/chunkkv_index_similarity.json")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = semkv.LLM(args.model, device="cpu")
+    llm = load_llm(args)
     budget = parse_budget(args.budget)
     result = dict(model=llm.source, budget=budget, tokens=args.tokens, samples=args.samples)
     if args.samples:

@@ -147,6 +147,19 @@ def test_hybrid_uses_snapkv_in_the_upper_layers(llm):
     assert extra["scored_layers"] == llm.config.num_layers
 
 
+def test_compare_inspect_sees_each_compressed_cache(llm):
+    """`LLM.compare(inspect=...)` shows the cache each method kept, shared prefill or own (query-agnostic)."""
+    methods = [ChunkKV(budget=30, window=4), ChunkKV(budget=30, window=4, query_aware=False)]
+    seen = {}
+    llm.compare(TEXT, methods, question=QUESTION, max_new_tokens=2, chat=False,
+                inspect=lambda m, seq: seen.setdefault(id(m), [seq.kv.positions(layer).clone()
+                                                               for layer in range(llm.config.num_layers)]))
+    for m in methods:
+        expected, _, _ = kept_positions(llm, ChunkKV(budget=30, window=4, query_aware=m.query_aware))
+        assert all(torch.equal(a, b) for a, b in zip(seen[id(m)], expected))
+    assert not torch.equal(seen[id(methods[0])][0], seen[id(methods[1])][0])
+
+
 @pytest.mark.parametrize("params", [dict(chunk_size=0), dict(reuse_layers=0), dict(chunk_size=2.5),
                                     dict(per_head=1), dict(hybrid="yes")])
 def test_bad_parameters(params):
