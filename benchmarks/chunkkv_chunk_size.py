@@ -86,9 +86,10 @@ def main() -> None:
             outs = llm.compare(context, list(methods.values()), question=QUESTION, max_new_tokens=args.new_tokens,
                                inspect=look)
             answers = {label: out.text for label, out in zip(methods, outs)}
-            samples.append(dict(seed=seed, depth=depth, passkey=passkey, prompt_tokens=outs[0].stats.prompt_tokens,
+            n_prompt = outs[0].stats.prompt_tokens
+            samples.append(dict(seed=seed, depth=depth, passkey=passkey, prompt_tokens=n_prompt, answers=answers,
                                 correct={k: passkey in v for k, v in answers.items()}, resident=resident))
-            print(f"depth {depth:.0f} seed {seed}: {outs[0].stats.prompt_tokens} tokens, full says {answers['full']!r} (key {passkey})")
+            print(f"depth {depth:.0f} seed {seed}: {n_prompt} tokens, full says {answers['full']!r} (key {passkey})")
     summary = {label: dict(accuracy=100 * statistics.mean(s["correct"][label] for s in samples),
                            resident_heads=100 * statistics.mean(s["resident"][label]["heads"] for s in samples),
                            resident_layers=100 * statistics.mean(s["resident"][label]["layers"] for s in samples))

@@ -1,10 +1,11 @@
 """ChunkKV's Table 2 and Table 8 shape on one model (default: the embedded SmolLM2-135M-Instruct).
 
 Table 2: mean Jaccard similarity of the kept positions of adjacent layers after prefill-time compression, per KV
-head, on Paul Graham essays with a question at the end; any method of the registry, given as `label=name:k=v,...`
-(e.g. `h2o`, `chunkkv_reuse2=chunkkv:reuse_layers=2`), read in `LLM.compare` (one shared Full-KV prefill where methods allow it).
-Table 8: latency (prefill + decode) and throughput of Full KV, ChunkKV and ChunkKV with index reuse on one prompt of
-`--tokens` tokens, each method prefilling on its own, repeats interleaved; plus the time ChunkKV spends scoring.
+head, on Paul Graham essays with a question at the end, for any registered methods given as `label=name:k=v,...`
+(e.g. `h2o`, `chunkkv_reuse2=chunkkv:reuse_layers=2`); the caches are read through `LLM.compare(inspect=...)`, so
+the methods that allow it share one Full-KV prefill. Table 8: latency (prefill + decode; wall clock and process CPU
+time) and throughput of Full KV, ChunkKV and ChunkKV with index reuse on one prompt of `--tokens` tokens, each method
+prefilling on its own, repeats interleaved; plus the time ChunkKV spends scoring and how many layers scored.
 
     PYTHONPATH=$PWD python benchmarks/chunkkv_index_similarity.py --samples 3 --budget 0.1 --tokens 4096 \
         --new-tokens 128 --repeats 2
