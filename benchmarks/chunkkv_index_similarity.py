@@ -107,6 +107,7 @@ def latency(llm, methods, n_tokens: int, new_tokens: int, repeats: int) -> dict[
 
 def add_common_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", default=out, help="JSON file of the results")
 
@@ -114,7 +115,7 @@ def add_common_args(p: argparse.ArgumentParser, out: str) -> None:
 def load_llm(args: argparse.Namespace) -> semkv.LLM:
     if args.threads:
         torch.set_num_threads(args.threads)
-    return semkv.LLM(args.model, device="cpu")
+    return semkv.LLM(args.model, device=args.device)
 
 
 def main() -> None:

@@ -99,6 +99,8 @@ class ChunkKV(ScoredEviction):
             probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
             keep = keep_chunks(probs, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head)
             seq.method_state[layer] = keep
+        if keep.is_cuda:
+            torch.cuda.synchronize(keep.device)  # scoring_s counts the GPU work, not only its launch
         extra = seq.stats.extra
         extra["scored_layers"] = extra.get("scored_layers", 0) + 1
         extra["scoring_s"] = extra.get("scoring_s", 0.0) + time.perf_counter() - started
