@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -134,10 +134,13 @@ class LLM:
         stop: Seq[str] | None = None,
         allow_overlong: bool = False,
         progress: bool = False,
+        inspect: Callable[[KVMethod, Sequence], None] | None = None,
     ) -> list[GenerationOutput]:
         """Greedy generation of one prompt under several methods, prefilling it once with Full KV and applying each
         method that does not change prefill itself to a copy of that cache (eviction and selection methods alike).
-        Methods with their own prefill (sparse prefill, query-agnostic compression) prefill on their own."""
+        Methods with their own prefill (sparse prefill, query-agnostic compression) prefill on their own.
+        `inspect(method, seq)` sees each method's sequence after prefill and prefill-time compression, before
+        decoding (e.g. to read the positions its cache kept: `seq.kv.positions(layer)`)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise SemkvError("the prompt is empty; give some text")
         params = self._sampling(max_new_tokens, 0.0, 0, 1.0, 0, stop, False)
@@ -158,6 +161,8 @@ class LLM:
                 seq = self.engine.fork(base, 0)
                 self.engine.apply_prefill(seq, m)
                 try:
+                    if inspect is not None:
+                        inspect(m, seq)
                     self.engine.generate([seq], m, [first], stopper)
                 finally:
                     seq.kv.release()
@@ -168,6 +173,8 @@ class LLM:
             seq.method_state = m.new_state(seq)
             try:
                 first = self.engine.prefill(seq, m, progress)
+                if inspect is not None:
+                    inspect(m, seq)
                 self.engine.generate([seq], m, [first], stopper)
             finally:
                 seq.kv.release()

@@ -5,6 +5,7 @@ from typing import Any
 
 from semkv.errors import SemkvError
 from semkv.methods.base import DecodeBatch, KVMethod, Selection
+from semkv.methods.chunkkv import ChunkKV
 from semkv.methods.full import FullKV
 from semkv.methods.h2o import H2O
 from semkv.methods.infllm import InfLLM
@@ -15,11 +16,11 @@ from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[KVMethod]] = {
-    cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM)
+    cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM, ChunkKV)
 }
 
-__all__ = ["METHODS", "DecodeBatch", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff", "PyramidKV", "Quest",
-           "Selection", "SnapKV", "StreamingLLM", "get_method"]
+__all__ = ["METHODS", "ChunkKV", "DecodeBatch", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff", "PyramidKV",
+           "Quest", "Selection", "SnapKV", "StreamingLLM", "get_method"]
 
 
 def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:

@@ -1,0 +1,107 @@
+"""ChunkKV: keep whole chunks of prompt tokens, chosen by the attention of the last prompt queries, with layer-wise
+index reuse (Liu et al., 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
+Inference", https://arxiv.org/abs/2502.00299).
+
+The prompt before the observation window is cut into chunks of `chunk_size` tokens; a chunk's score is the attention
+the last `window` prompt queries give to its tokens, summed (Algorithm 1). The best chunks are kept whole, in their
+original order, and the window itself is always kept. With `reuse_layers = N` only the first layer of each group of N
+layers scores; the others keep the same positions without scoring (Algorithm 2). Compression happens once, at the end
+of prefill; generated tokens are appended.
+
+Parameters
+----------
+budget: L_max, prompt tokens kept per layer (and KV head), the window included (the paper concatenates the window in
+    place of the last w kept tokens, so the compressed prompt is L_max long); a float is a fraction of the prompt.
+window: observation window w, 32 (the paper uses 4 to 32; 32 as SnapKV).
+chunk_size: c, 10 (the paper's best value in its chunk-size ablation, Table 10, and its recommended default).
+reuse_layers: N_reuse, 1 = off (the paper's efficiency and quality experiments of section 4.3 use 2).
+per_head: False keeps one chunk set per layer shared by its KV heads (the paper's Figure 1; chunk scores averaged
+    over all query heads); True lets each KV head choose its own chunks from its query group's scores (GQA).
+hybrid: False; True is the variant of section 4.6: ChunkKV in the lower half of the layers (layer < layers // 2),
+    SnapKV with its defaults (pooled scores, top tokens per KV head) in the upper half, where reuse does not apply.
+query_aware: the window contains the question (True, as in the paper) or only the context (False).
+
+Readings of the paper (where it is loose):
+- Scores are softmax attention probabilities of the window queries over every prompt key (causal inside the window),
+  without the pooling SnapKV adds: Algorithm 1 has none. Chunks are aligned on the first prompt token and cover the
+  prompt before the window; the last of them may be shorter than `chunk_size`.
+- Algorithm 1 takes k = floor(L_max / c) chunks and then cuts their concatenation to L_max - w tokens, which can drop
+  selected chunks wholesale. Here the best chunks are taken until they hold L_max - w tokens, laid out in original
+  order, and the last one is cut: exactly L_max tokens are kept, every one a whole chunk except the last.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from semkv.engine.sequence import Sequence
+from semkv.methods.base import check_range, per_kv_head, window_attention
+from semkv.methods.eviction import ScoredEviction, window_positions
+from semkv.methods.snapkv import SnapKV
+
+
+def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
+                per_head: bool) -> torch.Tensor:
+    """Algorithm 1 from window attention probs [heads, w, n]: kept slots [kv_heads or 1, n_keep], ascending."""
+    n = probs.shape[-1]
+    n_window = min(window, n_keep)
+    prefix, fill = n - n_window, n_keep - n_window  # chunked part of the prompt, and its budget
+    token_scores = per_kv_head(probs[..., :prefix].sum(1), kv_heads)  # [kv_heads, prefix]
+    if not per_head:
+        token_scores = token_scores.mean(0, keepdim=True)  # [1, prefix]
+    n_chunks = -(-prefix // chunk_size)
+    padded = torch.nn.functional.pad(token_scores, (0, n_chunks * chunk_size - prefix))
+    chunk_scores = padded.view(padded.shape[0], n_chunks, chunk_size).sum(-1)  # [S, n_chunks]
+    sizes = torch.full((n_chunks,), chunk_size, device=probs.device)
+    sizes[-1] = prefix - (n_chunks - 1) * chunk_size
+    order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [S, n_chunks] best first
+    filled_before = sizes[order].cumsum(-1) - sizes[order]
+    chosen = torch.zeros_like(chunk_scores, dtype=torch.bool).scatter_(-1, order, filled_before < fill)
+    tokens = chosen.repeat_interleave(chunk_size, dim=-1)[:, :prefix]  # [S, prefix]
+    # the first `fill` chosen tokens in original order: the last chosen chunk is cut to the budget
+    slots = torch.sort((~tokens).to(torch.int8), dim=-1, stable=True).indices[:, :fill]  # [S, fill] ascending
+    window_slots = torch.arange(prefix, n, device=probs.device)[None].expand(slots.shape[0], -1)
+    return torch.cat([slots, window_slots], dim=-1)
+
+
+@dataclass
+class ChunkKV(ScoredEviction):
+    chunk_size: int = 10
+    reuse_layers: int = 1
+    per_head: bool = False
+    hybrid: bool = False
+
+    name = "chunkkv"
+    summary = "ChunkKV: keep whole chunks of prompt tokens most attended by the last prompt queries; layer index reuse"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("chunk_size", self.chunk_size, 1, None, int)
+        check_range("reuse_layers", self.reuse_layers, 1, None, int)
+        check_range("per_head", self.per_head, types=bool)
+        check_range("hybrid", self.hybrid, types=bool)
+
+    def new_state(self, seq: Sequence) -> dict[int, torch.Tensor]:
+        return {}  # first layer of a reuse group -> its kept slots (Algorithm 2's I_reuse)
+
+    def keep(self, layer: int, seq: Sequence, q_window: torch.Tensor, n_keep: int) -> torch.Tensor:
+        snapkv_layer = self.hybrid and layer >= seq.kv.pool.num_layers // 2
+        first = layer - layer % self.reuse_layers
+        if not snapkv_layer and first != layer and first in seq.method_state:
+            return seq.method_state[first]  # index reuse: no scoring in this layer
+        started = time.perf_counter()
+        if snapkv_layer:
+            keep = SnapKV(window=self.window).keep(layer, seq, q_window, n_keep)
+        else:
+            keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
+            probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
+            keep = keep_chunks(probs, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head)
+            seq.method_state[layer] = keep
+        if keep.is_cuda:
+            torch.cuda.synchronize(keep.device)  # scoring_s counts the GPU work, not only its launch
+        extra = seq.stats.extra
+        extra["scored_layers"] = extra.get("scored_layers", 0) + 1
+        extra["scoring_s"] = extra.get("scoring_s", 0.0) + time.perf_counter() - started
+        return keep
