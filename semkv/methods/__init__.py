@@ -7,13 +7,14 @@ from semkv.errors import SemkvError
 from semkv.methods.base import DecodeBatch, KVMethod, Selection
 from semkv.methods.full import FullKV
 from semkv.methods.quest import Quest
+from semkv.methods.sentencekv import SentenceKV
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
 
-METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest)}
+METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest, SentenceKV)}
 
-__all__ = ["METHODS", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SnapKV", "StreamingLLM",
-           "get_method"]
+__all__ = ["METHODS", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SentenceKV", "SnapKV",
+           "StreamingLLM", "get_method"]
 
 
 def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:
