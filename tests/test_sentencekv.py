@@ -162,7 +162,7 @@ def test_device_memory_is_bounded_while_generating(long_llm):
     kept = int(method.keep_factor * budget)
     left_window = new - 1 - (new - 1) % method.offload_chunk  # tokens that left the window, offloaded in chunks
     assert all(state.store.size(layer) == kept + left_window for layer in range(cfg.num_layers))
-    assert len(state.starts) > stats.extra["sentences"] - 1 > 0
+    assert sum(start >= len(ids) for start in state.starts) > 1  # generated text is bucketed too
     full_reload = cfg.num_layers * cfg.num_kv_heads * state.capacity * 2 * cfg.head_dim * 4
     assert 0 < stats.extra["h2d_bytes_step_max"] <= full_reload
     assert stats.h2d_bytes / (new - 1) < full_reload  # loaded buckets stay cached between steps

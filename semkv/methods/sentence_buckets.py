@@ -1,6 +1,7 @@
-"""SentenceKV's per-layer bookkeeping: the bucket (sentence) of every retained token, the per-bucket key sums whose
-means are the sentence vectors, the ranking of buckets against a query, and the working set that holds the chosen
-tokens on the device when the retained tokens live in host memory.
+"""SentenceKV's state: per sequence (`SentenceState`) the budget split, bucket starts and mean query; per layer
+(`LayerBuckets`) the bucket (sentence) of every retained token, the per-bucket key sums whose means are the sentence
+vectors, the ranking of buckets against a query, and the working set that holds the chosen tokens on the device when
+the retained tokens live in host memory.
 
 Retained tokens are numbered 0..n-1 per KV head in position order (their index in the host store, or their offset
 in the device region that holds them without offloading); bucket ids grow with positions, so each bucket's tokens of
@@ -8,7 +9,7 @@ one head are a contiguous index range.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -109,3 +110,27 @@ def move_tail(kv: SeqKV, layer: int, src: int, dst: int) -> None:
     kv.ensure_slots(layer, dst + n)
     kv.write(layer, torch.arange(dst, dst + n, device=kv.table.device), k.transpose(0, 1), v.transpose(0, 1), pos[0])
     kv.num_slots[layer] = dst + n
+
+
+@dataclass
+class SentenceState:
+    """One sequence's SentenceKV state. Device layout per layer: sinks [0, n_sink), then the retained tokens
+    (offload off) or the working set of `capacity` slots (offload on), then the recent window (`tail`)."""
+
+    dense: bool  # the budget covers the whole generation: nothing is dropped or moved
+    budget: int
+    n_sink: int
+    n_recent: int
+    capacity: int  # tokens of loaded buckets attended per step
+    offload: bool
+    starts: list[int]  # start position of every bucket, the prompt's then the generated text's
+    limit: int  # longest bucket of generated text
+    layers: list[LayerBuckets]
+    store: HostKVStore | None
+    q_sum: list[torch.Tensor | None] = field(default_factory=list)  # per layer [heads, D], this sentence's queries
+    q_count: int = 0
+    h2d_step_max: int = 0
+    device_peak: int = 0
+
+    def tail_start(self, layer: int) -> int:
+        return self.n_sink + (self.capacity if self.offload else self.layers[layer].size)

@@ -46,7 +46,7 @@ offload_chunk: tokens leaving the recent window are moved to the host this many 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,32 +57,8 @@ from semkv.errors import SemkvError
 from semkv.methods.base import (DecodeBatch, KVMethod, Selection, check_range, keep_top, per_kv_head,
                                 resolve_budget, window_attention)
 from semkv.methods.eviction import window_positions
-from semkv.methods.sentence_buckets import LayerBuckets, bucket_of, move_tail
+from semkv.methods.sentence_buckets import LayerBuckets, SentenceState, bucket_of, move_tail
 from semkv.methods.sentences import SentenceRule, segment
-
-
-@dataclass
-class SentenceState:
-    """One sequence's SentenceKV state. Device layout per layer: sinks [0, n_sink), then the retained tokens
-    (offload off) or the working set of `capacity` slots (offload on), then the recent window (`tail`)."""
-
-    dense: bool  # the budget covers the whole generation: nothing is dropped or moved
-    budget: int
-    n_sink: int
-    n_recent: int
-    capacity: int  # tokens of loaded buckets attended per step
-    offload: bool
-    starts: list[int]  # start position of every bucket, the prompt's then the generated text's
-    limit: int  # longest bucket of generated text
-    layers: list[LayerBuckets]
-    store: HostKVStore | None
-    q_sum: list[torch.Tensor | None] = field(default_factory=list)  # per layer [heads, D], this sentence's queries
-    q_count: int = 0
-    h2d_step_max: int = 0
-    device_peak: int = 0
-
-    def tail_start(self, layer: int) -> int:
-        return self.n_sink + (self.capacity if self.offload else self.layers[layer].size)
 
 
 @dataclass
