@@ -166,7 +166,9 @@ def summarize(rows: list[dict], lat: list[dict]) -> None:
         print(f"  {name:11s} budget={budget!s:5s} accuracy={acc:.2f} ({sum(r['correct'] for r in rs)}/{len(rs)})"
               + (f" retained={statistics.mean(ret):.2f}" if ret else "")
               + (f" attended={statistics.mean(att):.2f}" if att else ""))
-    print(f"\nper-step decode time, prompt {lat[0]['length'] if lat else 0} tokens (median over repeats)")
+    if not lat:
+        return
+    print(f"\nper-step decode time, prompt {lat[0]['length']} tokens (median over repeats)")
     groups = {}
     for r in lat:
         groups.setdefault((r["method"], r["budget"], r["offload"]), []).append(r)
