@@ -114,7 +114,8 @@ class SeqKV:
         return self.table[layer][slots // size] * size + slots % size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Store tokens: slots [T] (all heads) or [T, kv_heads] (per head), k/v [T, kv_heads, D], pos [T]."""
+        """Store tokens: slots [T] (all heads) or [T, kv_heads] (per head), k/v [T, kv_heads, D], pos [T] (or
+        [T, kv_heads] with per-head slots, when the heads store different tokens)."""
         kf, vf, pf = self.pool.flat()
         rows = self.physical(layer, slots)
         if rows.dim() == 1:
@@ -123,7 +124,8 @@ class SeqKV:
         else:
             heads = torch.arange(self.pool.num_kv_heads, device=rows.device)[None, :]
             kf[rows, heads], vf[rows, heads] = k, v
-            pf[rows, heads] = pos.to(torch.int32)[:, None].expand_as(rows)
+            pos = pos.to(torch.int32)
+            pf[rows, heads] = pos if pos.dim() == 2 else pos[:, None].expand_as(rows)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """slots [kv_heads or 1, n] -> keys, values [kv_heads, n, D] and positions [kv_heads, n]."""

@@ -12,15 +12,20 @@ from semkv.methods.infllm import InfLLM
 from semkv.methods.keydiff import KeyDiff
 from semkv.methods.pyramidkv import PyramidKV
 from semkv.methods.quest import Quest
+from semkv.methods.sentencekv import SentenceKV
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
 
 METHODS: dict[str, type[KVMethod]] = {
-    cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM, ChunkKV)
+    cls.name: cls for cls in (
+        FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM, ChunkKV, SentenceKV
+    )
 }
 
-__all__ = ["METHODS", "ChunkKV", "DecodeBatch", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff", "PyramidKV",
-           "Quest", "Selection", "SnapKV", "StreamingLLM", "get_method"]
+__all__ = [
+    "METHODS", "ChunkKV", "DecodeBatch", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff", "PyramidKV",
+    "Quest", "Selection", "SentenceKV", "SnapKV", "StreamingLLM", "get_method",
+]
 
 
 def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:

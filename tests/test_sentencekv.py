@@ -1,0 +1,188 @@
+"""SentenceKV: sentence buckets on real text, the prefill pre-filter, real offload with bounded device memory."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import semkv
+from conftest import DATA, tiny_hf_config
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.errors import SemkvError
+from semkv.methods import SentenceKV, get_method
+from semkv.methods.sentences import SentenceRule, is_terminal, length_limit, segment
+from semkv.methods.vocab import token_texts, vocab_mask
+
+BOOK = DATA / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
+
+
+def book_text(chars: int, start: float = 0.5) -> str:
+    if not BOOK.is_file():
+        pytest.skip(f"shared data not found at {BOOK}")
+    raw = BOOK.read_text(encoding="utf-8-sig")
+    text = raw[int(len(raw) * start):][:chars]
+    return text[text.index("\n\n") + 2:]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llm):
+    return tiny_llm.tokenizer  # the embedded model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def long_llm(tmp_path_factory, tokenizer):
+    """A tiny random Llama that takes 8k+ prompts."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_hf_config("llama", len(tokenizer))
+    config.max_position_embeddings = 16384
+    path = tmp_path_factory.mktemp("tiny-long")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return semkv.LLM(path, device="cpu")
+
+
+def test_vocabulary_scan_finds_merged_punctuation(tokenizer):
+    texts = token_texts(tokenizer)
+    assert len(texts) == len(tokenizer) and token_texts(tokenizer) is texts  # cached per tokenizer
+    terminal = vocab_mask(tokenizer, is_terminal)
+    merged = [i for i, t in enumerate(texts) if terminal[i] and t.strip() not in (".", "!", "?")]
+    assert len(merged) > 20  # '."', '.\n', '?)', ... that a fixed list of strings would miss
+    for text in ('said "Stop."', "(the end).", 'Why?"'):
+        assert terminal[tokenizer(text)["input_ids"][-1]]
+
+
+def test_sentence_ends_match_the_text(tokenizer):
+    """Bucket ends on a real book fall exactly where a character-level sentence splitter puts them."""
+    text = book_text(20000)
+    enc = tokenizer(text, return_offsets_mapping=True)
+    ends = SentenceRule.for_tokenizer(tokenizer).ends(torch.tensor(enc["input_ids"]))
+    got = {len(text[: enc["offset_mapping"][i][1]].rstrip()) for i in ends.nonzero().flatten().tolist()}
+    expected = {m.end() for m in re.finditer(r"[.!?…][\"'”’)\]]*(?=\s)", text)}  # punctuation, then whitespace
+    expected |= {len(text[: m.start()].rstrip()) for m in re.finditer(r"\n[ \t\r]*\n", text)}  # blank lines
+    expected.add(len(text.rstrip()))
+    assert len(expected) > 100 and got == expected
+
+
+def test_text_without_punctuation_is_split_into_bounded_pieces(tokenizer):
+    rule = SentenceRule.for_tokenizer(tokenizer)
+    words = re.sub(r"[^A-Za-z ]+", " ", book_text(8000))
+    ids = tokenizer(words)["input_ids"]
+    starts, limit = segment(ids, rule, split_std=3.0, max_sentence=50)
+    lengths = torch.diff(torch.tensor(starts + [len(ids)]))
+    assert limit == 50 and int(lengths.max()) <= 50 and len(starts) == math.ceil(len(ids) / 50)
+    assert int(lengths.max()) - int(lengths.min()) <= 1  # near-equal pieces
+
+
+def test_outlier_sentences_split_at_mean_plus_n_std(tokenizer):
+    rule = SentenceRule.for_tokenizer(tokenizer)
+    prose = book_text(6000)
+    run_on = re.sub(r"[^A-Za-z ]+", " ", book_text(3000, start=0.2))  # one very long "sentence"
+    ids = tokenizer(prose + " " + run_on + ".")["input_ids"]
+    plain = segment(ids, rule, split_std=1e9, max_sentence=10**6)[0]
+    lengths = torch.diff(torch.tensor(plain + [len(ids)])).float()
+    limit = math.floor(float(lengths.mean() + 2.0 * lengths.std(unbiased=False)))
+    starts, got_limit = segment(ids, rule, split_std=2.0, max_sentence=10**6)
+    assert got_limit == limit == length_limit(torch.tensor(plain), len(ids), 2.0, 10**6)
+    assert int(lengths.max()) > limit  # the run-on sentence is an outlier...
+    assert int(torch.diff(torch.tensor(starts + [len(ids)])).max()) <= limit  # ...and was split
+    assert set(plain) <= set(starts)  # real sentence ends are kept
+
+
+def test_retained_set_is_the_top_importances(tiny_llm):
+    """Direct transcription: attention of the last N prompt queries, summed over the window and the query heads of
+    each KV group; the top floor(r * budget) middle tokens per KV head go to the host store."""
+    llm, budget, window = tiny_llm, 64, 32
+    ids = llm.tokenizer(book_text(3000))["input_ids"][:600]
+    method = SentenceKV(budget=budget, offload=True)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    params = SamplingParams(max_new_tokens=8)
+    base = Sequence(0, ids, params, SeqKV(llm.engine.pool))
+    llm.engine.prefill(base, get_method("full"), record_window=window)
+    seq = llm.engine.fork(base, 1)
+    llm.engine.apply_prefill(seq, method)
+    state, n = seq.method_state, len(ids)
+    n_keep = int(2.0 * budget)
+    group = llm.config.num_heads // llm.config.num_kv_heads
+    for layer in range(llm.config.num_layers):
+        q = base.window_queries[layer]  # [w, heads, D]
+        k = base.kv.keys(layer).repeat_interleave(group, dim=0)  # [heads, n, D]
+        logits = torch.einsum("whd,hnd->hwn", q, k) / math.sqrt(q.shape[-1])
+        future = torch.arange(n)[None, :] > torch.arange(n - window, n)[:, None]
+        probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+        importance = probs.sum(1).view(-1, group, n).sum(1)  # [kv_heads, n]
+        middle = importance[:, state.n_sink : n - state.n_recent]
+        top = torch.topk(middle, n_keep).indices + state.n_sink
+        stored = state.store.pos[layer][:, :n_keep]
+        for head in range(top.shape[0]):
+            assert set(top[head].tolist()) == set(stored[head].tolist())
+        assert torch.equal(stored, stored.sort(dim=1).values)  # position order per head
+    base.kv.release()
+    seq.kv.release()
+
+
+def test_offload_gives_the_same_tokens_as_resident_selection(tiny_llm):
+    text = book_text(2500)
+    runs = {}
+    for offload in (False, True):
+        out = tiny_llm.generate(text, method="sentencekv", budget=96, max_new_tokens=40, chat=False,
+                                ignore_eos=True, method_params=dict(offload=offload))[0]
+        runs[offload] = out
+    assert runs[True].token_ids == runs[False].token_ids
+    on, off = runs[True].stats, runs[False].stats
+    assert on.h2d_bytes > 0 and on.d2h_bytes > 0 and off.h2d_bytes == 0
+    assert on.kv_resident_tokens < off.kv_resident_tokens
+    assert on.kv_attended_max <= 96 and off.kv_attended_max <= 96
+
+
+def test_device_memory_is_bounded_while_generating(long_llm):
+    """8k-token prompt, 256 new tokens, offload on: pages in use after prefill stay within sinks + working set +
+    recent window (+ the tokens waiting to be offloaded); host-to-device bytes per step are bounded."""
+    llm = long_llm
+    pool, cfg = llm.engine.pool, llm.config
+    ids = llm.tokenizer(book_text(60000, start=0.1))["input_ids"][:8192]
+    assert len(ids) == 8192
+    budget, new = 256, 256
+    method = SentenceKV(budget=budget, offload=True)
+    method.bind(cfg, llm.tokenizer, pool.page_size)
+    seq = Sequence(0, ids, SamplingParams(max_new_tokens=new, ignore_eos=True), SeqKV(pool))
+    seq.method_state = method.new_state(seq)
+    first = llm.engine.prefill(seq, method)
+    pool.peak_in_use = pool.in_use
+    with torch.inference_mode():
+        llm.engine.generate([seq], method, [first], lambda s: "length" if len(s.output_ids) >= new else "")
+    state, stats = seq.method_state, seq.stats
+    bound = budget + method.offload_chunk  # slots per layer and KV head
+    assert stats.extra["kv_device_peak"] <= bound
+    assert pool.peak_in_use <= cfg.num_layers * math.ceil(bound / pool.page_size)
+    kept = int(method.keep_factor * budget)
+    left_window = new - 1 - (new - 1) % method.offload_chunk  # tokens that left the window, offloaded in chunks
+    assert all(state.store.size(layer) == kept + left_window for layer in range(cfg.num_layers))
+    assert sum(start >= len(ids) for start in state.starts) > 1  # generated text is bucketed too
+    full_reload = cfg.num_layers * cfg.num_kv_heads * state.capacity * 2 * cfg.head_dim * 4
+    assert 0 < stats.extra["h2d_bytes_step_max"] <= full_reload
+    assert stats.h2d_bytes / (new - 1) < full_reload  # loaded buckets stay cached between steps
+    print(f"\nh2d bytes/step mean {stats.h2d_bytes / (new - 1):.0f}, max {stats.extra['h2d_bytes_step_max']}, "
+          f"full working-set reload {full_reload}; device slots/layer peak {stats.extra['kv_device_peak']}")
+    seq.kv.release()
+
+
+def test_budget_covering_the_generation_moves_nothing(tiny_llm):
+    text = book_text(1500)
+    full = tiny_llm.generate(text, method="full", max_new_tokens=10, chat=False, ignore_eos=True)[0]
+    out = tiny_llm.generate(text, method="sentencekv", budget=full.stats.prompt_tokens + 9, max_new_tokens=10,
+                            chat=False, ignore_eos=True, method_params=dict(offload=True))[0]
+    assert out.token_ids == full.token_ids
+    assert out.stats.h2d_bytes == out.stats.d2h_bytes == 0
+
+
+@pytest.mark.parametrize("params, word", [(dict(keep_factor=0.5), "keep_factor"), (dict(query="last"), "query"),
+                                          (dict(buckets="words"), "buckets"), (dict(offload="yes"), "offload"),
+                                          (dict(max_sentence=0), "max_sentence")])
+def test_bad_parameters_are_named(params, word):
+    with pytest.raises(SemkvError, match=word):
+        SentenceKV(budget=128, **params)
