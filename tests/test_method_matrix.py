@@ -19,6 +19,8 @@ MATRIX: dict[str, list[dict]] = {
     "streaming_llm": [dict(), dict(n_sink=1)],
     "snapkv": [dict(), dict(window=8, kernel_size=1, pooling="max", query_aware=False)],
     "quest": [dict(), dict(group_reduce="max")],
+    "dynsplit": [dict(), dict(chunk_size=6, max_deviation=3, alpha=1.0, pooling="mean", group_reduce="max", n_sink=2,
+                              n_recent=1, offload=True)],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]
