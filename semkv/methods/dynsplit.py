@@ -13,7 +13,8 @@ budget: tokens each KV head of each layer attends to per decode step (the curren
     float is a fraction of the current context.
 chunk_size: C, the base chunk length, 16: the best of {8, 16, 32, 64} on our passkey ablation (the paper gives no C;
     its "window length between the initial end and the current position" of 14 could also be read as C).
-max_deviation: Delta, 14 (the paper's window parameter): a chunk ends within C +- Delta tokens of its start.
+max_deviation: Delta, 14 (the paper's window parameter): a chunk ends within C +- Delta tokens of its start (and
+    after at least one token).
 alpha: DD-Select's balance of delimiter weight and closeness to C, 0.5 (the paper gives no value); 1.0 ignores
     closeness, which is our reading of the paper's "without length control" ablation.
 split: "dynamic" (DD-Select) or "fixed" (chunks of exactly C: the "without delimiters" ablation).
@@ -79,7 +80,7 @@ class DynSplitKV(KVMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("chunk_size", self.chunk_size, 1, None, int)
-        check_range("max_deviation", self.max_deviation, 0, self.chunk_size - 1, int)
+        check_range("max_deviation", self.max_deviation, 0, None, int)
         check_range("alpha", self.alpha, 0.0, 1.0)
         check_range("future_window", self.future_window, 1, None, int)
         check_range("overlap", self.overlap, 1, None, int)
@@ -144,7 +145,7 @@ class DynSplitKV(KVMethod):
                 state.store.put(layer, keys, values, positions)
                 kv.truncate(layer, 0)
                 state.previous[layer] = positions[:, :0].long()
-        state.pending = []
+        state.pending = 0
         if self.offload:
             seq.stats.d2h_bytes = state.store.d2h_bytes
 
