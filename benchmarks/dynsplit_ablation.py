@@ -32,9 +32,10 @@ QUESTION = "What is the secret passkey? Answer with the number only."
 
 
 def recording(cls):
-    """A subclass of a selection method that records, per layer and decode step, how much of the needle it attends:
-    the share of the passkey's tokens in each KV head's selection, and the share of the Full-KV attention mass on
-    those tokens that the selection keeps (heads that do not look at the needle weigh nothing)."""
+    """A subclass of a selection method that records, per layer and decode step, the share of the Full-KV attention
+    mass its selection keeps (all tokens), the share of the passkey's tokens in each KV head's selection, and the
+    share of the Full-KV attention mass on those tokens that it keeps (heads that do not look at the needle weigh
+    nothing)."""
 
     def select(self, layer, batch, q):
         selection = cls.select(self, layer, batch, q)
@@ -48,6 +49,7 @@ def recording(cls):
             mask = picked.scatter_(1, torch.where(valid, slots, n), True)[:, :n].expand(kv_heads, -1)
         probs = window_attention(q, kv.keys(layer))[:, 0]  # [heads, n] of the current query
         kept = mask.repeat_interleave(q.shape[1] // kv_heads, 0)[:, needle]  # [heads, needle]
+        self.kept.append(float((probs * mask.repeat_interleave(q.shape[1] // kv_heads, 0)).sum(-1).mean()))
         self.shares.append(float(mask[:, needle].float().mean()))
         self.mass.append((float((probs[:, needle] * kept).sum()), float(probs[:, needle].sum())))
         return selection
@@ -124,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
             passkey = str(rng.randint(10000, 99999))
             doc, needle = build_prompt(llm, length, depth, passkey)
             for m in methods.values():
-                m.needle, m.shares, m.mass = needle, [], []
+                m.needle, m.kept, m.shares, m.mass = needle, [], [], []
             started = time.perf_counter()
             outs = llm.compare(doc, list(methods.values()), question=QUESTION, max_new_tokens=args.max_new_tokens)
             for name, m, out in zip(methods, methods.values(), outs):
-                shares, mass = getattr(m, "shares", []), getattr(m, "mass", [])
+                kept, shares, mass = getattr(m, "kept", []), getattr(m, "shares", []), getattr(m, "mass", [])
                 rows.append(dict(length=length, depth=depth, method=name, correct=passkey in out.text,
-                                 share=sum(shares) / len(shares) if shares else None,  # None: full KV or EOS at once
+                                 kept=sum(kept) / len(kept) if kept else None,  # None: full KV or EOS at once
+                                 share=sum(shares) / len(shares) if shares else None,
                                  recall=sum(a for a, _ in mass) / sum(b for _, b in mass) if mass else None,
                                  prompt_tokens=out.stats.prompt_tokens,
                                  attended=out.stats.kv_attended_tokens, answer=out.text.strip()[:40],
@@ -139,15 +142,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"length {length} depth {depth}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
             if args.out:  # after every prompt, so an interrupted run keeps what it measured
                 Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"| method (budget {args.budget:g}) | accuracy | needle attention kept | needle tokens attended | "
-          "attended tokens | reuse rate |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| method (budget {args.budget:g}) | accuracy | attention kept | needle attention kept | "
+          "needle tokens attended | attended tokens | reuse rate |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in methods:
         mine = [r for r in rows if r["method"] == name]
         right = sum(r["correct"] for r in mine)
         moved = sum(r["reused"] + r["reloaded"] for r in mine)
         reuse = f"{sum(r['reused'] for r in mine) / moved:.2f}" if moved else "-"
-        print(f"| {name} | {right / len(mine):.2f} ({right}/{len(mine)}) | {mean(mine, 'recall')} | "
+        print(f"| {name} | {right / len(mine):.2f} ({right}/{len(mine)}) | {mean(mine, 'kept')} | "
+              f"{mean(mine, 'recall')} | "
               f"{mean(mine, 'share')} | {sum(r['attended'] for r in mine) / len(mine):.0f} | {reuse} |")
     return 0
 

@@ -12,6 +12,7 @@ from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import DynSplitKV, calibration
+from semkv.methods.dynsplit import prefilled_state
 from semkv.methods.dynsplit_offload import load_region
 from semkv.methods.dynsplit_split import AttentionDependency, dd_select
 from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, block_summaries, v2f_select
@@ -265,13 +266,8 @@ def test_per_document_weights(llm):
     method.bind(llm.config, llm.tokenizer, 16)
     assert method.own_prefill(False) and not DynSplitKV(budget=1.0).own_prefill(False)
     ids = llm.encode(TEXT, chat=False)[0]
-    seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
-    seq.method_state = method.new_state(seq)
-    try:
-        llm.engine.prefill(seq, method)
-    finally:
-        seq.kv.release()
-    changed = {t for t, w in seq.method_state.token_weights.items() if w != method.token_weights[t]}
+    state = prefilled_state(llm, method, ids)
+    changed = {t for t, w in state.token_weights.items() if w != method.token_weights[t]}
     assert changed and changed <= set(ids[128:400])
     assert generate(llm, method).token_ids == generate(llm, "full").token_ids
 

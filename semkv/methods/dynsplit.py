@@ -225,14 +225,8 @@ class DynSplitKV(KVMethod):
         used = 0
         for text in texts:
             ids = llm.encode(text, chat=False)[0][:max_tokens]
-            seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
-            seq.method_state = method.new_state(seq)
-            try:
-                llm.engine.prefill(seq, method)
-            finally:
-                seq.kv.release()
             used += len(ids)
-            for t, (s, c) in seq.method_state.dependency.by_token(ids).items():
+            for t, (s, c) in prefilled_state(llm, method, ids).dependency.by_token(ids).items():
                 old = totals.get(t, (0.0, 0))
                 totals[t] = (old[0] + s, old[1] + c)
         scores = {t: s / c for t, (s, c) in totals.items() if c >= MIN_OCCURRENCES}
@@ -242,3 +236,14 @@ class DynSplitKV(KVMethod):
         return dict(weights={str(t): round(w, 4) for t, w in weights.items()}, table=table, texts=len(texts),
                     tokens=used, future_window=method.future_window, overlap=method.overlap,
                     drop_penalty=method.drop_penalty)
+
+
+def prefilled_state(llm: Any, method: DynSplitKV, ids: list[int]) -> DynSplitState:
+    """Prefill `ids` through the engine with a bound `method` (the pages are released afterwards); the state."""
+    seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
+    seq.method_state = method.new_state(seq)
+    try:
+        llm.engine.prefill(seq, method)
+    finally:
+        seq.kv.release()
+    return seq.method_state
