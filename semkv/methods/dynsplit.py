@@ -7,30 +7,9 @@ closeness to the ideal length. V2F keeps the element-wise min and max of each ch
 query's attention to the chunk by `sum_d max(q_d * max_d, q_d * min_d)`, gives that bound to every token of the
 chunk and lets each KV head attend to its top `budget` tokens, chosen in one fixed-shape sort.
 
-Parameters
-----------
-budget: tokens each KV head of each layer attends to per decode step (the current token and `n_recent` included); a
-    float is a fraction of the current context.
-chunk_size: C, the base chunk length, 16: the best of {8, 16, 32, 64} on our passkey ablation (the paper gives no C;
-    its "window length between the initial end and the current position" of 14 could also be read as C).
-max_deviation: Delta, 14 (the paper's window parameter): a chunk ends within C +- Delta tokens of its start (and
-    after at least one token).
-alpha: DD-Select's balance of delimiter weight and closeness to C, 0.5 (the paper gives no value); 1.0 ignores
-    closeness, which is our reading of the paper's "without length control" ablation.
-split: "dynamic" (DD-Select) or "fixed" (chunks of exactly C: the "without delimiters" ablation).
-weights: "calibrated" (`semkv calibrate --method dynsplit` for this model, else the paper's Table 7), "table7",
-    "uniform" (all delimiters equal: "without weights") or "reversed" (importance order reversed).
-delimiters: characters that make a token a delimiter candidate, ".!?;:,'\\"()[]{}" and newline (Table 7's set plus
-    newline and the code delimiters).
-future_window, overlap, drop_penalty: Algorithm 1's W = 8, R = 128, alpha = 1 (the paper's values).
-document_tokens: 0 (off); > 0 re-estimates the weights of the delimiters seen in the first `document_tokens` prompt
-    tokens during prefill (the paper: weights differ across scenarios and converge within a few tokens).
-pooling: "minmax" (the paper's main setting) or "mean" (Appendix A.2: the score is q . mean key).
-group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest here).
-n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
-    Quest page, so the open chunk's latest keys are never dropped); both count in the budget.
-offload: False keeps all K/V on the device; True keeps them in a host store (the paper's CPU-GPU setting) and the
-    device holds only the tokens selected for the step; see `dynsplit_offload.py`.
+The method class is `DynSplitKV`; its helpers are `dynsplit_split.py` (delimiters, Algorithm 1, DD-Select),
+`dynsplit_v2f.py` (chunk summaries, scores, selection, per-sequence state) and `dynsplit_offload.py` (host offload
+with KV reuse).
 """
 from __future__ import annotations
 
@@ -57,6 +36,35 @@ CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "u
 
 @dataclass
 class DynSplitKV(KVMethod):
+    """DynSplit-KV: DD-Select chunks + V2F per-head token selection (Ye et al., 2026, "DynSplit-KV: Dynamic Semantic
+    Splitting for KVCache Compression in Efficient Long-Context LLM Inference", https://arxiv.org/abs/2602.03184).
+
+    Parameters
+    ----------
+    budget: tokens each KV head of each layer attends to per decode step (the current token and `n_recent` included); a
+        float is a fraction of the current context.
+    chunk_size: C, the base chunk length, 16: the best of {8, 16, 32, 64} on our passkey ablation (the paper gives no C;
+        its "window length between the initial end and the current position" of 14 could also be read as C).
+    max_deviation: Delta, 14 (the paper's window parameter): a chunk ends within C +- Delta tokens of its start (and
+        after at least one token).
+    alpha: DD-Select's balance of delimiter weight and closeness to C, 0.5 (the paper gives no value); 1.0 ignores
+        closeness, which is our reading of the paper's "without length control" ablation.
+    split: "dynamic" (DD-Select) or "fixed" (chunks of exactly C: the "without delimiters" ablation).
+    weights: "calibrated" (`semkv calibrate --method dynsplit` for this model, else the paper's Table 7), "table7",
+        "uniform" (all delimiters equal: "without weights") or "reversed" (importance order reversed).
+    delimiters: characters that make a token a delimiter candidate, ".!?;:,'\\"()[]{}" and newline (Table 7's set plus
+        newline and the code delimiters).
+    future_window, overlap, drop_penalty: Algorithm 1's W = 8, R = 128, alpha = 1 (the paper's values).
+    document_tokens: 0 (off); > 0 re-estimates the weights of the delimiters seen in the first `document_tokens` prompt
+        tokens during prefill (the paper: weights differ across scenarios and converge within a few tokens).
+    pooling: "minmax" (the paper's main setting) or "mean" (Appendix A.2: the score is q . mean key).
+    group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest).
+    n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
+        Quest page, so the open chunk's latest keys are never dropped); both count in the budget.
+    offload: False keeps all K/V on the device; True keeps them in a host store (the paper's CPU-GPU setting) and the
+        device holds only the tokens selected for the step; see `dynsplit_offload.py`.
+    """
+
     chunk_size: int = 16
     max_deviation: int = 14
     alpha: float = 0.5
@@ -219,6 +227,9 @@ class DynSplitKV(KVMethod):
         its occurrences, min-max normalised into a weight in [0, 1]; tokens seen fewer than MIN_OCCURRENCES times
         keep their Table 7 weight. Attention is recomputed chunk by chunk inside the engine's prefill
         (`observe_prefill`), so no L x L map is ever held."""
+        if max_tokens <= cls.overlap:
+            raise SemkvError(f"max_tokens={max_tokens} must exceed the overlap R={cls.overlap}: only delimiters at "
+                             "positions >= R are scored")
         method = cls(document_tokens=max_tokens, weights="table7")
         method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
         totals: dict[int, tuple[float, int]] = {}
