@@ -25,6 +25,8 @@ MATRIX: dict[str, list[dict]] = {
     "infllm": [dict(), dict(n_init=2, block_size=4, n_repr=2, per_head=True)],
     "chunkkv": [dict(), dict(window=8, chunk_size=3, reuse_layers=2, per_head=True, query_aware=False)],
     "sentencekv": [dict(), dict(keep_factor=1.0, query="current", buckets="chunks", offload=True, offload_chunk=1)],
+    "dynsplit": [dict(), dict(chunk_size=6, max_deviation=3, alpha=1.0, pooling="mean", group_reduce="max", n_sink=2,
+                              n_recent=1, offload=True)],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]

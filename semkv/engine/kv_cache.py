@@ -114,18 +114,17 @@ class SeqKV:
         return self.table[layer][slots // size] * size + slots % size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Store tokens: slots [T] (all heads) or [T, kv_heads] (per head), k/v [T, kv_heads, D], pos [T] (or
-        [T, kv_heads] with per-head slots, when the heads store different tokens)."""
+        """Store tokens: slots [T] (all heads) or [T, kv_heads] (per head), k/v [T, kv_heads, D], pos [T] or
+        [T, kv_heads] (heads holding different tokens)."""
         kf, vf, pf = self.pool.flat()
         rows = self.physical(layer, slots)
+        pos = pos.to(torch.int32)
+        pos = pos if pos.dim() == 2 else pos[:, None].expand(-1, self.pool.num_kv_heads)
         if rows.dim() == 1:
-            kf[rows], vf[rows] = k, v
-            pf[rows] = pos.to(torch.int32)[:, None].expand(-1, self.pool.num_kv_heads)
+            kf[rows], vf[rows], pf[rows] = k, v, pos
         else:
             heads = torch.arange(self.pool.num_kv_heads, device=rows.device)[None, :]
-            kf[rows, heads], vf[rows, heads] = k, v
-            pos = pos.to(torch.int32)
-            pf[rows, heads] = pos if pos.dim() == 2 else pos[:, None].expand_as(rows)
+            kf[rows, heads], vf[rows, heads], pf[rows, heads] = k, v, pos
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """slots [kv_heads or 1, n] -> keys, values [kv_heads, n, D] and positions [kv_heads, n]."""

@@ -6,6 +6,7 @@ from typing import Any
 from semkv.errors import SemkvError
 from semkv.methods.base import DecodeBatch, KVMethod, Selection
 from semkv.methods.chunkkv import ChunkKV
+from semkv.methods.dynsplit import DynSplitKV
 from semkv.methods.full import FullKV
 from semkv.methods.h2o import H2O
 from semkv.methods.infllm import InfLLM
@@ -16,15 +17,16 @@ from semkv.methods.sentencekv import SentenceKV
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
 
+# baselines first, then the five methods of the papers semkv is built around
 METHODS: dict[str, type[KVMethod]] = {
-    cls.name: cls for cls in (
-        FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM, ChunkKV, SentenceKV
-    )
+    cls.name: cls
+    for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM,
+                ChunkKV, SentenceKV, DynSplitKV)
 }
 
 __all__ = [
-    "METHODS", "ChunkKV", "DecodeBatch", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff", "PyramidKV",
-    "Quest", "Selection", "SentenceKV", "SnapKV", "StreamingLLM", "get_method",
+    "METHODS", "ChunkKV", "DecodeBatch", "DynSplitKV", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff",
+    "PyramidKV", "Quest", "Selection", "SentenceKV", "SnapKV", "StreamingLLM", "get_method",
 ]
 
 

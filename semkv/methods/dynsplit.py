@@ -1,0 +1,260 @@
+"""DynSplit-KV (Ye et al., 2026, "DynSplit-KV: Dynamic Semantic Splitting for KVCache Compression in Efficient
+Long-Context LLM Inference", https://arxiv.org/abs/2602.03184).
+
+The cache is cut into variable-length semantic chunks by DD-Select: each chunk ends near `chunk_size` tokens, at the
+delimiter that best trades its importance weight (measured per model by attention dependency, Algorithm 1) against
+closeness to the ideal length. V2F keeps the element-wise min and max of each chunk's keys, bounds the current
+query's attention to the chunk by `sum_d max(q_d * max_d, q_d * min_d)`, gives that bound to every token of the
+chunk and lets each KV head attend to its top `budget` tokens, chosen in one fixed-shape sort.
+
+The method class is `DynSplitKV`; its helpers are `dynsplit_split.py` (delimiters, Algorithm 1, DD-Select),
+`dynsplit_v2f.py` (chunk summaries, scores, selection, per-sequence state) and `dynsplit_offload.py` (host offload
+with KV reuse).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.offload import HostKVStore
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.errors import SemkvError
+from semkv.methods import calibration
+from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
+from semkv.methods.dynsplit_offload import load_region
+from semkv.methods.dynsplit_split import (DEFAULT_DELIMITERS, AttentionDependency, arrange_weights, dd_select,
+                                          delimiter_candidates, normalise, table7_weight)
+from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, v2f_select
+
+MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
+CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
+           "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max")}
+
+
+@dataclass
+class DynSplitKV(KVMethod):
+    """DynSplit-KV: DD-Select chunks + V2F per-head token selection (Ye et al., 2026, "DynSplit-KV: Dynamic Semantic
+    Splitting for KVCache Compression in Efficient Long-Context LLM Inference", https://arxiv.org/abs/2602.03184).
+
+    Parameters
+    ----------
+    budget: tokens each KV head of each layer attends to per decode step (the current token and `n_recent` included); a
+        float is a fraction of the current context.
+    chunk_size: C, the base chunk length, 16: the best of {8, 16, 32, 64} on our passkey ablation (the paper gives no C;
+        its "window length between the initial end and the current position" of 14 could also be read as C).
+    max_deviation: Delta, 14 (the paper's window parameter): a chunk ends within C +- Delta tokens of its start (and
+        after at least one token).
+    alpha: DD-Select's balance of delimiter weight and closeness to C, 0.5 (the paper gives no value); 1.0 ignores
+        closeness, which is our reading of the paper's "without length control" ablation.
+    split: "dynamic" (DD-Select) or "fixed" (chunks of exactly C: the "without delimiters" ablation).
+    weights: "calibrated" (`semkv calibrate --method dynsplit` for this model, else the paper's Table 7), "table7",
+        "uniform" (all delimiters equal: "without weights") or "reversed" (importance order reversed).
+    delimiters: characters that make a token a delimiter candidate, ".!?;:,'\\"()[]{}" and newline (Table 7's set plus
+        newline and the code delimiters).
+    future_window, overlap, drop_penalty: Algorithm 1's W = 8, R = 128, alpha = 1 (the paper's values).
+    document_tokens: 0 (off); > 0 re-estimates the weights of the delimiters seen in the first `document_tokens` prompt
+        tokens during prefill (the paper: weights differ across scenarios and converge within a few tokens).
+    pooling: "minmax" (the paper's main setting) or "mean" (Appendix A.2: the score is q . mean key).
+    group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest).
+    n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
+        Quest page, so the open chunk's latest keys are never dropped); both count in the budget.
+    offload: False keeps all K/V on the device; True keeps them in a host store (the paper's CPU-GPU setting) and the
+        device holds only the tokens selected for the step; see `dynsplit_offload.py`.
+    """
+
+    chunk_size: int = 16
+    max_deviation: int = 14
+    alpha: float = 0.5
+    split: str = "dynamic"
+    weights: str = "calibrated"
+    delimiters: str = DEFAULT_DELIMITERS
+    future_window: int = 8
+    overlap: int = 128
+    drop_penalty: float = 1.0
+    document_tokens: int = 0
+    pooling: str = "minmax"
+    group_reduce: str = "mean"
+    n_sink: int = 0
+    n_recent: int = 16
+    offload: bool = False
+
+    kind = "selection"
+    name = "dynsplit"
+    summary = "DynSplit-KV: delimiter-weighted semantic chunks, per-head top tokens by chunk min/max key bounds"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("chunk_size", self.chunk_size, 1, None, int)
+        check_range("max_deviation", self.max_deviation, 0, None, int)
+        check_range("alpha", self.alpha, 0.0, 1.0)
+        check_range("future_window", self.future_window, 1, None, int)
+        check_range("overlap", self.overlap, 1, None, int)
+        check_range("drop_penalty", self.drop_penalty, 0.0, None)
+        check_range("document_tokens", self.document_tokens, 0, None, int)
+        if 0 < self.document_tokens <= self.overlap:
+            raise SemkvError(f"document_tokens={self.document_tokens} must be 0 (off) or > overlap={self.overlap}: "
+                             "only delimiters at positions >= overlap are scored")
+        check_range("n_sink", self.n_sink, 0, None, int)
+        check_range("n_recent", self.n_recent, 0, None, int)
+        check_range("offload", self.offload, types=bool)
+        for field, allowed in CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise SemkvError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(map(repr, allowed))}")
+        if not isinstance(self.delimiters, str) or not self.delimiters:
+            raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+    def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
+        super().bind(model, tokenizer, page_size)
+        self.candidates = delimiter_candidates(tokenizer, self.delimiters)  # token id -> text
+        base = {t: table7_weight(text) for t, text in self.candidates.items()}
+        saved = calibration.load(self.name, model.source) if self.weights != "table7" else None
+        if saved:
+            base.update({int(t): w for t, w in saved["weights"].items() if int(t) in self.candidates})
+        self.base_weights = base
+        self.token_weights = arrange_weights(base, self.weights)
+
+    def new_state(self, seq: Sequence) -> DynSplitState:
+        pool = seq.kv.pool
+        store = HostKVStore(pool.num_layers, pool.device) if self.offload else None
+        return DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
+
+    def own_prefill(self, has_question: bool) -> bool:
+        return self.document_tokens > 0  # otherwise the prefill is plain Full KV and can be shared
+
+    # -- prefill --------------------------------------------------------------------------------------------------
+    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
+        if start >= self.document_tokens:
+            return
+        state = seq.method_state
+        if state.dependency is None:
+            is_delimiter = torch.tensor([t in self.candidates for t in seq.prompt_ids])
+            state.dependency = AttentionDependency(is_delimiter, self.future_window, self.overlap,
+                                                   self.drop_penalty, self.document_tokens)
+        n = min(start + q.shape[0], self.document_tokens)
+        keys = seq.kv.gather(layer, torch.arange(n, device=q.device)[None])[0]  # [kv_heads, n, D]
+        state.dependency.observe(q, keys, start)
+
+    def finish_prefill(self, seq: Sequence) -> None:
+        state = seq.method_state
+        if state.dependency is not None:
+            scores = {t: s / c for t, (s, c) in state.dependency.by_token(seq.prompt_ids).items()
+                      if c >= MIN_OCCURRENCES}
+            state.token_weights = arrange_weights({**self.base_weights, **normalise(scores)}, self.weights)
+        self._extend(state, seq.prompt_ids)
+        kv = seq.kv
+        for layer in range(kv.pool.num_layers):
+            keys, values, positions = kv.gather(layer, kv.all_slots(layer))
+            state.summarise(layer, keys, self.pooling)
+            if self.offload:
+                state.store.put(layer, keys, values, positions)
+                kv.truncate(layer, 0)
+                state.previous[layer] = positions[:, :0].long()
+        state.pending = 0
+        if self.offload:
+            seq.stats.d2h_bytes = state.store.d2h_bytes
+
+    def _extend(self, state: DynSplitState, tokens: list[int]) -> None:
+        """Append tokens to the split; close the chunks whose search range is now complete."""
+        state.append(tokens)
+        ends = dd_select(state.position_weights, state.open_start, self.chunk_size, self.max_deviation, self.alpha,
+                         fixed=self.split == "fixed")
+        state.close(ends)
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    def _k(self, seq: Sequence) -> int:
+        """Tokens attended this step."""
+        return min(resolve_budget(self.budget, seq.num_computed + 1), len(seq.method_state.ids))
+
+    def begin_step(self, batch: DecodeBatch) -> None:
+        for seq in batch.seqs:
+            self._extend(seq.method_state, [seq.last_token])
+            if self.offload:  # the step's region must have pages before the engine snapshots the page tables
+                for layer in range(seq.kv.pool.num_layers):
+                    seq.kv.ensure_slots(layer, max(self._k(seq), seq.kv.num_slots[layer] + 1))
+        return None
+
+    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        seqs, device = batch.seqs, q.device
+        for b, seq in enumerate(seqs):
+            slot = torch.tensor([[int(batch.num_slots[b, layer]) - 1]], device=device)
+            k_new, v_new, _ = seq.kv.gather(layer, slot)  # [kv_heads, 1, D]: the current token
+            state = seq.method_state
+            if self.offload:
+                state.store.put(layer, k_new, v_new, torch.full(k_new.shape[:2], len(state.ids) - 1, device=device))
+            state.summarise(layer, k_new, self.pooling)
+        n = torch.tensor([len(s.method_state.ids) for s in seqs], device=device)  # [B]
+        k = torch.tensor([self._k(s) for s in seqs], device=device)  # [B]
+        width = int(n.max())
+        if not self.offload and bool((k >= n).all()):
+            mask = torch.arange(width, device=device)[None, None] < n[:, None, None]
+            self._count_reuse(seqs, layer, mask.expand(-1, batch.model.num_kv_heads, -1))
+            return None
+        summaries, labels = DynSplitState.stack([s.method_state for s in seqs], layer, width)
+        scores = block_scores(q, summaries, self.pooling, self.group_reduce)  # [B, kv_heads, n_blocks]
+        pos = torch.arange(width, device=device)[None]
+        recent = torch.minimum(k, torch.tensor(self.n_recent, device=device))
+        sinks = torch.minimum(k - recent, torch.tensor(self.n_sink, device=device))
+        forced = ((pos >= (n - recent)[:, None]) | (pos < sinks[:, None])) & (pos < n[:, None])  # [B, width]
+        mask = v2f_select(scores, labels, k, forced)  # [B, kv_heads, width]
+        if not self.offload:
+            self._count_reuse(seqs, layer, mask)
+            return Selection.from_mask(mask)
+        for b, seq in enumerate(seqs):
+            load_region(seq, layer, Selection.from_mask(mask[b:b + 1]).slots[0, :, : int(k[b])])
+        heads = batch.model.num_kv_heads
+        slots = torch.arange(int(k.max()), device=device)[None, None].expand(len(seqs), heads, -1)
+        return Selection(slots=slots, lengths=k[:, None].expand(-1, heads))
+
+    def _count_reuse(self, seqs: list[Sequence], layer: int, mask: torch.Tensor) -> None:
+        """Selected tokens (the current one aside) that were / were not selected at the previous step of this layer."""
+        for b, seq in enumerate(seqs):
+            state = seq.method_state
+            n = len(state.ids)
+            now = mask[b, :, : n - 1]
+            before = state.previous[layer]
+            reused = 0 if before is None else int((now[:, : before.shape[1]] & before).sum())
+            state.count(seq, reused=reused, reloaded=int(now.sum()) - reused)
+            state.previous[layer] = mask[b, :, :n].clone()
+
+    # -- calibration ----------------------------------------------------------------------------------------------
+    @classmethod
+    def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:
+        """Algorithm 1 over `texts` (each cut to `max_tokens`): per delimiter token, the mean dependency score s of
+        its occurrences, min-max normalised into a weight in [0, 1]; tokens seen fewer than MIN_OCCURRENCES times
+        keep their Table 7 weight. Attention is recomputed chunk by chunk inside the engine's prefill
+        (`observe_prefill`), so no L x L map is ever held."""
+        if max_tokens <= cls.overlap:
+            raise SemkvError(f"max_tokens={max_tokens} must exceed the overlap R={cls.overlap}: only delimiters at "
+                             "positions >= R are scored")
+        method = cls(document_tokens=max_tokens, weights="table7")
+        method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+        totals: dict[int, tuple[float, int]] = {}
+        used = 0
+        for text in texts:
+            ids = llm.encode(text, chat=False)[0][:max_tokens]
+            used += len(ids)
+            for t, (s, c) in prefilled_state(llm, method, ids).dependency.by_token(ids).items():
+                old = totals.get(t, (0.0, 0))
+                totals[t] = (old[0] + s, old[1] + c)
+        scores = {t: s / c for t, (s, c) in totals.items() if c >= MIN_OCCURRENCES}
+        weights = normalise(scores)
+        table = [dict(token=method.candidates[t], id=t, score=round(scores[t], 5), weight=round(w, 4),
+                      count=totals[t][1]) for t, w in sorted(weights.items(), key=lambda kv: -kv[1])]
+        return dict(weights={str(t): round(w, 4) for t, w in weights.items()}, table=table, texts=len(texts),
+                    tokens=used, future_window=method.future_window, overlap=method.overlap,
+                    drop_penalty=method.drop_penalty)
+
+
+def prefilled_state(llm: Any, method: DynSplitKV, ids: list[int]) -> DynSplitState:
+    """Prefill `ids` through the engine with a bound `method` (the pages are released afterwards); the state."""
+    seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
+    seq.method_state = method.new_state(seq)
+    try:
+        llm.engine.prefill(seq, method)
+    finally:
+        seq.kv.release()
+    return seq.method_state

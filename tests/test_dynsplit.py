@@ -1,0 +1,293 @@
+"""DynSplit-KV: Algorithm 1, DD-Select, V2F bounds and selection, KV reuse with offload, calibration round trip."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import semkv
+from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.offload import HostKVStore
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.methods import DynSplitKV, calibration
+from semkv.methods.dynsplit import prefilled_state
+from semkv.methods.dynsplit_offload import load_region
+from semkv.methods.dynsplit_split import AttentionDependency, dd_select
+from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, block_summaries, v2f_select
+
+TEXT = ("The cache is split into chunks. Each chunk ends at a delimiter; the weight decides which one! Does it work? "
+        "Yes: it does, mostly (as far as we know).\n") * 12  # 456 tokens: each delimiter 7 times past R = 128
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48)
+
+
+def generate(llm, method, prompt=TEXT, new=10):
+    return llm.generate(prompt, method=method, max_new_tokens=new, chat=False, ignore_eos=True)[0]
+
+
+# -- Algorithm 1 ------------------------------------------------------------------------------------------------------
+
+def test_algorithm1_on_a_hand_computed_map():
+    attention = torch.tensor([  # causal rows, each sums to 1
+        [1.0, 0, 0, 0, 0, 0],
+        [0.6, 0.4, 0, 0, 0, 0],
+        [0.5, 0.25, 0.25, 0, 0, 0],
+        [0.4, 0.1, 0.2, 0.3, 0, 0],
+        [0.5, 0.1, 0.1, 0.1, 0.2, 0],
+        [0.3, 0.1, 0.1, 0.2, 0.1, 0.2],
+    ])
+    is_delimiter = torch.tensor([False, True, True, True, False, True])
+    ids = [10, 12, 12, 12, 13, 12]
+    # W = 2, R = 2. i = 2: F = {3, 4}, O = {1, 2}, D = {0}: q3 0.3 - 0.4, q4 0.2 - 0.5 -> s = -0.2
+    # i = 3: F = {4, 5}, O = {2, 3}, D = {0, 1}: q4 0.2 - 0.6, q5 0.3 - 0.4 -> s = -0.25
+    # i = 1 < R and i = 5 (no future query) are not scored.
+    for alpha, expected in ((1.0, {2: -0.2, 3: -0.25}), (0.5, {2: 0.025, 3: 0.0})):
+        dep = AttentionDependency(is_delimiter, future_window=2, overlap=2, drop_penalty=alpha, limit=6)
+        dep.add_rows(attention, torch.arange(6))
+        scored = {i: float(dep.sums[i] / dep.counts[i]) for i in range(6) if dep.counts[i]}
+        assert scored.keys() == expected.keys()
+        for i, s in expected.items():
+            assert scored[i] == pytest.approx(s, abs=1e-6)
+        total, count = dep.by_token(ids)[12]
+        assert count == 2 and total / count == pytest.approx(sum(expected.values()) / 2, abs=1e-6)
+
+
+def test_dependency_chunk_by_chunk_equals_the_full_map():
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim = 40, 4, 2, 8
+    q, keys = torch.randn(n, heads, dim), torch.randn(kv_heads, n, dim)
+    is_delimiter = torch.rand(n) < 0.4
+    scores = torch.einsum("qhd,hkd->hqk", q, keys.repeat_interleave(heads // kv_heads, 0)) / math.sqrt(dim)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    full_map = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).mean(0)  # [n, n]
+    whole = AttentionDependency(is_delimiter, 3, 5, 1.0, n)
+    whole.add_rows(full_map, torch.arange(n))
+    chunked = AttentionDependency(is_delimiter, 3, 5, 1.0, n)
+    for start in range(0, n, 7):
+        end = min(start + 7, n)
+        chunked.observe(q[start:end], keys[:, :end], start)
+    assert torch.equal(whole.counts, chunked.counts) and int(whole.counts.sum()) > 0
+    assert torch.allclose(whole.sums, chunked.sums, atol=1e-6)
+
+
+def test_calibration_matches_transformers_attention_maps(llm, tiny_model_dir, monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("SEMKV_CACHE_DIR", str(tmp_path))
+    data = DynSplitKV.calibrate(llm, [TEXT], 400)
+    ids = llm.encode(TEXT, chat=False)[0][:400]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), attn_implementation="eager").eval()
+    with torch.no_grad():
+        maps = hf(torch.tensor([ids]), output_attentions=True).attentions  # layers x [1, heads, n, n]
+    method = DynSplitKV(budget=1.0)
+    method.bind(llm.config, llm.tokenizer, 16)
+    dep = AttentionDependency(torch.tensor([t in method.candidates for t in ids]), 8, 128, 1.0, len(ids))
+    dep.add_rows(torch.stack(maps)[:, 0].mean((0, 1)), torch.arange(len(ids)))
+    expected = {t: s / c for t, (s, c) in dep.by_token(ids).items() if c >= 5}
+    assert {row["id"]: row["score"] for row in data["table"]} == pytest.approx(expected, abs=1e-4)
+    weights = {int(t): w for t, w in data["weights"].items()}
+    assert max(weights.values()) == 1.0 and min(weights.values()) == 0.0
+    # bind reads the saved calibration back; weights="table7" ignores it
+    calibration.save("dynsplit", llm.config.source, data)
+    method.bind(llm.config, llm.tokenizer, 16)
+    assert all(method.token_weights[t] == w for t, w in weights.items())
+    table7 = DynSplitKV(budget=1.0, weights="table7")
+    table7.bind(llm.config, llm.tokenizer, 16)
+    assert table7.token_weights[llm.tokenizer.convert_tokens_to_ids(".")] == 1.0
+
+
+# -- DD-Select --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dd_select_respects_the_range_and_picks_the_best_delimiter(seed):
+    rng = random.Random(seed)
+    n, size, deviation = rng.randint(50, 400), rng.randint(2, 40), rng.randint(0, 20)
+    alpha = rng.choice([0.0, 0.3, 0.5, 1.0])
+    weights = [rng.choice([-1.0, -1.0, -1.0, round(rng.random(), 1)]) for _ in range(n)]
+    ends = dd_select(weights, 0, size, deviation, alpha)
+    start = 0
+    for end in ends:
+        target = start + size
+        assert max(1, size - deviation) <= end - start <= size + deviation
+        window = range(max(start + 1, target - deviation), target + deviation + 1)
+        candidates = [e for e in window if weights[e - 1] >= 0]
+
+        def score(e):
+            return alpha * weights[e - 1] + (1 - alpha) * (1 - abs(e - target) / deviation if deviation else 1.0)
+
+        if candidates:
+            best = max(score(e) for e in candidates)
+            assert weights[end - 1] >= 0 and score(end) == best
+            assert end == min(e for e in candidates if score(e) == best)  # ties: the earlier boundary
+        else:
+            assert end == target
+        start = end
+    assert start + size + deviation > n  # everything that could be closed was closed
+    for m in (n // 3, n // 2, n - 1):  # a prefix is split as the whole sequence is (decode recomputes the tail only)
+        prefix = dd_select(weights[:m], 0, size, deviation, alpha)
+        assert prefix == ends[: len(prefix)] and (prefix[-1] if prefix else 0) + size + deviation > m
+    assert dd_select(weights, 0, size, deviation, alpha, fixed=True) == list(range(size, n - deviation + 1, size))
+
+
+def test_incremental_split_equals_one_shot():
+    rng = random.Random(3)
+    tokens = [rng.choice([1, 2, 3, 4, 5, 6]) for _ in range(300)]
+    method = DynSplitKV(budget=1.0, chunk_size=12, max_deviation=5)
+    weights = {2: 0.9, 5: 0.3}
+    one_shot, stepwise = (DynSplitState(1, None, weights, torch.device("cpu")) for _ in range(2))
+    method._extend(one_shot, tokens)
+    method._extend(stepwise, tokens[:100])
+    for t in tokens[100:]:
+        method._extend(stepwise, [t])
+    assert stepwise.ends == one_shot.ends and len(one_shot.ends) > 10
+    assert torch.equal(stepwise.labels[:300], one_shot.labels[:300])
+    assert torch.equal(one_shot.labels[:300], torch.searchsorted(torch.tensor(one_shot.ends), torch.arange(300),
+                                                                 right=True))
+
+
+# -- V2F --------------------------------------------------------------------------------------------------------------
+
+def random_chunks(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Chunk label of each of n positions, chunks of random lengths 1..9."""
+    lengths = torch.randint(1, 10, (n,), generator=gen)
+    return torch.repeat_interleave(torch.arange(n), lengths)[:n]
+
+
+@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+def test_v2f_bound_is_never_below_the_true_max(group_reduce):
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, group, n, dim = 3, 1 if group_reduce == "mean" else 3, 200, 16
+    keys = torch.randn(kv_heads, n, dim, generator=gen)
+    labels = random_chunks(n, gen)
+    n_blocks = int(labels.max()) + 1
+    summaries = block_summaries(keys, labels, n_blocks, "minmax")
+    for _ in range(5):
+        q = torch.randn(1, kv_heads * group, dim, generator=gen)
+        bound = block_scores(q, summaries[None], "minmax", group_reduce)[0]  # [kv_heads, n_blocks]
+        qk = torch.einsum("hgd,hnd->hgn", q[0].view(kv_heads, group, dim), keys).amax(1)  # [kv_heads, n]
+        true_max = torch.full((kv_heads, n_blocks), float("-inf")).scatter_reduce(1, labels[None].expand(kv_heads, -1),
+                                                                                 qk, "amax")
+        assert (bound >= true_max - 1e-4).all()
+    mean = block_summaries(keys, labels, n_blocks, "mean")[0]
+    assert torch.allclose(mean[:, 0], keys[:, labels == 0].mean(1), atol=1e-6)
+
+
+def reference_selection(scores, labels, k, forced):
+    """Per head: forced tokens, then whole chunks by descending score (equal scores: earlier chunk), each from its
+    start, until k tokens."""
+    batch, heads, _ = scores.shape
+    mask = torch.zeros(batch, heads, labels.shape[1], dtype=torch.bool)
+    for b in range(batch):
+        n = int((labels[b] >= 0).sum())
+        for h in range(heads):
+            chosen = [t for t in range(n) if forced[b, t]]
+            blocks = sorted(set(labels[b, :n].tolist()), key=lambda j: (-float(scores[b, h, j]), j))
+            for j in blocks:
+                for t in range(n):
+                    if labels[b, t] == j and not forced[b, t] and len(chosen) < k[b]:
+                        chosen.append(t)
+            mask[b, h, chosen] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_v2f_selection_equals_a_per_block_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [150, 97]
+    labels = torch.full((2, 150), -1)
+    for b, n in enumerate(lengths):
+        labels[b, :n] = random_chunks(n, gen)
+    n_blocks = int(labels.max()) + 1
+    scores = torch.randint(0, 6, (2, 3, n_blocks), generator=gen).float()  # few values: many ties
+    k = torch.tensor([40, 97 if seed == 0 else 23])
+    forced = torch.zeros(2, 150, dtype=torch.bool)
+    forced[0, 140:150], forced[1, :2], forced[1, 95:97] = True, True, True
+    mask = v2f_select(scores, labels, k, forced)
+    assert torch.equal(mask, reference_selection(scores, labels, k, forced))
+    assert torch.equal(mask.sum(-1), k[:, None].expand(-1, 3))
+
+
+# -- KV reuse and offload ---------------------------------------------------------------------------------------------
+
+def test_load_region_reuses_what_is_resident():
+    heads, dim, n = 2, 4, 30
+    pool = KVPool(1, heads, dim, 4, torch.float32, torch.device("cpu"))
+    seq = Sequence(0, list(range(n)), SamplingParams(), SeqKV(pool))
+    state = seq.method_state = DynSplitState(1, HostKVStore(1, torch.device("cpu")), {}, torch.device("cpu"))
+    state.ids = list(range(n))
+    keys, values = torch.randn(heads, n, dim), torch.randn(heads, n, dim)
+    positions = torch.arange(n).repeat(heads, 1)
+    state.store.put(0, keys, values, positions)
+    previous = torch.tensor([[1, 5, 8, 20], [2, 5, 9, 11]])  # the last step's region, then the current token (29)
+    resident = torch.cat([previous, torch.full((heads, 1), n - 1)], 1)
+    seq.kv.ensure_slots(0, 6)
+    rows = torch.arange(heads)[:, None]
+    seq.kv.write(0, torch.arange(5), keys[rows, resident].transpose(0, 1), values[rows, resident].transpose(0, 1),
+                 resident.T)
+    seq.kv.num_slots[0] = 5
+    state.previous[0] = previous
+    wanted = torch.tensor([[3, 5, 8, 21, 29], [2, 5, 9, 11, 29]])
+    fetched_before = state.store.h2d_bytes
+    load_region(seq, 0, wanted)
+    got_k, got_v, got_pos = seq.kv.gather(0, torch.arange(5)[None].expand(heads, -1))
+    assert torch.equal(got_k, keys[rows, wanted]) and torch.equal(got_v, values[rows, wanted])
+    assert torch.equal(got_pos, wanted.to(torch.int32)) and seq.kv.num_slots[0] == 5
+    extra = seq.stats.extra
+    assert extra["kv_reused"] == 2 + 4 and extra["kv_reloaded"] == 2 + 0  # the current token counts in neither
+    assert extra["kv_fetched"] == heads * 2  # equal loads per head: head 1 reloads two of its hits
+    assert state.store.h2d_bytes - fetched_before == heads * 2 * 2 * dim * 4
+
+
+def test_offload_equals_device_resident_and_counts_reuse(llm):
+    device = generate(llm, DynSplitKV(budget=40))
+    offload = generate(llm, DynSplitKV(budget=40, offload=True))
+    assert offload.token_ids == device.token_ids
+    s, layers, heads, dim = offload.stats, llm.config.num_layers, llm.config.num_kv_heads, llm.config.head_dim
+    steps = s.new_tokens - 1
+    selected = steps * layers * heads * (40 - 1)  # per step, layer and head: the budget minus the current token
+    for stats in (s, device.stats):
+        assert stats.extra["kv_reused"] + stats.extra["kv_reloaded"] == selected
+        assert stats.extra["kv_reloaded"] >= layers * heads * (40 - 1)  # the first step loads everything
+        assert stats.extra["kv_reused"] > 0
+    assert s.extra["kv_reused"] == device.stats.extra["kv_reused"]
+    assert s.extra["kv_reloaded"] <= s.extra["kv_fetched"] < selected
+    token_bytes = 2 * dim * 4  # one token of one KV head: key and value in float32
+    assert s.h2d_bytes == s.extra["kv_fetched"] * token_bytes
+    assert s.d2h_bytes == (s.prompt_tokens + steps) * layers * heads * token_bytes
+    assert s.kv_resident_tokens <= 40 < device.stats.kv_resident_tokens
+
+
+def test_per_document_weights(llm):
+    method = DynSplitKV(budget=1.0, document_tokens=400)
+    method.bind(llm.config, llm.tokenizer, 16)
+    assert method.own_prefill(False) and not DynSplitKV(budget=1.0).own_prefill(False)
+    ids = llm.encode(TEXT, chat=False)[0]
+    state = prefilled_state(llm, method, ids)
+    changed = {t for t, w in state.token_weights.items() if w != method.token_weights[t]}
+    assert changed and changed <= set(ids[128:400])
+    assert generate(llm, method).token_ids == generate(llm, "full").token_ids
+
+
+@pytest.mark.parametrize("params", [dict(chunk_size=0), dict(max_deviation=-1), dict(alpha=1.5),
+                                    dict(split="sentences"), dict(weights="learned"), dict(pooling="max"),
+                                    dict(document_tokens=64), dict(offload=1), dict(delimiters="")])
+def test_bad_parameters_are_rejected(params):
+    with pytest.raises(semkv.SemkvError):
+        DynSplitKV(budget=0.1, **params)
+
+
+@pytest.mark.slow
+def test_embedded_model_offload_equals_device_and_full_budget_is_exact(smol_llm, essay_text):
+    doc = essay_text[:3000] + " The secret passkey is 73914. Remember it. " + essay_text[3000:4500]
+    question = "What is the secret passkey? Answer with the number only."
+    methods = [DynSplitKV(budget=0.2), DynSplitKV(budget=0.2, offload=True), DynSplitKV(budget=1.0, offload=True)]
+    full, device, offload, exact = smol_llm.compare(doc, [semkv.methods.FullKV()] + methods, question=question,
+                                                    max_new_tokens=12)
+    assert exact.token_ids == full.token_ids
+    assert offload.token_ids == device.token_ids
+    assert device.stats.kv_attended_max <= math.ceil(0.2 * (device.stats.prompt_tokens + 12))
