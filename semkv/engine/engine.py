@@ -43,7 +43,9 @@ class PrefillStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         rotate = self.engine.rotary.rotate
-        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+        by_rank = self.method.rope_by_rank()
+        if not by_rank:
+            q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
         kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
         start = kv.num_slots[layer]
         kv.ensure_slots(layer, start + chunk)
@@ -51,7 +53,13 @@ class PrefillStep:
         kv.num_slots[layer] = start + chunk
         self.method.observe_prefill(layer, self.seq, q, start)
         context = self.method.prefill_context(layer, self.seq, q, start)
-        out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
+        key_rope = None
+        if by_rank:  # ranks: the context slots first, then the chunk
+            n_ctx = start if context is None else context.shape[1]
+            key_rope = self.engine.rank_rope(n_ctx + chunk)
+            q = rotate(q, key_rope[0][n_ctx:], key_rope[1][n_ctx:])
+        out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
+                                          key_rope)
         if self.record_window:
             self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
         if self.evict:
@@ -85,7 +93,9 @@ class DecodeStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool, batch = self.engine, self.engine.pool, self.batch
         rotate = engine.rotary.rotate
-        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+        by_rank = self.method.rope_by_rank()
+        if not by_rank:
+            q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
         size = pool.page_size
         tables = self.tables[:, layer]  # [B, max_pages]
         slots = self.write_slots[:, layer]  # [B, kv_heads]
@@ -97,12 +107,14 @@ class DecodeStep:
         started = time.perf_counter()
         selection = self.method.select(layer, batch, q)
         self.selection_s += time.perf_counter() - started
-        if selection is None:
-            lengths = batch.num_slots[:, layer : layer + 1]
-            out = reference.decode_attention(q, pool.k, pool.v, tables, None, lengths, engine.scale)
-        else:
-            lengths = selection.lengths
-            out = reference.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
+        slots = None if selection is None else selection.slots
+        lengths = batch.num_slots[:, layer : layer + 1] if selection is None else selection.lengths  # [B, S]
+        key_rope = None
+        if by_rank:  # the query takes the rank of the last attended key, its own
+            key_rope = engine.rank_rope(int(lengths.max()))
+            ranks = (lengths - 1).repeat_interleave(q.shape[1] // lengths.shape[1], dim=1).flatten()  # [B * heads]
+            q = rotate(q.reshape(-1, 1, q.shape[-1]), key_rope[0][ranks], key_rope[1][ranks]).view_as(q)
+        out = reference.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale, key_rope=key_rope)
         self.attended_sum += lengths.float().mean(-1)
         self.attended_max = torch.maximum(self.attended_max, lengths.max(-1).values)
         return out
@@ -121,6 +133,14 @@ class Engine:
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
         self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
+        self._rank_cos_sin = (torch.empty(0), torch.empty(0))
+
+    def rank_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, head_dim] of ranks 0..n-1, for methods whose attention rotates keys by rank (cached)."""
+        if self._rank_cos_sin[0].shape[0] < n:
+            size = -(-n // 1024) * 1024
+            self._rank_cos_sin = self.rotary.cos_sin(torch.arange(size, device=self.device), self.dtype, seq_len=n)
+        return self._rank_cos_sin[0][:n], self._rank_cos_sin[1][:n]
 
     # -- prefill --------------------------------------------------------------------------------------------------
     @torch.inference_mode()

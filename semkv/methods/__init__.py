@@ -9,11 +9,12 @@ from semkv.methods.full import FullKV
 from semkv.methods.quest import Quest
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
+from semkv.methods.tokenselect import TokenSelect
 
-METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest)}
+METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest, TokenSelect)}
 
 __all__ = ["METHODS", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SnapKV", "StreamingLLM",
-           "get_method"]
+           "TokenSelect", "get_method"]
 
 
 def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:
