@@ -3,8 +3,8 @@ passkey prompts (noise lines, the needle at a depth, "What is the pass key?"; sc
 run of digits of the answer equals the key).
 
 1. Length extrapolation: passkey at `--long-tokens` (16k = 2x the context) with `extrapolate=True` and the paper's
-   budget 128 + 2048 + 512: found or not, and the generated text. `--baseline` adds Full KV on the same prompt
-   (absolute positions past the context, `allow_overlong`) for contrast.
+   budget 128 + 2048 + 512: found or not, and the generated text. `--baseline` adds, on the same prompt, Full KV and
+   TokenSelect in exact mode, both with absolute positions past the context (`allow_overlong`), for contrast.
 2. Selection Cache: a theta sweep at `--sweep-tokens` (~4k): hit rate and passkey accuracy per theta. Prefill does
    not depend on theta, so each sample is prefilled once and every theta decodes from a copy of that cache.
 
@@ -48,8 +48,8 @@ def long_passkey(llm: semkv.LLM, args, rng: random.Random) -> list[dict]:
         key = str(rng.randint(10000, 99999))
         prompt = passkey_prompt(llm, args.long_tokens, depth, key)
         runs = [("tokenselect_extrapolate", TokenSelect(budget=args.budget, extrapolate=True), False)]
-        if args.baseline:
-            runs.append(("full_overlong", "full", True))
+        if args.baseline:  # absolute positions past the context: without and with selection
+            runs += [("full_overlong", "full", True), ("tokenselect_exact_overlong", TokenSelect(budget=args.budget), True)]
         for label, method, overlong in runs:
             out = llm.generate(prompt, questions=[QUESTION], method=method, max_new_tokens=args.new_tokens,
                                allow_overlong=overlong)[0]
@@ -110,7 +110,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=2688, help="extrapolation run: 128 + 2048 + 512 (the paper)")
     parser.add_argument("--long-tokens", type=int, default=16384)
     parser.add_argument("--long-depths", type=float, nargs="*", default=[0.5])
-    parser.add_argument("--baseline", action="store_true", help="also Full KV past the context on the long prompt")
+    parser.add_argument("--baseline", action="store_true", help="also Full KV and exact-mode TokenSelect past the "
+                        "context on the long prompts")
     parser.add_argument("--sweep-tokens", type=int, default=4096)
     parser.add_argument("--sweep-samples", type=int, default=4)
     parser.add_argument("--sweep-budget", type=int, default=1024, help="128 + 640 + 256: a quarter of ~4k")
