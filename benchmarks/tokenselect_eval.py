@@ -49,7 +49,8 @@ def long_passkey(llm: semkv.LLM, args, rng: random.Random) -> list[dict]:
         prompt = passkey_prompt(llm, args.long_tokens, depth, key)
         runs = [("tokenselect_extrapolate", TokenSelect(budget=args.budget, extrapolate=True), False)]
         if args.baseline:  # absolute positions past the context: without and with selection
-            runs += [("full_overlong", "full", True), ("tokenselect_exact_overlong", TokenSelect(budget=args.budget), True)]
+            runs += [("full_overlong", "full", True),
+                     ("tokenselect_exact_overlong", TokenSelect(budget=args.budget), True)]
         for label, method, overlong in runs:
             out = llm.generate(prompt, questions=[QUESTION], method=method, max_new_tokens=args.new_tokens,
                                allow_overlong=overlong)[0]
