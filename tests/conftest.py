@@ -41,6 +41,8 @@ def tiny_hf_config(arch: str, vocab_size: int):
     if arch == "llama_yarn":
         return LlamaConfig(**base, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                  "original_max_position_embeddings": 1024})
+    if arch == "llama_short":  # a 256-token context, for length extrapolation
+        return LlamaConfig(**dict(base, max_position_embeddings=256))
     if arch == "llama_tied":
         return LlamaConfig(**dict(base, tie_word_embeddings=True))
     if arch == "mistral":

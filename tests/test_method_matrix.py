@@ -27,6 +27,7 @@ MATRIX: dict[str, list[dict]] = {
     "sentencekv": [dict(), dict(keep_factor=1.0, query="current", buckets="chunks", offload=True, offload_chunk=1)],
     "dynsplit": [dict(), dict(chunk_size=6, max_deviation=3, alpha=1.0, pooling="mean", group_reduce="max", n_sink=2,
                               n_recent=1, offload=True)],
+    "tokenselect": [dict(), dict(selection="hard_vote", scope="kv_head", theta=0.5, n_sink=1)],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]

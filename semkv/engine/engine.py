@@ -17,6 +17,7 @@ from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
 from semkv import kernels
+from semkv.kernels import reference
 from semkv.methods.base import DecodeBatch, KVMethod
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
@@ -45,16 +46,28 @@ class PrefillStep:
         self.cos, self.sin = engine.rotary.cos_sin(positions, engine.dtype, seq_len=len(seq.prompt_ids))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        by_rank = self.method.rope_by_rank()
         kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
         start = kv.num_slots[layer]
         kv.ensure_slots(layer, start + chunk)
         rows = kv.physical(layer, torch.arange(start, start + chunk, device=q.device))
-        q = kernels.rope_store(q, k, v, self.cos, self.sin, rows[:, None].expand(-1, k.shape[1]), self.positions,
-                               *pool.flat())
+        rows = rows[:, None].expand(-1, k.shape[1])
+        if by_rank:  # keys stay unrotated; queries are rotated by rank below
+            reference.store(k, v, rows, self.positions, *pool.flat())
+        else:
+            q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, self.positions, *pool.flat())
         kv.num_slots[layer] = start + chunk
         self.method.observe_prefill(layer, self.seq, q, start)
         context = self.method.prefill_context(layer, self.seq, q, start)
-        out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
+        key_rope = None
+        if by_rank:  # ranks: the context slots first, then the chunk
+            n_ctx = start if context is None else context.shape[1]
+            key_rope = self.engine.rank_rope(n_ctx + chunk)
+            q = self.engine.rotary.rotate(q, key_rope[0][n_ctx:], key_rope[1][n_ctx:])
+            out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
+                                              key_rope)
+        else:
+            out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
         if self.record_window:
             self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
         if self.evict:
@@ -85,11 +98,15 @@ class DecodeStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool, batch = self.engine, self.engine.pool, self.batch
+        by_rank = self.method.rope_by_rank()
         size = pool.page_size
         tables = self.tables[:, layer]  # [B, max_pages]
         slots = self.write_slots[:, layer]  # [B, kv_heads]
         rows = torch.gather(tables, 1, slots // size) * size + slots % size
-        q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, batch.positions, *pool.flat())
+        if by_rank:
+            reference.store(k, v, rows, batch.positions, *pool.flat())
+        else:
+            q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, batch.positions, *pool.flat())
         timer = engine.timer
         span = timer.start("selection") if timer else None
         started = time.perf_counter()
@@ -100,12 +117,17 @@ class DecodeStep:
         if timer:
             timer.stop(span)
             span = timer.start("attention")
-        if selection is None:
-            lengths = batch.num_slots[:, layer : layer + 1]
-            out = kernels.decode_attention(q, pool.k, pool.v, tables, None, lengths, engine.scale, batch.max_slots)
+        slots = None if selection is None else selection.slots
+        lengths = batch.num_slots[:, layer : layer + 1] if selection is None else selection.lengths  # [B, S]
+        if by_rank:  # the query takes the rank of the last attended key, its own
+            key_rope = engine.rank_rope(int(lengths.max()))
+            ranks = (lengths - 1).repeat_interleave(q.shape[1] // lengths.shape[1], dim=1).flatten()  # [B * heads]
+            q = engine.rotary.rotate(q.reshape(-1, 1, q.shape[-1]), key_rope[0][ranks], key_rope[1][ranks]).view_as(q)
+            out = reference.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale,
+                                             key_rope=key_rope)
         else:
-            lengths = selection.lengths
-            out = kernels.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
+            max_len = batch.max_slots if selection is None else 0
+            out = kernels.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale, max_len)
         if timer:
             timer.stop(span)
         self.lengths.append(lengths)
@@ -141,6 +163,14 @@ class Engine:
             self.pool = KVPool(*shape)
         else:
             self.pool = KVPool(*shape, num_pages=num_pages, max_pages=num_pages)
+        self._rank_cos_sin = (torch.empty(0), torch.empty(0))
+
+    def rank_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, head_dim] of ranks 0..n-1, for methods whose attention rotates keys by rank (cached)."""
+        if self._rank_cos_sin[0].shape[0] < n:
+            size = -(-n // 1024) * 1024
+            self._rank_cos_sin = self.rotary.cos_sin(torch.arange(size, device=self.device), self.dtype, seq_len=n)
+        return self._rank_cos_sin[0][:n], self._rank_cos_sin[1][:n]
 
     # -- prefill --------------------------------------------------------------------------------------------------
     @torch.inference_mode()

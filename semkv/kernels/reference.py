@@ -1,7 +1,9 @@
 """Plain-torch attention over the paged cache: the reference every fast kernel is tested against, and the CPU path.
 
-Both functions take logical-slot index lists per KV head (or one list shared by all heads) and a page table, so
-selection methods never copy K/V to build their context. A query head h reads KV head h // group (GQA).
+The attention functions take logical-slot index lists per KV head (or one list shared by all heads) and a page
+table, so selection methods never copy K/V to build their context. A query head h reads KV head h // group (GQA).
+With `key_rope` (methods that store keys before RoPE), the gathered keys are rotated by their rank in the attended
+list; the caller rotates the queries by theirs.
 """
 from __future__ import annotations
 
@@ -13,6 +15,29 @@ def _rows(tables: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Te
     """tables [B, max_pages], slots [B, S, n] logical -> physical rows [B, S, n]."""
     pages = torch.gather(tables, 1, (slots // page_size).flatten(1)).view_as(slots)
     return pages * page_size + slots % page_size
+
+
+def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Dot products of each query head with the keys of its KV group at the given slots of one sequence and layer.
+
+    q [heads, D]; k_pool [pages, page_size, kv_heads, D]; table [max_pages]; slots [n] logical slots (any order).
+    Returns float32 scores [heads, n]. This reference gathers the keys first; `kernels/paged_dot.py` reads them in
+    place on the GPU.
+    """
+    n_heads, dim = q.shape
+    page_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    rows = table[slots // page_size] * page_size + slots % page_size
+    keys = k_pool.view(-1, kv_heads, dim)[rows]  # [n, kv_heads, D]
+    grouped = q.view(kv_heads, n_heads // kv_heads, dim).float()
+    return torch.einsum("kgd,nkd->kgn", grouped, keys.float()).reshape(n_heads, -1)
+
+
+def _rotate_keys(k: torch.Tensor, key_rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """k [B, kv_heads, n, D] rotated by rank j along n with cos/sin [>= n, D]."""
+    batch, heads, n, dim = k.shape
+    cos, sin = key_rope[0][:n], key_rope[1][:n]
+    flat = k.permute(2, 0, 1, 3).reshape(n, batch * heads, dim)
+    return rotate(flat, cos, sin).view(n, batch, heads, dim).permute(1, 2, 0, 3)
 
 
 def gather_kv(
@@ -57,13 +82,16 @@ def decode_attention(
     lengths: torch.Tensor,
     scale: float,
     return_probs: bool = False,
+    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """One query token per sequence. q [B, heads, D]; k_pool/v_pool [pages, page_size, kv_heads, D];
-    tables [B, max_pages] (this layer); slots/lengths as in `gather_kv`. Returns o [B, heads, D]
-    (and attention probabilities [B, heads, n] over the attended slots if asked)."""
+    tables [B, max_pages] (this layer); slots/lengths as in `gather_kv`; key_rope: cos/sin [>= n, D] by rank.
+    Returns o [B, heads, D] (and attention probabilities [B, heads, n] over the attended slots if asked)."""
     batch, n_heads, dim = q.shape
     kv_heads = k_pool.shape[2]
     k, v, mask = gather_kv(k_pool, v_pool, tables, slots, lengths)
+    if key_rope is not None:
+        k = _rotate_keys(k, key_rope)
     qg = q.view(batch, kv_heads, n_heads // kv_heads, dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, n]
     scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
@@ -82,11 +110,13 @@ def prefill_attention(
     start: int,
     context: torch.Tensor | None,
     scale: float,
+    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A chunk of C query tokens stored at slots [start, start + C) of one sequence and layer.
 
     q [C, heads, D]; table [max_pages]; context: logical slots [S, n] (S in {1, kv_heads}) of earlier tokens the chunk
-    attends to, or None for all slots < start. The chunk attends to itself causally. Returns [C, heads, D].
+    attends to, or None for all slots < start. The chunk attends to itself causally. key_rope: cos/sin [>= n, D] by
+    rank in the attended list (context, then the chunk). Returns [C, heads, D].
     """
     chunk, n_heads, dim = q.shape
     page_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -100,6 +130,8 @@ def prefill_attention(
         n_ctx = context.shape[1]
     lengths = torch.full((1, slots.shape[1]), slots.shape[2], device=device)
     k, v, _ = gather_kv(k_pool, v_pool, table[None], slots, lengths)  # [1, kv_heads, n, D]
+    if key_rope is not None:
+        k = _rotate_keys(k, key_rope)
     n = k.shape[2]
     key_idx = torch.arange(n, device=device)[None, :]
     query_idx = torch.arange(chunk, device=device)[:, None]
@@ -131,9 +163,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def store(k, v, rows, positions, kf, vf, pf):
+    """Store k, v [T, kv_heads, D] and positions [T] at the pool rows [T, kv_heads] of the flat pool views."""
+    heads = torch.arange(k.shape[1], device=rows.device)[None, :]
+    kf[rows, heads], vf[rows, heads] = k, v
+    pf[rows, heads] = positions.to(torch.int32)[:, None]
+
+
 def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
     """Rotate q and k, store k, v and positions at the pool rows [T, kv_heads]; returns the rotated q."""
-    heads = torch.arange(k.shape[1], device=rows.device)[None, :]
-    kf[rows, heads], vf[rows, heads] = rotate(k, cos, sin), v
-    pf[rows, heads] = positions.to(torch.int32)[:, None]
+    store(rotate(k, cos, sin), v, rows, positions, kf, vf, pf)
     return rotate(q, cos, sin)

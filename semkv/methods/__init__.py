@@ -16,17 +16,18 @@ from semkv.methods.quest import Quest
 from semkv.methods.sentencekv import SentenceKV
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
+from semkv.methods.tokenselect import TokenSelect
 
 # baselines first, then the five methods of the papers semkv is built around
 METHODS: dict[str, type[KVMethod]] = {
     cls.name: cls
     for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM,
-                ChunkKV, SentenceKV, DynSplitKV)
+                ChunkKV, SentenceKV, DynSplitKV, TokenSelect)
 }
 
 __all__ = [
     "METHODS", "ChunkKV", "DecodeBatch", "DynSplitKV", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff",
-    "PyramidKV", "Quest", "Selection", "SentenceKV", "SnapKV", "StreamingLLM", "get_method",
+    "PyramidKV", "Quest", "Selection", "SentenceKV", "SnapKV", "StreamingLLM", "TokenSelect", "get_method",
 ]
 
 

@@ -149,6 +149,13 @@ class KVMethod:
         """How many trailing prompt queries `evict_prefill` needs (the engine keeps them in the last chunk)."""
         return 0
 
+    def rope_by_rank(self) -> bool:
+        """True when keys are stored before RoPE and attention rotates each attended key by its rank in the attended
+        list (and the query by its own rank), so positions stay below the attended length (length extrapolation).
+        The hooks then see queries before RoPE; a method in this mode must attend to the current token (its rank is
+        the query's). False (the default): keys are stored after RoPE with their absolute positions."""
+        return False
+
     def uses_question_split(self) -> bool:
         """True when prefill-time compression must run before the question is read (query-agnostic mode)."""
         return False

@@ -1,0 +1,129 @@
+"""Attention-only time of one prefill chunk: TokenSelect's selective attention vs full attention, over KV lengths,
+the shape of the paper's Figure 7 (Qwen2-7B-Instruct: 28 heads, 4 KV heads, head_dim 128; chunk 512; random data).
+
+One layer's paged cache holds `kv_len` earlier tokens (random keys/values, shuffled page table) plus the chunk.
+- full_sdpa: torch SDPA over contiguous K/V of all kv_len + chunk tokens with the bottom-right causal mask (the
+  flash / memory-efficient kernels on CUDA): the stand-in for the paper's FlashInfer baseline.
+- full_paged: semkv's paged path (`reference.prefill_attention` with every earlier slot), what the engine runs for
+  Full KV.
+- tokenselect: the method's own `prefill_context` (paged dot product of the chunk's mean query, head soft vote,
+  top-k; the Triton kernel on CUDA) then `reference.prefill_attention` over initial + top-k + recent + the chunk.
+  Reported as selection, attention and total; speedup = full_sdpa / tokenselect total.
+
+    python benchmarks/tokenselect_attention.py --out tokenselect_attention.json      # CUDA, 8k..1M
+    python benchmarks/tokenselect_attention.py --smoke                               # CPU, tiny sizes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from tokenselect_kernels import HEAD_DIM, HEADS, KV_HEADS, time_ms  # benchmarks/ is on the path when run as a script
+
+from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.kernels import reference
+from semkv.methods import TokenSelect
+
+
+def or_oom(fn):
+    """fn() or None when the device runs out of memory (the paged full path at the longest lengths)."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def paged_sequence(kv_len: int, chunk: int, page_size: int, device: str, dtype: torch.dtype) -> Sequence:
+    """A one-layer sequence whose cache holds kv_len + chunk random tokens behind a shuffled page table."""
+    n = kv_len + chunk
+    pool = KVPool(1, KV_HEADS, HEAD_DIM, page_size, dtype, torch.device(device), num_pages=-(-n // page_size))
+    pool.k.normal_()
+    pool.v.normal_()
+    seq = Sequence(0, [0] * n, SamplingParams(), SeqKV(pool))
+    seq.kv.ensure_slots(0, n)
+    pages = seq.kv.table.shape[1]
+    seq.kv.table[0, :pages] = seq.kv.table[0, torch.randperm(pages, device=device)]
+    seq.kv.num_slots[0] = n
+    seq.num_computed = n
+    return seq
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576])
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=2688, help="128 initial + 2048 top-k + 512 recent")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip-paged-full", action="store_true", help="leave out full_paged (slow at 1M)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, float32, kv lengths 1k and 2k, chunk 64")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    if args.smoke:
+        args.lengths, args.chunk, args.budget, args.repeats = [1024, 2048], 64, 256, 2
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    scale = HEAD_DIM**-0.5
+    method = TokenSelect(budget=args.budget)
+    rows = []
+    print(f"{'kv_len':>8} {'full_sdpa':>10} {'full_paged':>11} {'select':>8} {'attend':>8} {'tokensel':>9} "
+          f"{'speedup':>8}   (ms)")
+    for kv_len in args.lengths:
+        seq = paged_sequence(kv_len, args.chunk, args.page_size, device, dtype)
+        pool, table = seq.kv.pool, seq.kv.table[0]
+        q = torch.randn(args.chunk, HEADS, HEAD_DIM, device=device, dtype=dtype)
+        n = kv_len + args.chunk
+        k_all, v_all, _ = seq.kv.gather(0, seq.kv.all_slots(0))  # contiguous [kv_heads, n, D], the baseline's layout
+        causal = causal_lower_right(args.chunk, n)
+        qt = q.transpose(0, 1)[None]
+
+        def full_sdpa():
+            return F.scaled_dot_product_attention(qt, k_all[None], v_all[None], attn_mask=causal, scale=scale,
+                                                  enable_gqa=True)
+
+        try:
+            full_sdpa()
+            gqa = "native"
+        except RuntimeError:  # no GQA in the kernel that takes this mask: repeat K/V per query head
+            k_all, v_all = (x.repeat_interleave(HEADS // KV_HEADS, dim=0) for x in (k_all, v_all))
+            gqa = "repeated"
+
+        def select():
+            return method.prefill_context(0, seq, q, kv_len)
+
+        context = select()
+        if kv_len == args.lengths[0]:  # the two full paths agree (mask alignment, GQA)
+            paged_out = reference.prefill_attention(q, pool.k, pool.v, table, kv_len, None, scale)
+            torch.testing.assert_close(full_sdpa()[0].transpose(0, 1), paged_out, rtol=2e-2, atol=2e-2)
+        full = time_ms(full_sdpa, device, args.repeats)
+        paged = None if args.skip_paged_full else or_oom(lambda: time_ms(
+            lambda: reference.prefill_attention(q, pool.k, pool.v, table, kv_len, None, scale), device, args.repeats))
+        selecting = time_ms(select, device, args.repeats)
+        attending = time_ms(lambda: reference.prefill_attention(q, pool.k, pool.v, table, kv_len, context, scale),
+                            device, args.repeats)
+        total = selecting + attending
+        rows.append(dict(kv_len=kv_len, full_sdpa_ms=full, sdpa_gqa=gqa, full_paged_ms=paged, select_ms=selecting,
+                         attend_ms=attending, tokenselect_ms=total, attended=context.shape[1] + args.chunk,
+                         speedup_vs_sdpa=full / total))
+        paged_text = "-" if paged is None else f"{paged:.2f}"
+        print(f"{kv_len:>8} {full:>10.2f} {paged_text:>11} {selecting:>8.2f} {attending:>8.2f} {total:>9.2f} "
+              f"{full / total:>7.2f}x")
+        del seq, pool, table, k_all, v_all
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        with open(args.out, "w") as f:
+            json.dump(dict(device=name, dtype=str(dtype), chunk=args.chunk, budget=args.budget,
+                           page_size=args.page_size, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, rows=rows),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

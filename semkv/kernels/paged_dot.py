@@ -1,0 +1,58 @@
+"""Paged dot-product kernel (TokenSelect's Algorithm 2): scores of every query head against keys read in place from
+the paged cache by an index list, without gathering them into a contiguous copy first.
+
+Same signature and result as `reference.paged_dot`. One program handles one KV head and a block of slots: it loads
+the queries of that KV group once ([group, D], GQA by grouping: query head h reads KV head h // group), maps each
+logical slot to its physical row through the page table, loads the keys of the block and computes the group's
+scores with one `tl.dot`. Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run
+the kernel on CPU tensors (slowly) for tests.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n,
+                      PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr,
+                      GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    kv_head = tl.program_id(0)
+    block = tl.program_id(1)
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, BLOCK_D)
+    t = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g  # the query heads of this KV group
+    q = tl.load(q_ptr + heads[:, None] * DIM + d[None, :], mask=(g[:, None] < GROUP) & (d[None, :] < DIM), other=0.0)
+    slot = tl.load(slots_ptr + t, mask=t < n, other=0)
+    page = tl.load(table_ptr + slot // PAGE_SIZE, mask=t < n, other=0)
+    row = page * PAGE_SIZE + slot % PAGE_SIZE
+    keys = tl.load(k_ptr + (row[:, None] * KV_HEADS + kv_head) * DIM + d[None, :],
+                   mask=(t[:, None] < n) & (d[None, :] < DIM), other=0.0)  # [BLOCK_N, BLOCK_D]
+    if IEEE:
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(keys))  # [GROUP_P, BLOCK_N], fp32 accumulation
+    tl.store(out_ptr + heads[:, None] * n + t[None, :], scores, mask=(g[:, None] < GROUP) & (t[None, :] < n))
+
+
+def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+              block_n: int = 64) -> torch.Tensor:
+    """q [heads, D]; k_pool [pages, page_size, kv_heads, D] (contiguous); table [max_pages]; slots [n].
+    Returns float32 scores [heads, n]."""
+    n_heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_pool.shape
+    n = slots.shape[0]
+    out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out
+    group = n_heads // kv_heads
+    grid = (kv_heads, triton.cdiv(n, block_n))
+    _paged_dot_kernel[grid](
+        q.to(k_pool.dtype).contiguous(), k_pool.contiguous(), table.contiguous(), slots.contiguous(), out, n,
+        PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=group, DIM=dim,
+        GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,185 @@
+"""TokenSelect: token-level KV selection by a head soft vote (Wu et al., 2024, "TokenSelect: Efficient Long-Context
+Inference and Length Extrapolation for LLMs via Dynamic Token-Level KV Cache Selection",
+https://arxiv.org/abs/2411.02886).
+
+Every query head scores each cached token of its KV group by `q_h . k`; the scores are softmax-normalised per head
+and summed over the heads (the head soft vote, Eq. 7), and attention covers the initial tokens, the top-k voted
+tokens and the most recent ones. Prompts are selected chunk by chunk with the chunk's mean query, and during decoding
+a Selection Cache (Algorithm 1) reuses a layer's last selection while consecutive queries stay similar.
+
+Readings of the paper (each a parameter where it matters):
+- Eq. 7 sums over all H heads of a layer, so one token set serves the whole layer (`scope="layer"`, as the authors'
+  code does); `scope="kv_head"` votes within each KV group instead. The softmax runs over the candidate tokens (not
+  the initial or recent ones, which are always attended) on raw logits `q . k`, as Eq. 7 writes (no 1/sqrt(d)).
+- Budget split: `budget` = initial + k + recent attended slots per layer and decode step. The paper's setting,
+  128 + 2048 + 512, is `budget=2688`; a small budget shrinks the initial tokens to at most budget // 8 and the recent
+  window to at most budget // 4 (at least 1: the current token) and k takes the rest.
+- Prefill uses the engine's chunks (`LLM(prefill_chunk=512)`, the paper's 512; no separate parameter): a chunk
+  attends to itself causally plus `budget` earlier slots: initial, top-k by the chunk's mean query, and the recent
+  tokens just before the chunk. While the budget covers every earlier token the chunk attends to all of them, so
+  prefill then equals Full KV exactly.
+- The Selection Cache (decode only, as Algorithm 1) keys on the query flattened over heads, per sequence and layer;
+  a hit reuses the top-k slots and refreshes the initial and recent ones. Hit counts go to `stats.extra`.
+- Exact mode (default) scores post-RoPE keys with post-RoPE queries. `extrapolate=True` stores keys before RoPE,
+  scores without positions, and rotates the attended keys by their rank (`KVMethod.rope_by_rank`), so the model sees
+  positions below budget + prefill_chunk however long the input: keep that under the model's context.
+
+Parameters
+----------
+budget: attended slots per layer (and KV head) in a decode step, initial and recent included; an int, or a float
+    fraction of the current context (exact mode only).
+n_sink: initial tokens always attended, 128 (paper Sec. 6.1 and the authors' configs, `n_init`).
+n_recent: most recent tokens always attended, 512 (paper Sec. 6.1, `n_local`).
+selection: "soft_vote" (Eq. 7, the paper's method), "hard_vote" (Eq. 6: each head's top-k, counted; ties broken by
+    the soft vote) or "top_k" (Eq. 5: top-k of the logits summed over heads), the ablations of Table 4.
+scope: "layer" (Eq. 7, one token set per layer) or "kv_head" (one set per KV group).
+theta: Selection Cache threshold on the cosine similarity of consecutive queries, 0.9 (paper Sec. 6.1); 1.0
+    practically disables the cache.
+extrapolate: store keys before RoPE and rotate the attended ones by rank (the paper's length-extrapolation setting).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from semkv.engine.sequence import Sequence
+from semkv.errors import SemkvError
+from semkv.kernels import reference
+from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, per_kv_head, resolve_budget
+
+SELECTIONS = ("soft_vote", "hard_vote", "top_k")
+
+
+def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on CUDA (when Triton is installed), the torch reference elsewhere."""
+    if q.is_cuda:
+        try:
+            from semkv.kernels.paged_dot import paged_dot as kernel
+        except ImportError:
+            kernel = reference.paged_dot
+        return kernel(q, k_pool, table, slots)
+    return reference.paged_dot(q, k_pool, table, slots)
+
+
+def vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
+    """scores [heads, n] (q_h . k of each candidate) -> indices of the k chosen candidates [S, k], ascending.
+    kv_heads None: one vote over all heads (S = 1); otherwise one per KV group (S = kv_heads)."""
+    def over_heads(x: torch.Tensor) -> torch.Tensor:  # [heads, n] -> [S, n]
+        return x.sum(0, keepdim=True) if kv_heads is None else per_kv_head(x, kv_heads, "sum")
+
+    if selection == "top_k":
+        total = over_heads(scores)
+    else:
+        soft = over_heads(torch.softmax(scores, dim=-1))
+        if selection == "soft_vote":
+            total = soft
+        else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
+            hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
+            voters = scores.shape[0] // soft.shape[0]
+            total = over_heads(hits) + soft / (2 * voters)
+    return total.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+@dataclass
+class TokenSelect(KVMethod):
+    n_sink: int = 128
+    n_recent: int = 512
+    selection: str = "soft_vote"
+    scope: str = "layer"
+    theta: float = 0.9
+    extrapolate: bool = False
+
+    kind = "selection"
+    name = "tokenselect"
+    summary = "TokenSelect: per-head q.k criticality, head soft vote, top tokens + sinks + recent; Selection Cache"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("n_sink", self.n_sink, 0, None, int)
+        check_range("n_recent", self.n_recent, 1, None, int)
+        check_range("theta", self.theta, 0.0, 1.0)
+        check_range("extrapolate", self.extrapolate, types=bool)
+        if self.selection not in SELECTIONS:
+            raise SemkvError(f"selection={self.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
+        if self.scope not in ("layer", "kv_head"):
+            raise SemkvError(f"scope={self.scope!r}; allowed: 'layer', 'kv_head'")
+        if self.extrapolate and self.budget is not None and not isinstance(self.budget, int):
+            raise SemkvError(f"budget={self.budget!r}: extrapolate=True needs an int budget (a fixed attended length)")
+
+    @property
+    def extrapolates(self) -> bool:
+        """Read by `LLM.generate`: prompts longer than the model's context are allowed in extrapolation mode."""
+        return self.extrapolate
+
+    def rope_by_rank(self) -> bool:
+        return self.extrapolate
+
+    def bind(self, model, tokenizer, page_size: int) -> None:
+        super().bind(model, tokenizer, page_size)
+        if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
+            raise SemkvError(f"budget={self.budget} must be below the model's context of "
+                             f"{model.max_position_embeddings} tokens for extrapolation")
+
+    def new_state(self, seq: Sequence) -> list:
+        """Selection Cache per layer: (query [heads * D], top-k slots [S, k]) of the last selection, or None."""
+        seq.stats.extra.update(selection_cache_hits=0, selection_cache_lookups=0, selection_cache_hit_rate=0.0)
+        return [None] * seq.kv.pool.num_layers
+
+    def split(self, budget: int) -> tuple[int, int, int]:
+        """(initial, k, recent) attended slots that make up `budget`."""
+        sink = min(self.n_sink, budget // 8)
+        recent = min(self.n_recent, max(budget // 4, 1))
+        return sink, budget - sink - recent, recent
+
+    def top_slots(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
+        """The k voted slots among candidates [lo, hi) for the query q [heads, D]: [S, k]."""
+        kv = seq.kv
+        candidates = torch.arange(lo, hi, device=q.device)
+        scores = paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
+        kv_heads = kv.pool.num_kv_heads if self.scope == "kv_head" else None
+        return vote(scores, k, self.selection, kv_heads) + lo
+
+    # -- prefill --------------------------------------------------------------------------------------------------
+    def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
+        budget = resolve_budget(self.budget, seq.num_computed)
+        if budget >= start:
+            return None
+        sink, k, recent = self.split(budget)
+        top = self.top_slots(layer, seq, q.mean(0), sink, start - recent, k)  # [S, k]
+        fixed = torch.cat([torch.arange(sink), torch.arange(start - recent, start)]).to(q.device)
+        return torch.cat([top, fixed[None].expand(top.shape[0], -1)], dim=1).sort(dim=1).values
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        n_slots = batch.num_slots[:, layer].tolist()
+        budgets = [resolve_budget(self.budget, s.num_computed + 1) for s in batch.seqs]
+        if all(b >= n for b, n in zip(budgets, n_slots)):
+            return None
+        groups = batch.model.num_kv_heads if self.scope == "kv_head" else 1
+        mask = torch.zeros(batch.size, groups, max(n_slots), dtype=torch.bool, device=q.device)  # [B, S, n]
+        for b, seq in enumerate(batch.seqs):
+            n = n_slots[b]
+            if budgets[b] >= n:
+                mask[b, :, :n] = True
+                continue
+            sink, k, recent = self.split(budgets[b])
+            mask[b, :, :sink] = True
+            mask[b, :, n - recent : n] = True
+            mask[b].scatter_(-1, self.cached_top(layer, seq, q[b], sink, n - recent, k), True)
+        return Selection.from_mask(mask)
+
+    def cached_top(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
+        """Algorithm 1: reuse the layer's last top-k while cos(q, cached q) >= theta, else select anew."""
+        flat = q.flatten().float()
+        cache = seq.method_state[layer]
+        extra = seq.stats.extra
+        extra["selection_cache_lookups"] += 1
+        if cache is not None and torch.cosine_similarity(flat, cache[0], dim=0) >= self.theta:
+            extra["selection_cache_hits"] += 1
+            top = cache[1]
+        else:
+            top = self.top_slots(layer, seq, q, lo, hi, k)
+            seq.method_state[layer] = (flat, top)
+        extra["selection_cache_hit_rate"] = extra["selection_cache_hits"] / extra["selection_cache_lookups"]
+        return top

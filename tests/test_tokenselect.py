@@ -1,0 +1,203 @@
+"""TokenSelect: the selection functions against transcriptions of Eqs. 5-7, the paged dot-product kernel, the
+Selection Cache, chunk-wise sparse prefill and the length-extrapolation mode (rank RoPE), on tiny random models."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+import semkv
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.errors import SemkvError
+from semkv.kernels import reference
+from semkv.methods import DecodeBatch, TokenSelect
+from semkv.methods.tokenselect import vote
+
+PROMPT = "The passkey is 4821. Remember it. " + "Grass is green and the sky is blue. " * 14
+NEW = 8
+
+
+def random_pool(heads=8, kv_heads=2, dim=16, page_size=4, pages=40, seed=0):
+    """Random queries [heads, D], a key pool with a shuffled page table, and the keys in slot order [n, kv_heads, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, dim, generator=gen)
+    k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
+    table = torch.randperm(pages, generator=gen)
+    keys = k_pool[table].reshape(pages * page_size, kv_heads, dim)  # logical slot order
+    return q, k_pool, table, keys
+
+
+def logits_per_head(q, keys):
+    """Direct q_h . k_i with query head h reading KV head h // group: [heads, n]."""
+    group = q.shape[0] // keys.shape[1]
+    return torch.stack([keys[:, h // group] @ q[h] for h in range(q.shape[0])])
+
+
+@pytest.mark.parametrize("scope", ["layer", "kv_head"])
+def test_soft_vote_equals_eq7(scope):
+    q, k_pool, table, keys = random_pool()
+    slots = torch.arange(keys.shape[0])
+    k = 20
+    got = vote(reference.paged_dot(q, k_pool, table, slots), k, "soft_vote", 2 if scope == "kv_head" else None)
+    group = q.shape[0] // 2
+    voters = [range(q.shape[0])] if scope == "layer" else [range(g * group, (g + 1) * group) for g in range(2)]
+    for s, heads in enumerate(voters):
+        total = sum(torch.softmax(keys[:, h // group] @ q[h], dim=0) for h in heads)  # Eq. 7
+        assert got[s].tolist() == sorted(torch.topk(total, k).indices.tolist())
+
+
+def test_top_k_and_hard_vote_follow_eqs_5_and_6():
+    q, k_pool, table, keys = random_pool(seed=1)
+    scores = reference.paged_dot(q, k_pool, table, torch.arange(keys.shape[0]))
+    k = 16
+    logits = logits_per_head(q, keys)
+    assert vote(scores, k, "top_k", None)[0].tolist() == sorted(torch.topk(logits.sum(0), k).indices.tolist())
+    counts = torch.zeros(keys.shape[0])
+    for h in range(q.shape[0]):
+        counts[torch.topk(logits[h], k).indices] += 1  # Eq. 6
+    chosen = vote(scores, k, "hard_vote", None)[0]
+    left_out = torch.ones_like(counts, dtype=torch.bool)
+    left_out[chosen] = False
+    assert counts[chosen].min() >= counts[left_out].max()
+
+
+def test_paged_dot_reference_reads_the_right_keys():
+    q, k_pool, table, keys = random_pool(heads=12, kv_heads=3, page_size=8)
+    slots = torch.randperm(keys.shape[0])[:50]  # any order, not contiguous
+    expected = logits_per_head(q, keys[slots])
+    torch.testing.assert_close(reference.paged_dot(q, k_pool, table, slots), expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("heads, kv_heads, dim, page_size", [(28, 4, 128, 16), (9, 3, 64, 1)])
+def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_heads, dim, page_size):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated, so (re)import the module
+    monkeypatch.delitem(sys.modules, "semkv.kernels.paged_dot", raising=False)
+    kernel = importlib.import_module("semkv.kernels.paged_dot")
+    q, k_pool, table, keys = random_pool(heads, kv_heads, dim, page_size, pages=300 // page_size + 1)
+    slots = torch.randperm(keys.shape[0])[:150]
+    torch.testing.assert_close(kernel.paged_dot(q, k_pool, table, slots), reference.paged_dot(q, k_pool, table, slots))
+    monkeypatch.delitem(sys.modules, "semkv.kernels.paged_dot")
+
+
+def prefilled(llm, method, prompt=PROMPT):
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    ids, _ = llm.encode(prompt, None, chat=False)
+    seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
+    seq.method_state = method.new_state(seq)
+    llm.engine.prefill(seq, method)
+    return seq
+
+
+def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(tiny_llm):
+    cached = TokenSelect(budget=40, theta=0.9)
+    seq = prefilled(tiny_llm, cached)
+    cfg = tiny_llm.config
+
+    def batch_of(s):
+        return DecodeBatch([s], torch.tensor([s.num_computed]), torch.tensor([s.kv.num_slots]), cfg)
+
+    batch = batch_of(seq)
+    gen = torch.Generator().manual_seed(0)
+    q1, q2 = torch.randn(2, 1, cfg.num_heads, cfg.head_dim, generator=gen)
+    q3 = q2 + 0.05 * torch.randn(q2.shape, generator=gen)  # cos(q2, q3) ~ 0.999
+    fresh = TokenSelect(budget=40, theta=1.0)
+    fresh_seq = prefilled(tiny_llm, fresh)
+
+    def fresh_selection(q):
+        fresh_seq.method_state = fresh.new_state(fresh_seq)
+        return fresh.select(1, batch_of(fresh_seq), q).slots
+
+    first = cached.select(1, batch, q1).slots
+    assert torch.equal(first, fresh_selection(q1))
+    assert torch.equal(cached.select(1, batch, q1).slots, first)  # repeated query: a hit
+    assert seq.stats.extra["selection_cache_hits"] == 1
+    diverged = cached.select(1, batch, q2).slots  # cos(q1, q2) ~ 0: recomputed
+    assert seq.stats.extra["selection_cache_hits"] == 1
+    assert torch.equal(diverged, fresh_selection(q2)) and not torch.equal(diverged, first)
+    assert torch.equal(cached.select(1, batch, q3).slots, diverged)  # similar query: the cached selection
+    assert seq.stats.extra["selection_cache_hits"] == 2
+    assert seq.stats.extra["selection_cache_hit_rate"] == 2 / 4
+    for s in (seq, fresh_seq):
+        s.kv.release()
+
+
+def test_hit_rate_is_reported_by_generate(tiny_llm):
+    out = tiny_llm.generate(PROMPT, method="tokenselect", budget=40, max_new_tokens=NEW, chat=False, ignore_eos=True)
+    extra = out[0].stats.extra
+    assert extra["selection_cache_lookups"] == tiny_llm.config.num_layers * (NEW - 1)  # one per layer and step
+    assert 0 <= extra["selection_cache_hits"] <= extra["selection_cache_lookups"]
+
+
+@pytest.fixture(scope="module")
+def chunked_llm(tiny_model_dir):
+    return semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=16)
+
+
+def test_chunked_prefill_with_a_covering_budget_equals_full_prefill(tiny_llm, chunked_llm):
+    n = len(tiny_llm.encode(PROMPT, None, chat=False)[0])
+    full = tiny_llm.generate(PROMPT, max_new_tokens=NEW, chat=False, ignore_eos=True)[0]  # one prefill chunk
+    method = TokenSelect(budget=n + NEW)
+    assert chunked_llm.generate(PROMPT, method=method, max_new_tokens=NEW, chat=False,
+                                ignore_eos=True)[0].token_ids == full.token_ids
+
+
+class RecordingTokenSelect(TokenSelect):
+    """TokenSelect that keeps what prefill_context returned, chunk by chunk."""
+
+    def prefill_context(self, layer, seq, q, start):
+        context = super().prefill_context(layer, seq, q, start)
+        self.contexts.append((start, context))
+        return context
+
+
+def test_sparse_prefill_attends_to_sinks_top_k_and_recent_within_the_budget(chunked_llm):
+    budget = 24
+    method = RecordingTokenSelect(budget=budget, n_sink=2, n_recent=4)
+    method.contexts = []
+    seq = prefilled(chunked_llm, method)
+    sink, k, recent = method.split(budget)
+    assert (sink, k, recent) == (2, 18, 4)
+    sparse = [(start, c) for start, c in method.contexts if c is not None]
+    assert all(start <= budget for start, c in method.contexts if c is None)
+    assert len(sparse) > len(method.contexts) // 2  # most chunks of this prompt are sparse
+    for start, context in sparse:
+        slots = context[0].tolist()
+        assert len(slots) == budget and slots == sorted(set(slots))
+        assert slots[:sink] == list(range(sink)) and slots[-recent:] == list(range(start - recent, start))
+    seq.kv.release()
+
+
+def test_extrapolation_with_a_covering_budget_equals_full_kv(tiny_llm):
+    full = tiny_llm.generate(PROMPT, max_new_tokens=NEW, chat=False, ignore_eos=True)[0]
+    out = tiny_llm.generate(PROMPT, method=TokenSelect(budget=1000, extrapolate=True), max_new_tokens=NEW,
+                            chat=False, ignore_eos=True)[0]
+    assert out.token_ids == full.token_ids  # ranks = positions when every slot is attended
+
+
+def test_extrapolation_generates_past_the_model_context(tiny_model_dir):
+    llm = semkv.LLM(tiny_model_dir("llama_short"), device="cpu", prefill_chunk=64)  # 256-token context
+    prompt = PROMPT * 4
+    n = len(llm.encode(prompt, None, chat=False)[0])
+    assert n > 2 * llm.max_context
+    with pytest.raises(SemkvError, match="context"):
+        llm.generate(prompt, max_new_tokens=NEW, chat=False)
+    method = TokenSelect(budget=96, n_sink=4, n_recent=32, extrapolate=True)  # ranks < 96 + 64 < 256
+    out = llm.generate(prompt, method=method, max_new_tokens=NEW, chat=False, ignore_eos=True)[0]
+    assert len(out.token_ids) == NEW and out.stats.kv_attended_max <= 96
+    assert llm.engine.pool.in_use == 0
+
+
+def test_invalid_parameters_are_rejected(tiny_llm):
+    with pytest.raises(SemkvError, match="selection"):
+        TokenSelect(budget=64, selection="vote")
+    with pytest.raises(SemkvError, match="theta"):
+        TokenSelect(budget=64, theta=1.5)
+    with pytest.raises(SemkvError, match="int budget"):
+        TokenSelect(budget=0.5, extrapolate=True)
+    with pytest.raises(SemkvError, match="below the model's context"):
+        tiny_llm.generate(PROMPT, method=TokenSelect(budget=5000, extrapolate=True), chat=False)
