@@ -19,6 +19,7 @@ MATRIX: dict[str, list[dict]] = {
     "streaming_llm": [dict(), dict(n_sink=1)],
     "snapkv": [dict(), dict(window=8, kernel_size=1, pooling="max", query_aware=False)],
     "quest": [dict(), dict(group_reduce="max")],
+    "chess": [dict(), dict(page_size=16, chunk_pages=2, grid_chunks=2, window=1, preset="aggressive", mode="always")],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]

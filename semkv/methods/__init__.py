@@ -5,14 +5,15 @@ from typing import Any
 
 from semkv.errors import SemkvError
 from semkv.methods.base import DecodeBatch, KVMethod, Selection
+from semkv.methods.chess import Chess
 from semkv.methods.full import FullKV
 from semkv.methods.quest import Quest
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
 
-METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest)}
+METHODS: dict[str, type[KVMethod]] = {cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, Quest, Chess)}
 
-__all__ = ["METHODS", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SnapKV", "StreamingLLM",
+__all__ = ["METHODS", "Chess", "DecodeBatch", "FullKV", "KVMethod", "Quest", "Selection", "SnapKV", "StreamingLLM",
            "get_method"]
 
 
