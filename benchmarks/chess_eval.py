@@ -14,6 +14,7 @@ Retention: the share of the needle's tokens that a method attends to, over decod
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -31,6 +32,7 @@ ESSAYS = SHARED / "data" / "paul_graham" / "gkamradt_essays"
 HAYSTACK = ("addiction", "aord", "apple", "avg", "before", "bias", "boss", "copy", "corpdev", "desres")
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 QUESTION = "What is the pass key? Answer with the number only."
+VARIANTS = {"": {}, "+rc": dict(rope_free=True, center=True)}  # the paper's scoring; RoPE undone and centred
 
 
 def passkey_prompt(llm, tokens: int, depth: float, key: int, essays: Path) -> tuple[str, list[int]]:
@@ -73,9 +75,9 @@ def track_needle(method, needle: torch.Tensor, log: list[float]):
     return method
 
 
-def methods_at(budget: int, **chess) -> dict:
+def methods_at(budget: int) -> dict:
     out = {"quest": Quest(budget=budget), "snapkv": SnapKV(budget=budget)}
-    out.update({f"chess-{p}": Chess(budget=budget, preset=p, **chess) for p in PRESETS})
+    out.update({f"chess-{p}{v}": Chess(budget=budget, preset=p, **kw) for v, kw in VARIANTS.items() for p in PRESETS})
     return out
 
 
@@ -116,19 +118,18 @@ def run_ablation(llm, args) -> dict:
     sums: dict[str, list[float]] = {}
     for tokens, depth, key, prompt, needle in prompts(llm, args):
         named, logs = {}, {}
-        for c, g in grid:
-            for p in PRESETS:
-                name = f"{p} N_c={c} N_g={g}"
-                logs[name] = []
-                named[name] = track_needle(Chess(budget=args.budget, preset=p, chunk_pages=c, grid_chunks=g),
-                                           torch.tensor(needle), logs[name])
+        for (c, g), p, (v, kw) in itertools.product(grid, PRESETS, VARIANTS.items()):
+            name = f"{p}{v} N_c={c} N_g={g}"
+            logs[name] = []
+            method = Chess(budget=args.budget, preset=p, chunk_pages=c, grid_chunks=g, **kw)
+            named[name] = track_needle(method, torch.tensor(needle), logs[name])
         llm.compare(prompt, list(named.values()), question=QUESTION, max_new_tokens=2)
         for name in named:
             sums.setdefault(name, []).append(sum(logs[name]) / len(logs[name]))
         print(f"{tokens} {depth:.1f} done", flush=True)
     table = {name: sum(v) / len(v) for name, v in sums.items()}
-    for c, g in grid:
-        print(f"N_c={c} N_g={g}: " + "  ".join(f"{p} {table[f'{p} N_c={c} N_g={g}']:.3f}" for p in PRESETS))
+    for (c, g), v in itertools.product(grid, VARIANTS):
+        print(f"N_c={c} N_g={g}{v}: " + "  ".join(f"{p} {table[f'{p}{v} N_c={c} N_g={g}']:.3f}" for p in PRESETS))
     return table
 
 

@@ -13,8 +13,10 @@ from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.methods import Chess, FullKV, calibration
-from semkv.methods.chess import PRESETS, cascade, cascade_ratios, hierarchy, score_levels
+from semkv.methods.cascade import cascade, cascade_ratios, hierarchy, score_levels
+from semkv.methods.chess import PRESETS
 from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.models.rotary import RotaryEmbedding
 
 TEXT = "Paged attention stores keys and values in fixed-size pages, and a page table maps positions to pages. " * 6
 
@@ -94,7 +96,7 @@ def test_budget_maps_onto_the_ratios():
 
 def test_parameters_are_validated(tiny_llm):
     for bad in (dict(preset="greedy"), dict(mode="never"), dict(window=0), dict(page_size=0), dict(trigger="all"),
-                dict(entropy_threshold=-1.0)):
+                dict(entropy_threshold=-1.0), dict(center=1)):
         with pytest.raises(SemkvError):
             Chess(budget=64, **bad)
     with pytest.raises(SemkvError, match="multiple"):
@@ -111,9 +113,16 @@ class Probe(Chess):
         seq = batch.seqs[0]
         before = list(seq.method_state.entropies)
         super().end_step(batch, logits, tokens)
-        n = seq.kv.num_slots[0]
+        kv = seq.kv
+        n = kv.num_slots[0]
         pages = -(-n // self.page_size)
-        keys = torch.stack([seq.kv.keys(layer) for layer in range(seq.kv.pool.num_layers)])  # [L, H, n, D]
+        keys = torch.stack([kv.keys(layer) for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
+        if self.rope_free:  # RoPE undone: rotating forward again, as the model does, gives the stored keys back
+            positions = torch.stack([kv.positions(layer) for layer in range(kv.pool.num_layers)])
+            stored, keys = keys, self.unrotate(keys, positions)
+            cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
+            again = RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, sin).view_as(keys)
+            assert torch.allclose(again, stored, atol=1e-4) and not torch.allclose(keys, stored, atol=1e-2)
         keys = torch.nn.functional.pad(keys, (0, 0, 0, pages * self.page_size - n))
         sums = keys.view(*keys.shape[:2], pages, self.page_size, -1).sum(3).permute(2, 0, 1, 3).reshape(pages, -1)
         counts = (n - torch.arange(pages) * self.page_size).clamp(max=self.page_size)
@@ -123,8 +132,10 @@ class Probe(Chess):
                           seq.stats.extra["reselections"], before, list(state.entropies)))
 
 
-def test_page_vectors_follow_the_keys_and_entropies_the_logits(tiny_llm):
-    probe = Probe(budget=64, page_size=32, mode="dynamic", entropy_threshold=1e9, varentropy_threshold=1e9)
+@pytest.mark.parametrize("rope_free", [False, True])
+def test_page_vectors_follow_the_keys_and_entropies_the_logits(tiny_llm, rope_free):
+    probe = Probe(budget=64, page_size=32, rope_free=rope_free, center=rope_free, entropy_threshold=1e9,
+                  varentropy_threshold=1e9)
     tiny_llm.generate(TEXT, method=probe, max_new_tokens=40, chat=False, ignore_eos=True)
     assert len(probe.seen) == 39
     for logits, vectors, direct, _, before, after in probe.seen:

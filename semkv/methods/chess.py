@@ -1,5 +1,5 @@
 """CHESS: hierarchical Grid -> Chunk -> Page selection by key-key affinity, re-selected when the model grows uncertain
-(Cao et al., 2026, "CHESS: Context-aware Hierarchical Efficient Semantic Selection for Long-Context LLM Inference",
+("CHESS: Context-aware Hierarchical Efficient Semantic Selection for Long-Context LLM Inference", 2026,
 https://arxiv.org/abs/2602.20732).
 
 Every page of `page_size` tokens is summarised by the mean of its keys, flattened over all layers and KV heads (Eq. 1);
@@ -32,13 +32,17 @@ mode: "dynamic" (re-select on uncertainty, the paper's method), "periodic" (ever
 period: generated pages between re-selections in periodic mode; 6 (Appendix C).
 trigger: "any" (mean entropy or varentropy above its threshold: the paper calls them complementary signals) or
     "both" (the upper-right region of Figure 4).
+rope_free: summarise the keys before RoPE (rotated back by their positions) instead of the stored, rotated keys;
+    False: the paper's "Key states" as its engine (nano-vllm) stores them. Rotated keys of distant pages are compared
+    at a position-dependent angle.
+center: subtract the mean candidate page vector from every vector and the anchor before scoring; False (the paper's
+    plain dot product). Appendix B assumes unrelated keys cancel out, which holds only for centred keys.
 entropy_threshold, varentropy_threshold: override the calibrated thresholds (nats, nats^2); None reads
     `semkv calibrate --method chess` for the model, else the defaults below (the embedded SmolLM2 calibrated on the
     shared Paul Graham essays, 99th percentiles over 32-token pages).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -49,77 +53,16 @@ from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
 from semkv.methods import calibration
 from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
+from semkv.methods.cascade import cascade, cascade_ratios, top_mask
 from semkv.methods.page_summaries import PageSummaries
 from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.models.rotary import RotaryEmbedding
 
 PRESETS = {"conservative": (0.9, 0.9), "moderate": (0.8, 0.7), "aggressive": (0.5, 0.2)}
 MODES = ("dynamic", "periodic", "always")
-DEFAULT_THRESHOLDS = {"entropy": 4.0, "varentropy": 6.0}  # TODO calibrate
-
-
-def top_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Bool [b, n]: the k[b] highest-scoring eligible entries of each row (ties: the lower index)."""
-    order = scores.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(-1, order, positions)
-    return (rank < k[:, None]) & eligible
-
-
-def top_fraction(scores: torch.Tensor, eligible: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """Keep round(rho * eligible) entries per row, at least one where any is eligible."""
-    n = eligible.sum(-1)
-    k = torch.where(n > 0, torch.floor(rho * n + 0.5).clamp(min=1), 0).long()
-    return top_mask(scores, eligible, k)
-
-
-def hierarchy(page_vectors: torch.Tensor, candidates: torch.Tensor, chunk_pages: int, grid_chunks: int):
-    """Page vectors [b, P, dim] and candidate pages [b, P] -> grid, chunk and page vectors (pages padded to whole
-    grids) with their eligibility: a chunk is the mean of its candidate pages, a grid the mean of its chunks (Eq. 2)."""
-    b, n_pages, dim = page_vectors.shape
-    span = chunk_pages * grid_chunks
-    pad = -n_pages % span
-    v_p = F.pad(page_vectors, (0, 0, 0, pad))  # [b, Pp, dim]
-    ok_p = F.pad(candidates, (0, pad))  # [b, Pp]
-    pages_in_chunk = ok_p.view(b, -1, chunk_pages).sum(-1)  # [b, C]
-    v_c = torch.where(ok_p[..., None], v_p, 0).view(b, -1, chunk_pages, dim).sum(2) / pages_in_chunk.clamp(min=1)[..., None]
-    ok_c = pages_in_chunk > 0
-    chunks_in_grid = ok_c.view(b, -1, grid_chunks).sum(-1)  # [b, G]
-    v_g = torch.where(ok_c[..., None], v_c, 0).view(b, -1, grid_chunks, dim).sum(2) / chunks_in_grid.clamp(min=1)[..., None]
-    return (v_g, v_c, v_p), (chunks_in_grid > 0, ok_c, ok_p)
-
-
-def score_levels(anchor: torch.Tensor, v_g: torch.Tensor, v_c: torch.Tensor, v_p: torch.Tensor):
-    """Affinity with the anchor [b, dim] of every grid, chunk and page in ONE batched product (Algorithm 1, lines 2-4)."""
-    v_all = torch.cat([v_g, v_c, v_p], dim=1)  # [b, G + C + P, dim]
-    scores = torch.bmm(v_all, anchor[:, :, None])[..., 0]  # [b, G + C + P]
-    return scores.split([v_g.shape[1], v_c.shape[1], v_p.shape[1]], dim=1)
-
-
-def cascade(page_vectors: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chunk_pages: int,
-            grid_chunks: int, rho: torch.Tensor, max_pages: torch.Tensor | None = None):
-    """Algorithm 1, batched: top rho_g of the eligible grids, top rho_c of the chunks in kept grids, top rho_p of the
-    pages in kept chunks (at most max_pages [b]). rho [b, 3]. Returns kept pages [b, P] and page scores [b, P]."""
-    n_pages = page_vectors.shape[1]
-    (v_g, v_c, v_p), (ok_g, ok_c, ok_p) = hierarchy(page_vectors, candidates, chunk_pages, grid_chunks)
-    s_g, s_c, s_p = score_levels(anchor, v_g, v_c, v_p)
-    keep_g = top_fraction(s_g, ok_g, rho[:, 0])
-    keep_c = top_fraction(s_c, ok_c & keep_g.repeat_interleave(grid_chunks, -1), rho[:, 1])
-    active_p = ok_p & keep_c.repeat_interleave(chunk_pages, -1)
-    keep_p = top_fraction(s_p, active_p, rho[:, 2])
-    if max_pages is not None:
-        keep_p = top_mask(s_p, keep_p, max_pages)
-    return keep_p[:, :n_pages], s_p[:, :n_pages]
-
-
-def cascade_ratios(preset: tuple[float, float], share: torch.Tensor) -> torch.Tensor:
-    """(rho_g, rho_c, rho_p) [b, 3] that keep `share` [b] of the candidate pages with the preset's coarse ratios,
-    raised by a common power where the share exceeds their product; share 1 gives (1, 1, 1)."""
-    rho_g, rho_c = preset
-    share = share.clamp(0.0, 1.0).double()
-    coarse = rho_g * rho_c
-    power = torch.where(share > coarse, torch.log(share.clamp(min=1e-12)) / math.log(coarse), 1.0)
-    g, c = rho_g**power, rho_c**power
-    return torch.stack([g, c, (share / (g * c)).clamp(max=1.0)], dim=-1).float()
+# `semkv calibrate --method chess` of the embedded SmolLM2-135M-Instruct on the essays worked, popular, gap and gh
+# (4096 tokens each: 512 pages of 32 tokens)
+DEFAULT_THRESHOLDS = {"entropy": 3.84, "varentropy": 3.50}
 
 
 @dataclass
@@ -141,6 +84,8 @@ class Chess(KVMethod):
     mode: str = "dynamic"
     period: int = 6
     trigger: str = "any"
+    rope_free: bool = False
+    center: bool = False
     entropy_threshold: float | None = None
     varentropy_threshold: float | None = None
 
@@ -159,22 +104,30 @@ class Chess(KVMethod):
         check_range("grid_chunks", self.grid_chunks, 1, 1024, int)
         check_range("window", self.window, 1, None, int)
         check_range("period", self.period, 1, None, int)
+        check_range("rope_free", self.rope_free, types=bool)
+        check_range("center", self.center, types=bool)
         for name in ("entropy_threshold", "varentropy_threshold"):
             if getattr(self, name) is not None:
                 check_range(name, getattr(self, name), 0.0, None)
-        self.summaries = PageSummaries(("sum",))
+        self.summaries = PageSummaries(("sum",), self.unrotate if self.rope_free else None)
         self.current: Selection | None = None
+        self.rotary: RotaryEmbedding | None = None
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         if self.page_size % page_size:
             raise SemkvError(f"page_size={self.page_size} must be a multiple of the engine's KV page size "
                              f"{page_size}; allowed: {page_size}, {2 * page_size}, ...")
-        found = calibration.load("chess", model.source) or {}
-        self.thresholds = (
-            self.entropy_threshold if self.entropy_threshold is not None else found.get("entropy", DEFAULT_THRESHOLDS["entropy"]),
-            self.varentropy_threshold if self.varentropy_threshold is not None else found.get("varentropy", DEFAULT_THRESHOLDS["varentropy"]),
-        )
+        found = dict(DEFAULT_THRESHOLDS, **(calibration.load("chess", model.source) or {}))
+        given = (self.entropy_threshold, self.varentropy_threshold)
+        self.thresholds = tuple(found[k] if v is None else v for k, v in zip(("entropy", "varentropy"), given))
+
+    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys [..., D] stored at `positions` [...] -> the keys before RoPE (up to RoPE's constant scaling)."""
+        if self.rotary is None or self.rotary.device != keys.device:
+            self.rotary = RotaryEmbedding(self.model.hf_config, self.model.head_dim, keys.device)
+        cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
+        return RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, -sin).view_as(keys)
 
     def new_state(self, seq: Sequence) -> ChessState:
         seq.stats.extra["reselections"] = 0
@@ -210,7 +163,8 @@ class Chess(KVMethod):
         per_page = self.page_size // size
         width = n_pages * per_page
         tables = torch.stack([F.pad(s.kv.table[:, :width], (0, max(width - s.kv.table.shape[1], 0))) for s in seqs])
-        filled = (summarized[:, None] - torch.arange(width, device=pool.device) * size).clamp(0, size)  # [b, width] tokens in each KV page
+        first = torch.arange(width, device=pool.device) * size  # first token of each KV page
+        filled = (summarized[:, None] - first).clamp(0, size)  # [b, width] summarized tokens in each KV page
         sums = self.summaries.gather("sum", tables)  # [b, layers, width, kv_heads, D]
         sums = torch.where(filled[:, None, :, None, None] > 0, sums, 0.0)  # unfilled pages hold stale sums
         b, layers, _, heads, dim = sums.shape
@@ -261,6 +215,9 @@ class Chess(KVMethod):
         recent = (page >= start[:, None]) & (counts > 0)
         anchor = (vectors * recent[..., None]).sum(1) / recent.sum(1, keepdim=True).clamp(min=1)  # Eq. 3
         candidates = (page >= 1) & (page < start[:, None])
+        if self.center:
+            mean = (vectors * candidates[..., None]).sum(1) / candidates.sum(1, keepdim=True).clamp(min=1)  # [b, dim]
+            vectors, anchor = vectors - mean[:, None], anchor - mean
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
         keep, scores = cascade(vectors, candidates, anchor, self.chunk_pages, self.grid_chunks, rho, k)
