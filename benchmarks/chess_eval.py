@@ -2,8 +2,9 @@
 the N_c / N_g ablation on the same prefills, re-selections per 100 generated tokens (dynamic vs periodic), and the
 share of a decode step spent selecting at a long context.
 
-    PYTHONPATH=. python benchmarks/chess_eval.py passkey --budget 256 --lengths 2000,3000 --depths 0.2,0.5,0.8
-    PYTHONPATH=. python benchmarks/chess_eval.py reselect --context 1000 --new-tokens 192 --samples 4
+    PYTHONPATH=. python benchmarks/chess_eval.py passkey --budget 256 --lengths 2000,3500 --depths 0.1,0.3,0.5,0.7,0.9
+    PYTHONPATH=. python benchmarks/chess_eval.py passkey --sweep-only --lengths 1500,2500,3500 --depths 0.15,0.25,...
+    PYTHONPATH=. python benchmarks/chess_eval.py reselect --context 1000 --new-tokens 400 --samples 4
     PYTHONPATH=. python benchmarks/chess_eval.py overhead --context 8000 --new-tokens 16
 
 Passkey prompts hide "The pass key is N. Remember it. N is the pass key." at several depths of Paul Graham essays
@@ -111,17 +112,19 @@ def run_passkey(llm, args) -> dict:
     grid = list(itertools.product(args.chunk_pages, args.grid_chunks, PRESETS))
     for tokens, depth, key, prompt, needle in prompts(llm, args):
         needle = torch.tensor(needle)
-        named = {"full": FullKV(), "quest": Quest(budget=budget), "snapkv": SnapKV(budget=budget)}
+        named = {} if args.sweep_only else {"full": FullKV(), "quest": Quest(budget=budget),
+                                            "snapkv": SnapKV(budget=budget)}
         for v, kw in VARIANTS.items():
             sweep = {f"{p}{v} N_c={c} N_g={g}": Chess(budget=budget, preset=p, chunk_pages=c, grid_chunks=g, **kw)
                      for c, g, p in grid}
-            for p in PRESETS:
+            for p in PRESETS if not args.sweep_only else ["moderate"]:
                 named[f"chess-{p}{v}"] = (Sweep(budget=budget, preset=p, grid=sweep, needle=needle, **kw)
                                           if p == "moderate" else Chess(budget=budget, preset=p, **kw))
         logs = {name: [] for name in named}
         for name, m in named.items():
             track_needle(m, needle, logs[name])
-        outs = llm.compare(prompt, list(named.values()), question=QUESTION, max_new_tokens=args.new_tokens)
+        new_tokens = 2 if args.sweep_only else args.new_tokens  # the sweep needs one decode step
+        outs = llm.compare(prompt, list(named.values()), question=QUESTION, max_new_tokens=new_tokens)
         for (name, m), out in zip(named.items(), outs):
             row = rows.setdefault(name, {"correct": 0, "retention": 0.0, "attended": 0.0, "prompts": 0})
             row["correct"] += str(key) in out.text
@@ -147,7 +150,10 @@ def run_reselect(llm, args) -> dict:
     """Re-selections per 100 generated tokens over free generations after essays (one batch per mode)."""
     out = {}
     for mode in ("dynamic", "periodic"):
-        outs = llm.generate(essay_prompts(args), method=Chess(budget=args.budget, mode=mode),
+        method, pages = Chess(budget=args.budget, mode=mode), []
+        inner = method.uncertain  # called with each generated page's mean entropy and varentropy (dynamic mode)
+        method.uncertain = lambda mean, var: pages.append((mean, var)) or inner(mean, var)
+        outs = llm.generate(essay_prompts(args), method=method,
                             questions=["Summarize the essay above in detail."] * args.samples,
                             max_new_tokens=args.new_tokens, ignore_eos=True)
         reselections = sum(o.stats.extra["reselections"] for o in outs)
@@ -155,6 +161,12 @@ def run_reselect(llm, args) -> dict:
         out[mode] = {"reselections": reselections, "generated": generated,
                      "per_100_tokens": 100 * reselections / generated,
                      "per_sequence": [o.stats.extra["reselections"] for o in outs]}
+        if pages:
+            stats = torch.tensor(pages)  # [pages, 2]
+            out[mode]["pages"] = len(pages)
+            out[mode]["thresholds"] = list(method.thresholds)
+            out[mode]["page_mean_entropy_max_median"] = [stats[:, 0].max().item(), stats[:, 0].median().item()]
+            out[mode]["page_varentropy_max_median"] = [stats[:, 1].max().item(), stats[:, 1].median().item()]
         print(mode, json.dumps(out[mode]), flush=True)
     return out
 
@@ -205,6 +217,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=10)
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--sweep-only", action="store_true", help="passkey: only the N_c / N_g ablation (no decoding)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -205,3 +205,19 @@ def test_calibration_is_the_99th_percentile_and_bind_reads_it(tiny_llm, monkeypa
     assert method.thresholds == (data["entropy"], data["varentropy"])
     with pytest.raises(SemkvError, match="no full page"):
         Chess.calibrate(tiny_llm, ["short"], 200)
+
+
+@pytest.mark.slow
+def test_embedded_model_full_budget_budgets_and_periodic_reselection(smol_llm, essay_text):
+    doc = essay_text[:3000] + " The secret passkey is 73914. Remember it. " + essay_text[3000:6000]
+    question = "What is the secret passkey? Answer with the number only."
+    methods = [FullKV(), Chess(budget=100_000, mode="always"), Chess(budget=192),
+               Chess(budget=192, preset="aggressive", rope_free=True, center=True)]
+    full, at_full_budget, *limited = smol_llm.compare(doc, methods, question=question, max_new_tokens=16)
+    assert at_full_budget.token_ids == full.token_ids
+    for out in limited:
+        assert out.stats.kv_attended_max <= 192 and out.stats.kv_attended_tokens < out.stats.prompt_tokens
+    out = smol_llm.generate(doc, questions=[question], method=Chess(budget=0.2, mode="periodic", period=1),
+                            max_new_tokens=70, ignore_eos=True)[0]
+    assert out.stats.kv_attended_max <= math.ceil(0.2 * (out.stats.prompt_tokens + 69))
+    assert out.stats.extra["reselections"] == 2  # generated pages end at decode steps 32 and 64 (of 69)
