@@ -28,6 +28,7 @@ MATRIX: dict[str, list[dict]] = {
     "dynsplit": [dict(), dict(chunk_size=6, max_deviation=3, alpha=1.0, pooling="mean", group_reduce="max", n_sink=2,
                               n_recent=1, offload=True)],
     "tokenselect": [dict(), dict(selection="hard_vote", scope="kv_head", theta=0.5, n_sink=1)],
+    "chess": [dict(), dict(page_size=16, chunk_pages=2, grid_chunks=2, window=1, preset="aggressive", mode="always")],
 }
 CASES = [(name, i, params) for name, configs in MATRIX.items() for i, params in enumerate(configs)]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]

@@ -5,6 +5,7 @@ from typing import Any
 
 from semkv.errors import SemkvError
 from semkv.methods.base import DecodeBatch, KVMethod, Selection
+from semkv.methods.chess import Chess
 from semkv.methods.chunkkv import ChunkKV
 from semkv.methods.dynsplit import DynSplitKV
 from semkv.methods.full import FullKV
@@ -22,11 +23,11 @@ from semkv.methods.tokenselect import TokenSelect
 METHODS: dict[str, type[KVMethod]] = {
     cls.name: cls
     for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, Quest, KeyDiff, InfLLM,
-                ChunkKV, SentenceKV, DynSplitKV, TokenSelect)
+                ChunkKV, SentenceKV, DynSplitKV, TokenSelect, Chess)
 }
 
 __all__ = [
-    "METHODS", "ChunkKV", "DecodeBatch", "DynSplitKV", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff",
+    "METHODS", "Chess", "ChunkKV", "DecodeBatch", "DynSplitKV", "FullKV", "H2O", "InfLLM", "KVMethod", "KeyDiff",
     "PyramidKV", "Quest", "Selection", "SentenceKV", "SnapKV", "StreamingLLM", "TokenSelect", "get_method",
 ]
 

@@ -5,6 +5,8 @@ per-sequence copies, and freeing a page frees its summary. Used by page-level se
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from semkv.engine.kv_cache import KVPool, SeqKV
@@ -13,11 +15,15 @@ STATS = ("min", "max", "sum")
 
 
 class PageSummaries:
-    def __init__(self, stats: tuple[str, ...]):
+    """`transform(keys [..., D], positions [...]) -> keys`, if given, maps the stored keys (e.g. undoes RoPE) before
+    they are summarised."""
+
+    def __init__(self, stats: tuple[str, ...], transform: Callable | None = None):
         unknown = set(stats) - set(STATS)
         if unknown:
             raise ValueError(f"unknown summary statistics {sorted(unknown)}; allowed: {STATS}")
         self.stats = stats
+        self.transform = transform
         self.data: dict[str, torch.Tensor] = {}
 
     def ensure(self, pool: KVPool) -> None:
@@ -39,6 +45,8 @@ class PageSummaries:
             return
         pages = -(-n // size)
         keys = kv.keys(layer).float()  # [kv_heads, n, D]
+        if self.transform is not None:
+            keys = self.transform(keys, kv.positions(layer))
         padded = torch.nn.functional.pad(keys, (0, 0, 0, pages * size - n), value=float("nan"))
         blocks = padded.view(keys.shape[0], pages, size, -1)  # [kv_heads, pages, size, D]
         ids = kv.table[layer, :pages]
@@ -60,6 +68,8 @@ class PageSummaries:
         heads = torch.arange(pool.num_kv_heads, device=slots.device)[None, :]
         kf = pool.flat()[0]
         keys = kf[rows, heads].float()  # [B, kv_heads, D]
+        if self.transform is not None:
+            keys = self.transform(keys, pool.flat()[2][rows, heads])
         fresh = (slots % size == 0)[..., None]
         for stat, op in (("min", torch.minimum), ("max", torch.maximum), ("sum", torch.add)):
             if stat in self.stats:

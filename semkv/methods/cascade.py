@@ -1,0 +1,82 @@
+"""The coarse-to-fine cascade of CHESS (Algorithm 1) over a hierarchy of pages, batched over sequences.
+
+Pages are grouped into chunks of `chunk_pages` consecutive pages and grids of `grid_chunks` consecutive chunks (logical
+views: only page vectors exist in memory). One batched product scores every unit against an anchor; the top grids are
+kept, then the top chunks inside kept grids, then the top pages inside kept chunks, all with masks over padded
+tensors (sequences of different lengths), without Python loops over units or sequences.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def top_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Bool [b, n]: the k[b] highest-scoring eligible entries of each row (ties: the lower index)."""
+    order = scores.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return (rank < k[:, None]) & eligible
+
+
+def top_fraction(scores: torch.Tensor, eligible: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """Keep round(rho * eligible) entries per row, at least one where any is eligible."""
+    n = eligible.sum(-1)
+    k = torch.where(n > 0, torch.floor(rho * n + 0.5).clamp(min=1), 0).long()
+    return top_mask(scores, eligible, k)
+
+
+def hierarchy(page_vectors: torch.Tensor, candidates: torch.Tensor, chunk_pages: int, grid_chunks: int):
+    """Page vectors [b, P, dim] and candidate pages [b, P] -> grid, chunk and page vectors (pages padded to whole
+    grids) with their eligibility: a chunk is the mean of its candidate pages, a grid the mean of its chunks (Eq. 2)."""
+    b, n_pages, dim = page_vectors.shape
+    span = chunk_pages * grid_chunks
+    pad = -n_pages % span
+    v_p = F.pad(page_vectors, (0, 0, 0, pad))  # [b, Pp, dim]
+    ok_p = F.pad(candidates, (0, pad))  # [b, Pp]
+    pages_in_chunk = ok_p.view(b, -1, chunk_pages).sum(-1)  # [b, C]
+    v_c = torch.where(ok_p[..., None], v_p, 0).view(b, -1, chunk_pages, dim).sum(2)
+    v_c = v_c / pages_in_chunk.clamp(min=1)[..., None]  # [b, C, dim]
+    ok_c = pages_in_chunk > 0
+    chunks_in_grid = ok_c.view(b, -1, grid_chunks).sum(-1)  # [b, G]
+    v_g = torch.where(ok_c[..., None], v_c, 0).view(b, -1, grid_chunks, dim).sum(2)
+    v_g = v_g / chunks_in_grid.clamp(min=1)[..., None]  # [b, G, dim]
+    return (v_g, v_c, v_p), (chunks_in_grid > 0, ok_c, ok_p)
+
+
+def score_levels(anchor: torch.Tensor, v_g: torch.Tensor, v_c: torch.Tensor, v_p: torch.Tensor):
+    """Affinity with the anchor [b, dim] of every grid, chunk and page in ONE batched product (Algorithm 1, lines 2-4).
+    The product is linear, so a chunk's score is also the mean of its pages' scores; the vectors are kept as the
+    paper describes them."""
+    v_all = torch.cat([v_g, v_c, v_p], dim=1)  # [b, G + C + P, dim]
+    scores = torch.bmm(v_all, anchor[:, :, None])[..., 0]  # [b, G + C + P]
+    return scores.split([v_g.shape[1], v_c.shape[1], v_p.shape[1]], dim=1)
+
+
+def cascade(page_vectors: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chunk_pages: int,
+            grid_chunks: int, rho: torch.Tensor, max_pages: torch.Tensor | None = None):
+    """Algorithm 1, batched: top rho_g of the eligible grids, top rho_c of the chunks in kept grids, top rho_p of the
+    pages in kept chunks (at most max_pages [b]). rho [b, 3]. Returns kept pages [b, P] and page scores [b, P]."""
+    n_pages = page_vectors.shape[1]
+    (v_g, v_c, v_p), (ok_g, ok_c, ok_p) = hierarchy(page_vectors, candidates, chunk_pages, grid_chunks)
+    s_g, s_c, s_p = score_levels(anchor, v_g, v_c, v_p)
+    keep_g = top_fraction(s_g, ok_g, rho[:, 0])
+    keep_c = top_fraction(s_c, ok_c & keep_g.repeat_interleave(grid_chunks, -1), rho[:, 1])
+    active_p = ok_p & keep_c.repeat_interleave(chunk_pages, -1)
+    keep_p = top_fraction(s_p, active_p, rho[:, 2])
+    if max_pages is not None:
+        keep_p = top_mask(s_p, keep_p, max_pages)
+    return keep_p[:, :n_pages], s_p[:, :n_pages]
+
+
+def cascade_ratios(preset: tuple[float, float], share: torch.Tensor) -> torch.Tensor:
+    """(rho_g, rho_c, rho_p) [b, 3] that keep `share` [b] of the candidate pages with the preset's coarse ratios,
+    raised by a common power where the share exceeds their product; share 1 gives (1, 1, 1)."""
+    rho_g, rho_c = preset
+    share = share.clamp(0.0, 1.0).double()
+    coarse = rho_g * rho_c
+    power = torch.where(share > coarse, torch.log(share.clamp(min=1e-12)) / math.log(coarse), 1.0)
+    g, c = rho_g**power, rho_c**power
+    return torch.stack([g, c, (share / (g * c)).clamp(max=1.0)], dim=-1).float()

@@ -1,0 +1,223 @@
+"""CHESS: the cascade on hand-built vectors, retained fractions, one product = level-by-level scoring, the budget
+mapping, page vectors (Eq. 1) against the stored keys, uncertainty statistics, re-selection triggers, calibration."""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.errors import SemkvError
+from semkv.methods import Chess, FullKV, calibration
+from semkv.methods.cascade import cascade, cascade_ratios, hierarchy, score_levels
+from semkv.methods.chess import PRESETS
+from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.models.rotary import RotaryEmbedding
+
+TEXT = "Paged attention stores keys and values in fixed-size pages, and a page table maps positions to pages. " * 6
+
+
+def ones(*shape):
+    return torch.ones(*shape, dtype=torch.bool)
+
+
+def test_cascade_selects_the_expected_pages():
+    # 4 grids of 2 chunks of 2 pages; page score = its first coordinate (the anchor is e0)
+    page_scores = [1, 1, 1, 1, 9, 0, 0, 0, 3, 3, 3, 3, 0, 0, 0, 8]
+    vectors = torch.zeros(1, 16, 3)
+    vectors[0, :, 0] = torch.tensor(page_scores, dtype=torch.float)
+    anchor = torch.tensor([[1.0, 0.0, 0.0]])
+    # grids score 1, 2.25, 3, 2 -> keep grids 2, 1; their chunks score 4.5, 0, 3, 3 -> keep chunks 2, 4 (tie: the
+    # lower index); their pages score 9, 0, 3, 3 -> keep pages 4 and 8. Page 15 (score 8) sits in a pruned grid.
+    keep, scores = cascade(vectors, ones(1, 16), anchor, 2, 2, torch.tensor([[0.5, 0.5, 0.5]]))
+    assert keep[0].nonzero().flatten().tolist() == [4, 8]
+    assert scores[0].tolist() == page_scores
+    # a flat top-2 would take pages 4 and 15: the hierarchy matters
+    assert torch.topk(scores[0], 2).indices.sort().values.tolist() == [4, 15]
+    # non-candidate pages (sink, recent window) neither count in their parents' vectors nor get selected
+    candidates = ones(1, 16)
+    candidates[0, [0, 4, 15]] = False
+    keep, _ = cascade(vectors, candidates, anchor, 2, 2, torch.tensor([[0.5, 0.5, 0.5]]))
+    # grids now score 1, 0, 3, 0 -> grids 2, 0; chunks 3, 3, 1, 1 -> chunks 4, 5; pages 3, 3, 3, 3 -> pages 8, 9
+    assert keep[0].nonzero().flatten().tolist() == [8, 9]
+    # max_pages caps the page level
+    keep, _ = cascade(vectors, ones(1, 16), anchor, 2, 2, torch.ones(1, 3), torch.tensor([3]))
+    assert keep[0].nonzero().flatten().tolist() == [4, 8, 15]
+
+
+@pytest.mark.parametrize("preset, rho_p", [("conservative", 0.9), ("moderate", 0.7), ("aggressive", 0.1)])
+def test_retained_fraction_is_the_product_of_the_ratios(preset, rho_p):
+    torch.manual_seed(0)
+    n_pages = 512
+    vectors, anchor = torch.randn(2, n_pages, 64), torch.randn(2, 64)
+    rho = torch.tensor([[*PRESETS[preset], rho_p]] * 2)
+    keep, _ = cascade(vectors, ones(2, n_pages), anchor, 4, 4, rho)
+    expected = math.prod(rho[0].tolist())
+    for row in keep:
+        assert abs(row.sum().item() / n_pages - expected) <= 0.01 + 0.02 * expected
+
+
+def test_one_product_scores_like_level_by_level():
+    torch.manual_seed(1)
+    vectors, anchor = torch.randn(3, 37, 16), torch.randn(3, 16)
+    candidates = torch.rand(3, 37) > 0.2
+    (v_g, v_c, v_p), (ok_g, ok_c, ok_p) = hierarchy(vectors, candidates, 3, 2)
+    s_g, s_c, s_p = score_levels(anchor, v_g, v_c, v_p)
+    for b in range(3):
+        pages = [vectors[b, i] if i < 37 and candidates[b, i] else None for i in range(v_p.shape[1])]
+        for c in range(v_c.shape[1]):  # a chunk is the mean of its candidate pages (Eq. 2) ...
+            members = [p for p in pages[3 * c : 3 * c + 3] if p is not None]
+            assert bool(ok_c[b, c]) == bool(members)
+            if members:
+                mean = torch.stack(members).mean(0)
+                assert torch.allclose(v_c[b, c], mean, atol=1e-5)
+                assert torch.allclose(s_c[b, c], mean @ anchor[b], atol=1e-4)
+        for g in range(v_g.shape[1]):  # ... a grid the mean of its chunks
+            members = [v_c[b, c] for c in range(2 * g, 2 * g + 2) if ok_c[b, c]]
+            if members:
+                assert torch.allclose(s_g[b, g], torch.stack(members).mean(0) @ anchor[b], atol=1e-4)
+        assert torch.allclose(s_p[b, :37], vectors[b] @ anchor[b], atol=1e-4)
+
+
+def test_budget_maps_onto_the_ratios():
+    for preset in PRESETS.values():
+        g, c = preset
+        rho = cascade_ratios(preset, torch.tensor([0.0, g * c / 2, (g * c + 1) / 2, 1.0]))
+        assert rho[0].tolist() == pytest.approx([g, c, 0.0])
+        assert rho[1].tolist() == pytest.approx([g, c, 0.5])
+        assert rho[2, 2].item() == 1.0 and rho[2, 0] >= g and rho[2, 1] >= c
+        assert rho[2, :2].prod().item() == pytest.approx((g * c + 1) / 2, rel=1e-5)
+        assert rho[3].tolist() == [1.0, 1.0, 1.0]  # budget >= context: Full KV
+
+
+def test_parameters_are_validated(tiny_llm):
+    for bad in (dict(preset="greedy"), dict(mode="never"), dict(window=0), dict(page_size=0), dict(trigger="all"),
+                dict(entropy_threshold=-1.0), dict(center=1)):
+        with pytest.raises(SemkvError):
+            Chess(budget=64, **bad)
+    with pytest.raises(SemkvError, match="multiple"):
+        Chess(budget=64, page_size=24).bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+
+
+@dataclass
+class Probe(Chess):
+    """CHESS that records, after each step, its logits, its page vectors and the same vectors from the keys."""
+
+    seen: list = field(default_factory=list)
+
+    def end_step(self, batch, logits, tokens):
+        seq = batch.seqs[0]
+        before = list(seq.method_state.entropies)
+        super().end_step(batch, logits, tokens)
+        kv = seq.kv
+        n = kv.num_slots[0]
+        pages = -(-n // self.page_size)
+        keys = torch.stack([kv.keys(layer) for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
+        if self.rope_free:  # RoPE undone: rotating forward again, as the model does, gives the stored keys back
+            positions = torch.stack([kv.positions(layer) for layer in range(kv.pool.num_layers)])
+            stored, keys = keys, self.unrotate(keys, positions)
+            cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
+            again = RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, sin).view_as(keys)
+            assert torch.allclose(again, stored, atol=1e-4) and not torch.allclose(keys, stored, atol=1e-2)
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pages * self.page_size - n))
+        sums = keys.view(*keys.shape[:2], pages, self.page_size, -1).sum(3).permute(2, 0, 1, 3).reshape(pages, -1)
+        counts = (n - torch.arange(pages) * self.page_size).clamp(max=self.page_size)
+        direct = sums / counts[:, None]
+        state = seq.method_state
+        self.seen.append((logits[0].clone(), self.page_vectors([seq], torch.tensor([n]), pages)[0], direct,
+                          seq.stats.extra["reselections"], before, list(state.entropies)))
+
+
+@pytest.mark.parametrize("rope_free", [False, True])
+def test_page_vectors_follow_the_keys_and_entropies_the_logits(tiny_llm, rope_free):
+    probe = Probe(budget=64, page_size=32, rope_free=rope_free, center=rope_free, entropy_threshold=1e9,
+                  varentropy_threshold=1e9)
+    tiny_llm.generate(TEXT, method=probe, max_new_tokens=40, chat=False, ignore_eos=True)
+    assert len(probe.seen) == 39
+    for logits, vectors, direct, _, before, after in probe.seen:
+        assert torch.allclose(vectors, direct, atol=1e-4)  # Eq. 1, incrementally updated across page boundaries
+        p = torch.softmax(logits.double(), -1)
+        if len(before) + 1 == probe.page_size:  # a page of generated tokens is complete: its entropies are used up
+            assert after == []
+        else:
+            assert after[:-1] == before and after[-1] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-4)
+
+
+def test_entropy_and_varentropy_match_a_direct_computation():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 32, 50) * 3
+    entropy = token_entropy(logits)
+    direct = [[-sum(p * math.log(p) for p in torch.softmax(row.double(), -1).tolist()) for row in page]
+              for page in logits]
+    assert torch.allclose(entropy.double(), torch.tensor(direct, dtype=torch.double), atol=1e-5)
+    mean, var = page_uncertainty(entropy)
+    for i, page in enumerate(direct):
+        assert mean[i].item() == pytest.approx(statistics.fmean(page), rel=1e-5)
+        assert var[i].item() == pytest.approx(statistics.pvariance(page), rel=1e-4)
+
+
+def run(llm, new, **params):
+    probe = Probe(budget=64, page_size=16, **params)
+    out = llm.generate(TEXT, method=probe, max_new_tokens=new, chat=False, ignore_eos=True)[0]
+    return probe, out.stats.extra["reselections"]
+
+
+def test_reselection_fires_when_thresholds_are_crossed_and_not_otherwise(tiny_llm):
+    new = 50  # 49 decode steps: pages of 16 generated tokens end at steps 16, 32, 48 and re-select at the next step
+    assert run(tiny_llm, new, entropy_threshold=0.0)[1] == 3
+    assert run(tiny_llm, new, entropy_threshold=1e9, varentropy_threshold=1e9)[1] == 0
+    assert run(tiny_llm, new, mode="periodic", period=2)[1] == 1
+    assert run(tiny_llm, new, mode="always")[1] == new - 2
+    # a threshold between the pages' mean entropies: re-selects after exactly the pages above it
+    probe, _ = run(tiny_llm, new, entropy_threshold=1e9, varentropy_threshold=1e9)
+    means = page_uncertainty(token_entropy(torch.stack([s[0] for s in probe.seen[:48]])).view(3, 16))[0]
+    threshold = float(means.median())
+    probe, count = run(tiny_llm, new, entropy_threshold=threshold, varentropy_threshold=1e9)
+    means = page_uncertainty(token_entropy(torch.stack([s[0] for s in probe.seen[:48]])).view(3, 16))[0]
+    assert count == int((means > threshold).sum())
+    fired = [s[3] for s in probe.seen]  # reselections counted after each step
+    for page, above in enumerate((means > threshold).tolist()):
+        assert fired[16 * page + 16] - fired[16 * page + 15] == int(above)
+    both = Chess(budget=64, trigger="both", entropy_threshold=1.0, varentropy_threshold=1.0)
+    both.bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+    assert both.uncertain(2.0, 2.0) and not both.uncertain(2.0, 0.5) and not both.uncertain(0.5, 2.0)
+
+
+def test_calibration_is_the_99th_percentile_and_bind_reads_it(tiny_llm, monkeypatch, tmp_path):
+    monkeypatch.setenv("SEMKV_CACHE_DIR", str(tmp_path))
+    ids = tiny_llm.tokenizer(TEXT * 2)["input_ids"][:200]
+    entropies = teacher_forced_entropies(tiny_llm, ids)
+    for k in (40, 199):  # the entropy at token k is that of the last logits of a prefill of ids[:k + 1]
+        seq = Sequence(0, ids[: k + 1], SamplingParams(), SeqKV(tiny_llm.engine.pool))
+        assert entropies[k].item() == pytest.approx(token_entropy(tiny_llm.engine.prefill(seq, FullKV())).item(),
+                                                    rel=1e-4)
+        seq.kv.release()
+    data = Chess.calibrate(tiny_llm, [TEXT * 2], 200)
+    pages = torch.stack(page_uncertainty(entropies[:192].view(6, 32)), -1)
+    assert [data["entropy"], data["varentropy"]] == pytest.approx(torch.quantile(pages, 0.99, 0).tolist(), rel=1e-5)
+    calibration.save("chess", tiny_llm.config.source, data)
+    method = Chess(budget=64)
+    method.bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+    assert method.thresholds == (data["entropy"], data["varentropy"])
+    with pytest.raises(SemkvError, match="no full page"):
+        Chess.calibrate(tiny_llm, ["short"], 200)
+
+
+@pytest.mark.slow
+def test_embedded_model_full_budget_budgets_and_periodic_reselection(smol_llm, essay_text):
+    doc = essay_text[:3000] + " The secret passkey is 73914. Remember it. " + essay_text[3000:6000]
+    question = "What is the secret passkey? Answer with the number only."
+    methods = [FullKV(), Chess(budget=100_000, mode="always"), Chess(budget=192),
+               Chess(budget=192, preset="aggressive", rope_free=True, center=True)]
+    full, at_full_budget, *limited = smol_llm.compare(doc, methods, question=question, max_new_tokens=16)
+    assert at_full_budget.token_ids == full.token_ids
+    for out in limited:
+        assert out.stats.kv_attended_max <= 192 and out.stats.kv_attended_tokens < out.stats.prompt_tokens
+    out = smol_llm.generate(doc, questions=[question], method=Chess(budget=0.2, mode="periodic", period=1),
+                            max_new_tokens=70, ignore_eos=True)[0]
+    assert out.stats.kv_attended_max <= math.ceil(0.2 * (out.stats.prompt_tokens + 69))
+    assert out.stats.extra["reselections"] == 2  # generated pages end at decode steps 32 and 64 (of 69)
