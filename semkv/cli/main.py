@@ -1,4 +1,4 @@
-"""`semkv` command line: generate, methods (and the subcommands other modules register).
+"""`semkv` command line: generate, methods, calibrate, eval, report.
 
 Bad input prints one line `semkv: error: ...` and exits with code 2; no traceback.
 """
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -154,11 +155,20 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lazy(module: str, name: str) -> Callable:
+    """A function of another module, imported on first call (`semkv.eval.cli` imports the helpers above)."""
+    return lambda *args: getattr(importlib.import_module(module), name)(*args)
+
+
 # subcommand -> (help, add_arguments, run)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "generate": ("generate text with a KV method and budget", _add_generate, _run_generate),
     "methods": ("list the KV methods with their parameters", _add_methods, _run_methods),
     "calibrate": ("calibrate a method offline for a model (cached per model)", _add_calibrate, _run_calibrate),
+    "eval": ("evaluate methods x budgets on tasks x lengths (resumable)", _lazy("semkv.eval.cli", "add_eval"),
+             _lazy("semkv.eval.cli", "run_eval")),
+    "report": ("tables, plots and HTML views of a results directory", _lazy("semkv.eval.cli", "add_report"),
+               _lazy("semkv.eval.cli", "run_report")),
 }
 
 

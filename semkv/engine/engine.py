@@ -14,8 +14,9 @@ from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
+from semkv.engine.trace import attended_positions
 from semkv import kernels
-from semkv.methods.base import DecodeBatch, KVMethod
+from semkv.methods.base import DecodeBatch, KVMethod, Selection
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
@@ -82,6 +83,8 @@ class DecodeStep:
         self.attended_sum = torch.zeros(size, device=engine.device)
         self.attended_max = torch.zeros(size, dtype=torch.long, device=engine.device)
         self.selection_s = 0.0
+        self.traced = [(b, s) for b, s in enumerate(batch.seqs or ())  # no seqs: a captured CUDA-graph step
+                       if s.trace is not None and s.trace.wants(s.num_computed - len(s.prompt_ids))]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool, batch = self.engine, self.engine.pool, self.batch
@@ -106,7 +109,17 @@ class DecodeStep:
             out = kernels.decode_attention(q, pool.k, pool.v, tables, selection.slots, lengths, engine.scale)
         self.attended_sum += lengths.float().mean(-1)
         self.attended_max = torch.maximum(self.attended_max, lengths.max(-1).values)
+        if self.traced:
+            self._record(layer, tables, selection)
         return out
+
+    def _record(self, layer: int, tables: torch.Tensor, selection: Selection | None) -> None:
+        for b, seq in self.traced:
+            slots = None if selection is None else selection.slots[b]
+            lengths = None if selection is None else selection.lengths[b]
+            positions = attended_positions(self.engine.pool, tables[b], slots, lengths,
+                                           int(self.batch.num_slots[b, layer]))
+            seq.trace.record_attended(seq.num_computed - len(seq.prompt_ids), layer, positions)
 
 
 def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
@@ -158,6 +171,8 @@ class Engine:
         resident = seq.kv.resident_slots()
         seq.stats.kv_resident_prefill_peak = max(seq.stats.kv_resident_prefill_peak, resident)
         seq.stats.kv_resident_tokens = resident
+        if seq.trace is not None:
+            seq.trace.record_resident(seq.kv)
 
     @torch.inference_mode()
     def fork(self, seq: Sequence, seq_id: int) -> Sequence:
@@ -229,10 +244,13 @@ class Engine:
             seq.stats.selection_s += step.selection_s / len(seqs)
 
     def generate(self, seqs: list[Sequence], method: KVMethod, first_logits: list[torch.Tensor],
-                 is_stop) -> None:
-        """Decode until every sequence finished. `is_stop(seq)` checks EOS / stop strings / length."""
+                 is_stop, pick=None) -> None:
+        """Decode until every sequence finished. `is_stop(seq)` checks EOS / stop strings / length. `pick(seq,
+        logits) -> token` chooses each next token (default: sample); a pick that returns given tokens teacher-forces
+        them through the decode steps (`LLM.score_continuation`)."""
+        pick = pick or (lambda seq, logits: sample(logits, seq.params, seq.generator))
         for seq, logits in zip(seqs, first_logits):
-            self._append(seq, sample(logits, seq.params, seq.generator), is_stop)
+            self._append(seq, pick(seq, logits), is_stop)
         active = [s for s in seqs if not s.finished]
         graphs = self.graph_runner(method, seqs)
         started = time.perf_counter()
@@ -241,7 +259,7 @@ class Engine:
                 logits = graphs.decode_step(active)
             else:
                 logits = self.decode_step(active, method)
-            tokens = [sample(logits[b], s.params, s.generator) for b, s in enumerate(active)]
+            tokens = [pick(s, logits[b]) for b, s in enumerate(active)]
             batch = DecodeBatch(active, torch.tensor([s.num_computed for s in active]),
                                 torch.tensor([s.kv.num_slots for s in active]), self.config)
             method.end_step(batch, logits, tokens)
@@ -259,7 +277,8 @@ class Engine:
 
     def graph_runner(self, method: KVMethod, seqs: list[Sequence]) -> GraphRunner | None:
         """CUDA graphs for this generation, when the device, the method and the RoPE variant allow them."""
-        if not (self.cuda_graphs and method.graph_safe and self.rotary.rope_type != "dynamic"):
+        traced = any(s.trace is not None for s in seqs)  # a replayed graph runs no Python, so it records nothing
+        if not (self.cuda_graphs and method.graph_safe and self.rotary.rope_type != "dynamic") or traced:
             return None
         longest = max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
         return GraphRunner(self, method, max_pages=-(-longest // self.pool.page_size) + 1)

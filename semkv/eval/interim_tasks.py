@@ -1,0 +1,72 @@
+"""Interim task registry of the runner, until the task generators (passkey, NIAH, RULER, LongBench, book loading) are
+merged: a passkey task in InfiniteBench's format and long-text perplexity over Project Gutenberg books.
+
+`TASKS` maps a task name to `make(data_dir) -> Task`; `data_dir` is the root given by `--data-dir` (None when not
+given) and a task that needs data raises `SemkvError` naming the file it expects, before any model is loaded.
+"""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from semkv.errors import SemkvError
+from semkv.eval.perplexity import PerplexityTask
+from semkv.eval.task import Sample, Task
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.\n\n")
+QUESTION = "What is the pass key?"
+
+
+class PasskeyTask:
+    """InfiniteBench's passkey retrieval: a 5-digit key in repeated filler, the needle at evenly spaced depths."""
+
+    name = "passkey"
+    max_new_tokens = 12
+    chat = True
+
+    def samples(self, tokenizer: Any, length: int, n: int, seed: int) -> list[Sample]:
+        rng = random.Random(f"passkey-{length}-{seed}")
+        per_noise = len(tokenizer(NOISE * 10, add_special_tokens=False)["input_ids"]) / 10
+        overhead = len(tokenizer(INTRO + QUESTION, add_special_tokens=False)["input_ids"]) + 40  # needle, template
+        repeats = max(1, round((length - overhead) / per_noise))
+        out = []
+        for i in range(n):
+            key = str(rng.randint(10000, 99999))
+            depth = 100.0 * (i + 0.5) / n
+            needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+            cut = round(repeats * depth / 100)
+            context = INTRO + NOISE * cut + needle + NOISE * (repeats - cut)
+            out.append(Sample(self.name, f"passkey-{length}-{i}", context, QUESTION, [key], length, depth, [needle]))
+        return out
+
+    def score(self, prediction: str, sample: Sample) -> float:
+        numbers = re.findall(r"\d+", prediction)
+        return 100.0 if numbers and numbers[0] == sample.answers[0] else 0.0
+
+
+def gutenberg_body(text: str) -> str:
+    """A Project Gutenberg eBook without its header and license footer (kept in the stored files, stripped here)."""
+    start = re.search(r"\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG EBOOK[^\n]*\n", text)
+    end = re.search(r"\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG EBOOK", text)
+    body = text[start.end() if start else 0 : end.start() if end else len(text)]
+    return body.replace("\r\n", "\n").lstrip("\ufeff").strip()
+
+
+def load_books(data_dir: Path | None) -> dict[str, str]:
+    """Book name -> text of every `*.txt` in `<data_dir>/books`."""
+    folder = Path(data_dir or "") / "books"
+    files = sorted(folder.glob("*.txt")) if data_dir is not None and folder.is_dir() else []
+    if not files:
+        raise SemkvError(f"task 'perplexity' needs long books as plain text: expected *.txt files in {folder} "
+                         "(e.g. Project Gutenberg eBooks); pass the folder above it as --data-dir")
+    return {f.stem: gutenberg_body(f.read_text(encoding="utf-8", errors="replace")) for f in files}
+
+
+TASKS: dict[str, Callable[[Path | None], Task]] = {
+    "passkey": lambda data_dir: PasskeyTask(),
+    "perplexity": lambda data_dir: PerplexityTask(load_books(data_dir)),
+}
