@@ -30,7 +30,7 @@ def test_teacher_forced_logprobs_equal_full_sequence_logits(tiny_llm, tiny_model
 
 
 def test_teacher_forcing_measures_the_method(tiny_llm, token_ids):
-    prefix, continuation = token_ids[:150], token_ids[150:180]
+    prefix, continuation = token_ids[:150], token_ids[150:162]
     full = tiny_llm.score_continuation(prefix, continuation)
     for name in ("quest", "snapkv", "streaming_llm"):
         assert tiny_llm.score_continuation(prefix, continuation, name, 100_000) == pytest.approx(full, abs=1e-5)
@@ -41,7 +41,7 @@ def test_teacher_forcing_measures_the_method(tiny_llm, token_ids):
 
 
 def test_compare_with_continuation_equals_score_continuation(tiny_llm, token_ids):
-    prefix, continuation = token_ids[:120], token_ids[120:140]
+    prefix, continuation = token_ids[:120], token_ids[120:130]
     methods = [get_method("full"), get_method("quest", 32), get_method("snapkv", 32)]
     outs = tiny_llm.compare(prefix, methods, continuation=continuation)
     for m, out in zip(methods, outs):

@@ -18,14 +18,16 @@ from semkv.engine.kv_cache import KVPool, SeqKV
 @dataclass
 class Trace:
     steps: frozenset[int] | None = frozenset({0})  # decode steps to record; None records every step
-    resident: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][kv_head] -> positions [n] (cpu)
+    # positions are ascending int64 cpu tensors (slot order differs after decode-time eviction overwrites slots)
+    resident: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][kv_head] -> positions [n]
     attended: dict[int, list[list[torch.Tensor]]] = field(default_factory=dict)  # step -> [layer][kv_head] -> [n]
 
     def wants(self, step: int) -> bool:
         return self.steps is None or step in self.steps
 
     def record_resident(self, kv: SeqKV) -> None:
-        self.resident = [list(kv.positions(layer).cpu().unbind(0)) for layer in range(len(kv.num_slots))]
+        self.resident = [list(kv.positions(layer).long().sort(-1).values.cpu().unbind(0))
+                         for layer in range(len(kv.num_slots))]
 
     def record_attended(self, step: int, layer: int, positions: list[torch.Tensor]) -> None:
         layers = self.attended.setdefault(step, [])
@@ -36,7 +38,8 @@ class Trace:
 def attended_positions(pool: KVPool, table: torch.Tensor, slots: torch.Tensor | None, lengths: torch.Tensor,
                        num_slots: int) -> list[torch.Tensor]:
     """Original positions one sequence's KV heads attend to in one layer: table [max_pages]; slots [S, n] with
-    lengths [S] (S = 1 or kv_heads), or None for every one of `num_slots` stored slots -> per KV head positions [n]."""
+    lengths [S] (S = 1 or kv_heads), or None for every one of `num_slots` stored slots -> per KV head ascending
+    positions [n]."""
     heads, size = pool.num_kv_heads, pool.page_size
     pos = pool.flat()[2]  # [rows, kv_heads]
     out = []
@@ -47,5 +50,5 @@ def attended_positions(pool: KVPool, table: torch.Tensor, slots: torch.Tensor | 
             s = h if slots.shape[0] > 1 else 0
             chosen = slots[s, : int(lengths[s])]
         rows = table[chosen // size] * size + chosen % size
-        out.append(pos[rows, h].long().cpu())
+        out.append(pos[rows, h].long().sort().values.cpu())
     return out
