@@ -1,5 +1,5 @@
 """Interim task registry of the runner, until the task generators (passkey, NIAH, RULER, LongBench, book loading) are
-merged: a passkey task in InfiniteBench's format and long-text perplexity over Project Gutenberg books.
+merged: a passkey task in InfiniteBench's format and the loader of the Project Gutenberg books for perplexity.
 
 `TASKS` maps a task name to `make(data_dir) -> Task`; `data_dir` is the root given by `--data-dir` (None when not
 given) and a task that needs data raises `SemkvError` naming the file it expects, before any model is loaded.
@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from semkv.errors import SemkvError
-from semkv.eval.perplexity import PerplexityTask
 from semkv.eval.task import Sample, Task
 
 NOISE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -76,7 +75,5 @@ def load_books(data_dir: Path | None) -> dict[str, str]:
     return {f.stem: gutenberg_body(f.read_text(encoding="utf-8", errors="replace")) for f in files}
 
 
-TASKS: dict[str, Callable[[Path | None], Task]] = {
-    "passkey": lambda data_dir: PasskeyTask(),
-    "perplexity": lambda data_dir: PerplexityTask(load_books(data_dir)),
-}
+# perplexity is built by the runner itself (`runner.make_task`), with `load_books` and its --ppl-tokens
+TASKS: dict[str, Callable[[Path | None], Task]] = {"passkey": lambda data_dir: PasskeyTask()}

@@ -160,8 +160,8 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None)
         if any(r["depth"] is not None for r in task_rows):
             images.append(_depth_heatmaps(task, [r for r in task_rows if r["depth"] is not None],
                                           plots / f"{task}_depth_heatmap.png"))
-    views = [store.find_trace(s) for s in html_samples] if html_samples else [
-        store.read_trace(p) for p in store.traced_samples().values()]
+    views = [store.find_trace(s) for s in html_samples] if html_samples else [store.read_trace(p)
+                                                                               for p in store.traces()]
     links = [html.write(v, pages / f"{store.trace_path(v['task'], v['sample_id']).name[:-8]}.html") for v in views]
     config = store.config() or {}
     model = config.get("resolved", {}).get("model_source", "?")

@@ -68,7 +68,7 @@ class ResultsDir:
 
     # -- traces ---------------------------------------------------------------------------------------------------
     def trace_path(self, task: str, sample_id: str) -> Path:
-        return self.path / TRACES / (re.sub(r"[^\w.-]+", "_", f"{task}__{sample_id}") + ".json.gz")
+        return self.path / TRACES / f"{_safe(task)}__{_safe(sample_id)}.json.gz"
 
     def read_trace(self, path: Path) -> dict[str, Any]:
         with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -82,13 +82,18 @@ class ResultsDir:
             json.dump(data, f)
         tmp.replace(path)  # a killed run never leaves half a trace
 
-    def traced_samples(self) -> dict[str, Path]:
-        """sample_id -> trace file."""
-        return {self.read_trace(p)["sample_id"]: p for p in sorted((self.path / TRACES).glob("*.json.gz"))}
+    def traces(self) -> list[Path]:
+        return sorted((self.path / TRACES).glob("*.json.gz"))
 
     def find_trace(self, sample_id: str) -> dict[str, Any]:
-        traced = self.traced_samples()
-        if sample_id not in traced:
+        found = [p for p in self.traces() if p.name.endswith(f"__{_safe(sample_id)}.json.gz")]
+        if not found:
+            names = ", ".join(p.name[: -len(".json.gz")].split("__", 1)[-1] for p in self.traces())
             raise SemkvError(f"sample {sample_id!r} has no trace in {self.path / TRACES}; traced samples: "
-                             f"{', '.join(traced) or 'none'} (run `semkv eval` with --trace-samples N)")
-        return self.read_trace(traced[sample_id])
+                             f"{names or 'none'} (run `semkv eval` with --trace-samples N)")
+        return self.read_trace(found[0])
+
+
+def _safe(name: str) -> str:
+    """A file-name-safe form of a task or sample id."""
+    return re.sub(r"[^\w.-]+", "_", name)
