@@ -111,7 +111,7 @@ def _budget_plot(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
         ax.set_xlabel("budget (tokens per head, or fraction)")
         ax.set_ylabel("perplexity" if task == PERPLEXITY else "score")
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=8)
+    fig.legend(*axes[-1].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     fig.savefig(path, dpi=110)
     return path
 

@@ -27,7 +27,7 @@ from semkv.eval.task import Sample, Task
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.methods.base import validate_budget
 
-QUICK = dict(tasks=["passkey", "perplexity"], lengths=[1024, 2048], budgets=[128, 512], samples=2, ppl_tokens=32)
+QUICK = dict(tasks=["passkey", "perplexity"], lengths=[512, 1024], budgets=[64, 256], samples=2, ppl_tokens=32)
 # settings that must not change when a run is resumed into the same directory (the grid may grow)
 FIXED = ("model", "dtype", "page_size", "prefill_chunk", "seed", "query_aware", "method_params", "ppl_tokens")
 
