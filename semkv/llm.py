@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable, Collection, Iterator, Sequence as Seq
 
 import torch
 
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence
+from semkv.engine.trace import Trace
 from semkv.errors import SemkvError
 from semkv.methods import KVMethod, get_method
 from semkv.models.loader import load_model, resolve_device, resolve_dtype
@@ -22,6 +23,8 @@ class GenerationOutput:
     finish_reason: str  # "eos", "stop" or "length"
     stats: GenerationStats
     prompt_token_ids: list[int]
+    logprobs: list[float] | None = None  # of teacher-forced continuation tokens (`score_continuation`)
+    trace: Trace | None = None  # attended / resident positions, when `compare(trace_steps=...)` asked for them
 
 
 class LLM:
@@ -123,10 +126,9 @@ class LLM:
                 seq.kv.release()
         return [self._output(seq) for seq in seqs]
 
-    @torch.inference_mode()
     def compare(
         self,
-        prompt: str,
+        prompt: str | Seq[int],
         methods: Seq[KVMethod],
         question: str | None = None,
         max_new_tokens: int = 64,
@@ -134,52 +136,116 @@ class LLM:
         stop: Seq[str] | None = None,
         allow_overlong: bool = False,
         progress: bool = False,
+        continuation: str | Seq[int] | None = None,
+        trace_steps: Collection[int] | None = None,
         inspect: Callable[[KVMethod, Sequence], None] | None = None,
     ) -> list[GenerationOutput]:
         """Greedy generation of one prompt under several methods, prefilling it once with Full KV and applying each
         method that does not change prefill itself to a copy of that cache (eviction and selection methods alike).
         Methods with their own prefill (sparse prefill, query-agnostic compression) prefill on their own.
-        `inspect(method, seq)` sees each method's sequence after prefill and prefill-time compression, before
-        decoding (e.g. to read the positions its cache kept: `seq.kv.positions(layer)`)."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise SemkvError("the prompt is empty; give some text")
-        params = self._sampling(max_new_tokens, 0.0, 0, 1.0, 0, stop, False)
-        ids, question_start = self.encode(prompt, question, chat)
+
+        prompt: text, or token ids used as they are (no chat template, no question). continuation: tokens (or text)
+        fed through the decode steps instead of generated ones; each output then has their `logprobs`.
+        trace_steps: decode steps whose attended positions are recorded, with the resident positions after prefill,
+        in each output's `trace` (`semkv.engine.trace.Trace`). inspect(method, seq): sees each method's sequence
+        after prefill and prefill-time compression, before decoding (e.g. the kept positions:
+        `seq.kv.positions(layer)`)."""
+        outputs = dict(self.compare_iter(prompt, methods, question, max_new_tokens, chat, stop, allow_overlong,
+                                         progress, continuation, trace_steps, inspect))
+        return [outputs[i] for i in range(len(methods))]
+
+    @torch.inference_mode()
+    def compare_iter(self, prompt, methods, question=None, max_new_tokens=64, chat=True, stop=None,
+                     allow_overlong=False, progress=False, continuation=None,
+                     trace_steps=None, inspect=None) -> Iterator[tuple[int, GenerationOutput]]:
+        """`compare`, yielding (index in `methods`, output) as each method finishes, so a caller can save results
+        one by one."""
+        ids, question_start = self._prompt_ids(prompt, question, chat)
+        if continuation is not None:
+            continuation = self._token_ids(continuation, "continuation")
+            max_new_tokens = len(continuation)
+        params = self._sampling(max_new_tokens, 0.0, 0, 1.0, 0, stop, continuation is not None)
         shared, own = [], []
-        for m in methods:
+        for i, m in enumerate(methods):
             m.bind(self.config, self.tokenizer, self.engine.pool.page_size)
             self._check_length(0, len(ids), max_new_tokens, allow_overlong or getattr(m, "extrapolates", False))
-            (own if m.own_prefill(question_start is not None) else shared).append(m)
-        outputs: dict[int, GenerationOutput] = {}
+            (own if m.own_prefill(question_start is not None) else shared).append((i, m))
+        if len(shared) == 1:  # nothing to share: a copy of the cache would only cost time
+            own, shared = shared + own, []
         stopper = self._stopper(params)
+        steps = None if trace_steps is None else frozenset(trace_steps)
         if shared:
-            full = get_method("full")
             base = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
-            window = max(m.window_size() for m in shared)
-            first = self.engine.prefill(base, full, progress, record_window=max(window, 1))
-            for m in shared:
-                seq = self.engine.fork(base, 0)
-                self.engine.apply_prefill(seq, m)
-                try:
+            window = max(m.window_size() for _, m in shared)
+            try:
+                first = self.engine.prefill(base, get_method("full"), progress, record_window=max(window, 1))
+                for i, m in shared:
+                    seq = self.engine.fork(base, 0)
+                    seq.trace = None if steps is None else Trace(steps)
+                    self.engine.apply_prefill(seq, m)
                     if inspect is not None:
                         inspect(m, seq)
-                    self.engine.generate([seq], m, [first], stopper)
-                finally:
-                    seq.kv.release()
-                outputs[id(m)] = self._output(seq)
-            base.kv.release()
-        for m in own:
+                    yield i, self._decode(seq, m, first, stopper, continuation)
+            finally:
+                base.kv.release()
+        for i, m in own:
             seq = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
             seq.method_state = m.new_state(seq)
+            seq.trace = None if steps is None else Trace(steps)
             try:
                 first = self.engine.prefill(seq, m, progress)
                 if inspect is not None:
                     inspect(m, seq)
-                self.engine.generate([seq], m, [first], stopper)
-            finally:
+            except BaseException:
                 seq.kv.release()
-            outputs[id(m)] = self._output(seq)
-        return [outputs[id(m)] for m in methods]
+                raise
+            yield i, self._decode(seq, m, first, stopper, continuation)
+
+    def score_continuation(self, prefix: str | Seq[int], continuation: str | Seq[int], method: str | KVMethod = "full",
+                           budget: int | float | None = None, chat: bool = False,
+                           method_params: dict[str, Any] | None = None) -> list[float]:
+        """Log-probability of each continuation token after `prefix` (text or token ids), the tokens being fed one
+        decode step at a time with the method active, so its selection is what is measured (long-text perplexity)."""
+        kv_method = get_method(method, budget, **(method_params or {}))
+        return self.compare(prefix, [kv_method], chat=chat, continuation=continuation)[0].logprobs
+
+    def _prompt_ids(self, prompt, question, chat) -> tuple[list[int], int | None]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SemkvError("the prompt is empty; give some text")
+            return self.encode(prompt, question, chat)
+        if question is not None:
+            raise SemkvError("a question goes with a text prompt, not with token ids")
+        return self._token_ids(prompt, "prompt"), None
+
+    def _token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
+        if isinstance(tokens, str):
+            tokens = self.tokenizer(tokens, add_special_tokens=False)["input_ids"]
+        ids, vocab = list(tokens), self.config.vocab_size
+        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise SemkvError(f"the {what} must be non-empty text or a list of token ids in [0, {vocab})")
+        return ids
+
+    def _decode(self, seq: Sequence, method: KVMethod, first: torch.Tensor, stopper,
+                continuation: list[int] | None) -> GenerationOutput:
+        """Generate from a prefilled sequence (teacher-forcing `continuation` if given) and release its pages."""
+        logprobs: list[float] | None = None
+        pick = None
+        if continuation is not None:
+            logprobs = []
+
+            def pick(s: Sequence, logits: torch.Tensor) -> int:
+                token = continuation[len(s.output_ids)]
+                logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+                return token
+
+        try:
+            self.engine.generate([seq], method, [first], stopper, pick)
+        finally:
+            seq.kv.release()
+        out = self._output(seq)
+        out.logprobs, out.trace = logprobs, seq.trace
+        return out
 
     def _sampling(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos) -> SamplingParams:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -1,4 +1,4 @@
-"""`semkv` command line: generate, methods (and the subcommands other modules register).
+"""`semkv` command line: generate, methods, calibrate, eval, report.
 
 Bad input prints one line `semkv: error: ...` and exits with code 2; no traceback.
 """
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -164,6 +165,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     from semkv.bench import cli
 
     return cli.run(args)
+def _lazy(module: str, name: str) -> Callable:
+    """A function of another module, imported on first call (`semkv.eval.cli` imports the helpers above)."""
+    return lambda *args: getattr(importlib.import_module(module), name)(*args)
 
 
 # subcommand -> (help, add_arguments, run)
@@ -172,7 +176,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "methods": ("list the KV methods with their parameters", _add_methods, _run_methods),
     "calibrate": ("calibrate a method offline for a model (cached per model)", _add_calibrate, _run_calibrate),
     "bench": ("decode speed, TTFT, memory of methods on a model shape (random weights) or a model",
-              _add_bench, _run_bench),
+              _lazy("semkv.bench.cli", "add_arguments"), _lazy("semkv.bench.cli", "run")),
+    "eval": ("evaluate methods x budgets on tasks x lengths (resumable)", _lazy("semkv.eval.cli", "add_eval"),
+             _lazy("semkv.eval.cli", "run_eval")),
+    "report": ("tables, plots and HTML views of a results directory", _lazy("semkv.eval.cli", "add_report"),
+               _lazy("semkv.eval.cli", "run_report")),
 }
 
 

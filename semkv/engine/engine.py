@@ -16,9 +16,10 @@ from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
+from semkv.engine.trace import attended_positions
 from semkv import kernels
 from semkv.kernels import reference
-from semkv.methods.base import DecodeBatch, KVMethod
+from semkv.methods.base import DecodeBatch, KVMethod, Selection
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
@@ -95,6 +96,8 @@ class DecodeStep:
         self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
         self.lengths: list[torch.Tensor] = []  # attended slots per layer [B, S]: statistics, read after the step
         self.selection_s = 0.0
+        self.traced = [(b, s) for b, s in enumerate(batch.seqs or ())  # no seqs: a captured CUDA-graph step
+                       if s.trace is not None and s.trace.wants(s.num_computed - len(s.prompt_ids))]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool, batch = self.engine, self.engine.pool, self.batch
@@ -131,7 +134,21 @@ class DecodeStep:
         if timer:
             timer.stop(span)
         self.lengths.append(lengths)
+        if self.traced:
+            self._record(layer, tables, selection)
         return out
+
+    def _record(self, layer: int, tables: torch.Tensor, selection: Selection | None) -> None:
+        for b, seq in self.traced:
+            slots = None if selection is None else selection.slots[b]
+            lengths = None if selection is None else selection.lengths[b]
+            positions = attended_positions(self.engine.pool, tables[b], slots, lengths,
+                                           int(self.batch.num_slots[b, layer]))
+            seq.trace.record_attended(seq.num_computed - len(seq.prompt_ids), layer, positions)
+
+
+def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+    return sample(logits, seq.params, seq.generator)
 
 
 def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
@@ -206,6 +223,8 @@ class Engine:
         resident = seq.kv.resident_slots()
         seq.stats.kv_resident_prefill_peak = max(seq.stats.kv_resident_prefill_peak, resident)
         seq.stats.kv_resident_tokens = resident
+        if seq.trace is not None:
+            seq.trace.record_resident(seq.kv)
 
     @torch.inference_mode()
     def fork(self, seq: Sequence, seq_id: int) -> Sequence:
@@ -287,7 +306,7 @@ class Engine:
             while waiting and self.fits(waiting[0], running):
                 seq = waiting.popleft()
                 first = self.prefill(seq, method, progress)
-                self._append(seq, sample(first, seq.params, seq.generator), is_stop)
+                self._append(seq, _sample(seq, first), is_stop)
                 (self._done if seq.finished else running.append)(seq)
             if not running:
                 need = self.pages_needed(waiting[0])
@@ -299,25 +318,29 @@ class Engine:
                 self._done(seq)
 
     def generate(self, seqs: list[Sequence], method: KVMethod, first_logits: list[torch.Tensor],
-                 is_stop) -> None:
-        """Decode already-prefilled sequences until each finished (see `run` for the scheduled path)."""
+                 is_stop, pick=None) -> None:
+        """Decode already-prefilled sequences until each finished (see `run` for the scheduled path).
+        `pick(seq, logits) -> token` chooses each next token (default: sample); a pick that returns given tokens
+        teacher-forces them through the decode steps (`LLM.score_continuation`)."""
+        pick = pick or _sample
         for seq, logits in zip(seqs, first_logits):
-            self._append(seq, sample(logits, seq.params, seq.generator), is_stop)
+            self._append(seq, pick(seq, logits), is_stop)
         running = [s for s in seqs if not s.finished]
         graphs = self.graph_runner(method, seqs)
         while running:
-            self._step(running, method, graphs, is_stop)
+            self._step(running, method, graphs, is_stop, pick)
             running = [s for s in running if not s.finished]
         for seq in seqs:
             self._done(seq)
 
-    def _step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop) -> None:
+    def _step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop,
+              pick=_sample) -> None:
         started = time.perf_counter()
         if graphs is not None and graphs.fits(running):
             logits = graphs.decode_step(running)
         else:
             logits = self.decode_step(running, method)
-        tokens = [sample(logits[b], s.params, s.generator) for b, s in enumerate(running)]
+        tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
         batch = DecodeBatch(running, torch.tensor([s.num_computed for s in running]),
                             torch.tensor([s.kv.num_slots for s in running]), self.config)
         method.end_step(batch, logits, tokens)
@@ -346,7 +369,8 @@ class Engine:
 
     def graph_runner(self, method: KVMethod, seqs: list[Sequence]) -> GraphRunner | None:
         """CUDA graphs for this generation, when the device, the method and the RoPE variant allow them."""
-        if not (self.cuda_graphs and method.graph_safe and self.rotary.rope_type != "dynamic"):
+        traced = any(s.trace is not None for s in seqs)  # a replayed graph runs no Python, so it records nothing
+        if not (self.cuda_graphs and method.graph_safe and self.rotary.rope_type != "dynamic") or traced:
             return None
         longest = max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
         return GraphRunner(self, method, max_pages=-(-longest // self.pool.page_size) + 1)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.trace import Trace
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V went through the model (prefill progress, then +1 per step)
         self.window_queries: dict[int, torch.Tensor] = {}  # layer -> last prompt queries, for shared prefills
         self.attended_total = 0.0  # sum over decode steps of attended slots per head, averaged over layers
+        self.trace: Trace | None = None  # set to record resident / attended positions (engine/trace.py)
 
     @property
     def num_tokens(self) -> int:

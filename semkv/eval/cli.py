@@ -1,0 +1,118 @@
+"""`semkv eval` and `semkv report`: argument parsing; the work is in `runner.py`, `report.py` and `html.py`."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from semkv.cli.main import add_model_args, parse_budget, parse_params
+from semkv.errors import SemkvError
+
+DEFAULTS = dict(lengths="2k", budgets="128,512", samples=4)
+
+
+def parse_names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'2k,4k,1500' -> [2048, 4096, 1500] (k = 1024 tokens)."""
+    lengths = []
+    for item in parse_names(text):
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kK]?)", item)
+        if not match:
+            raise SemkvError(f"length {item!r} is not a token count; give e.g. 2048, 2k or 0.5k")
+        value = float(match.group(1)) * (1024 if match.group(2) else 1)
+        if value < 1 or value != int(value):
+            raise SemkvError(f"length {item!r} must be a whole positive number of tokens")
+        lengths.append(int(value))
+    return lengths
+
+
+def parse_budgets(text: str) -> list[int | float]:
+    return [parse_budget(item) for item in parse_names(text)]
+
+
+def parse_method_params(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """['snapkv.window=64'] -> {'snapkv': {'window': 64}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        method, dot, rest = item.partition(".")
+        if not dot or not method:
+            raise SemkvError(f"--param {item!r} must look like method.name=value")
+        out.setdefault(method, {}).update(parse_params([rest]))
+    return out
+
+
+def add_eval(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--task", help="tasks, comma-separated (passkey, perplexity, ...)")
+    p.add_argument("--methods", default=None, help="methods, comma-separated (default: every one of `semkv methods`)")
+    p.add_argument("--budgets", default=None, help=f"tokens or fractions, comma-separated ({DEFAULTS['budgets']})")
+    p.add_argument("--lengths", default=None, help=f"context lengths in tokens, k = 1024 ({DEFAULTS['lengths']})")
+    p.add_argument("--samples", type=int, default=None, help=f"samples per task and length ({DEFAULTS['samples']})")
+    p.add_argument("--query-aware", action=argparse.BooleanOptionalAction, default=None,
+                   help="set query_aware of every method that has it (default: each method's own default)")
+    p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
+    p.add_argument("--data-dir", default=None, help="data root (books/ for perplexity, ...)")
+    p.add_argument("--out", default="results", help="results directory (a rerun resumes it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per perplexity sample (64)")
+    p.add_argument("--trace-samples", type=int, default=1, help="samples per task and length traced for the HTML view")
+    p.add_argument("--quick", action="store_true", help="a small suite over every method (a few minutes on a CPU)")
+    p.add_argument("--config", default=None, help="repeat the run of a config.json (other options are ignored)")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from semkv.eval import runner
+
+    if args.config is not None:
+        runner.run_config(args.config, None if args.out == "results" else args.out)
+        return 0
+    if args.quick:
+        preset = dict(runner.QUICK)
+        if args.data_dir is None:
+            preset["tasks"] = [t for t in preset["tasks"] if t != "perplexity"]
+            print("semkv: note: perplexity needs --data-dir with books/*.txt; running the other quick tasks",
+                  file=sys.stderr)
+    else:
+        if not args.task:
+            raise SemkvError("give --task (e.g. --task passkey,perplexity), --quick or --config")
+        preset = dict(tasks=parse_names(args.task), lengths=parse_lengths(DEFAULTS["lengths"]),
+                      budgets=parse_budgets(DEFAULTS["budgets"]), samples=DEFAULTS["samples"], ppl_tokens=64)
+    if args.task and args.quick:
+        preset["tasks"] = parse_names(args.task)
+    for key, parse in (("lengths", parse_lengths), ("budgets", parse_budgets)):
+        if getattr(args, key) is not None:
+            preset[key] = parse(getattr(args, key))
+    for key in ("samples", "ppl_tokens"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    runner.run(preset.pop("tasks"), None if args.methods is None else parse_names(args.methods), **preset,
+               query_aware=args.query_aware, model=args.model, device=args.device, dtype=args.dtype,
+               page_size=args.page_size, prefill_chunk=args.prefill_chunk, data_dir=args.data_dir, out=args.out,
+               seed=args.seed, method_params=parse_method_params(args.param), trace_samples=args.trace_samples)
+    return 0
+
+
+def add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results_dir", help="a directory written by `semkv eval`")
+    p.add_argument("--html", action="append", metavar="SAMPLE_ID", help="only these traced samples' HTML views")
+    p.add_argument("--png", action="store_true", help="also render each HTML view to PNG with headless Chromium")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from semkv.eval import html, report
+
+    if not Path(args.results_dir).is_dir():
+        raise SemkvError(f"results directory {args.results_dir!r} does not exist")
+    path, pages = report.write_report(args.results_dir, args.html)
+    print(path.read_text(encoding="utf-8"))
+    for page in pages:
+        print(f"HTML view: {page}", file=sys.stderr)
+        if args.png:
+            print(f"rendered: {html.screenshot(page, page.with_suffix('.png'))}", file=sys.stderr)
+    print(f"written: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,176 @@
+"""`semkv report RESULTS_DIR`: markdown tables and PNG plots from a results directory, and the HTML view of every
+traced sample.
+
+Scores are the mean over samples (0..100); perplexity is exp(total NLL / total scored tokens). Plots: score (or
+perplexity) vs budget per task, one panel per length, Full KV as a dashed line; depth x length heatmaps per method and
+budget for tasks whose samples have a needle depth. Matplotlib is used through `Figure` (Agg), never pyplot, so no
+global backend is touched.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from semkv.errors import SemkvError
+from semkv.eval import html
+from semkv.eval.store import ResultsDir
+
+PERPLEXITY = "perplexity"
+
+
+def _aggregate(rows: list[dict[str, Any]]) -> float:
+    if rows and "nll" in rows[0]:
+        return math.exp(sum(r["nll"] for r in rows) / sum(r["tokens"] for r in rows))
+    return sum(r["score"] for r in rows) / len(rows)
+
+
+def _arms(rows: Iterable[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(method, budget) in a stable order: Full KV first, methods by first appearance, token budgets then fractions."""
+    order: dict[str, int] = {}
+    arms = set()
+    for r in rows:
+        order.setdefault(r["method"], len(order))
+        arms.add((r["method"], r["budget"]))
+    return sorted(arms, key=lambda a: (a[0] != "full", order[a[0]], *_budget_order(a[1])))
+
+
+def _budget_order(budget: Any) -> tuple[int, float]:
+    return (0, 0.0) if budget is None else (isinstance(budget, float), float(budget))
+
+
+def _label(method: str, budget: Any) -> str:
+    return method if budget is None else f"{method}@{budget}"
+
+
+def _group(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[tuple(r[k] for k in keys)].append(r)
+    return groups
+
+
+def _markdown(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Per task: one line per method and budget, one column per length, the mean, and the KV attended per step."""
+    parts = []
+    for (task,), task_rows in _group(rows, "task").items():
+        lengths = sorted({r["length"] for r in task_rows})
+        cells = _group(task_rows, "method", "budget", "length")
+        arm_rows = _group(task_rows, "method", "budget")
+        lines = []
+        for method, budget in _arms(task_rows):
+            rs = arm_rows[(method, budget)]
+            attended = sum(r["stats"]["kv_attended_tokens"] for r in rs) / len(rs)
+            per_length = [f"{_aggregate(cells[(method, budget, n)]):.1f}" if cells.get((method, budget, n)) else "-"
+                          for n in lengths]
+            lines.append([method, "-" if budget is None else str(budget), *per_length, f"{_aggregate(rs):.1f}",
+                          f"{attended:.0f}"])
+        metric = "perplexity, lower is better" if task == PERPLEXITY else "score 0-100"
+        n = len({r["sample_id"] for r in task_rows})
+        header = ["method", "budget", *[f"{x} tok" for x in lengths], "mean", "KV attended/step"]
+        parts.append(f"### {task} ({metric}; {n} samples)\n\n" + _markdown(header, lines))
+    return "\n\n".join(parts)
+
+
+def cost_table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    arm_rows = _group(rows, "method", "budget")
+    for method, budget in _arms(rows):
+        rs = arm_rows[(method, budget)]
+        mean = lambda key: sum(r["stats"][key] for r in rs) / len(rs)  # noqa: E731
+        lines.append([_label(method, budget), f"{mean('prefill_s'):.2f}", f"{mean('decode_tokens_per_s'):.1f}",
+                      f"{mean('kv_attended_tokens'):.0f}", f"{mean('kv_resident_tokens'):.0f}",
+                      f"{mean('selection_s'):.3f}"])
+    header = ["method", "prefill s", "decode tok/s", "KV attended/step", "KV resident", "selection s"]
+    return _markdown(header, lines)
+
+
+def _budget_plot(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    lengths = sorted({r["length"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=_budget_order)
+    cells = _group(rows, "method", "budget", "length")
+    fig = Figure(figsize=(4.2 * len(lengths), 3.4), layout="constrained")
+    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
+    for ax, length in zip(axes, lengths):
+        for method, _ in _arms(r for r in rows if r["budget"] is None):
+            if (method, None, length) in cells:
+                ax.axhline(_aggregate(cells[(method, None, length)]), color="k", ls="--", lw=1, label="full")
+        for method in dict.fromkeys(m for m, b in _arms(rows) if b is not None):
+            xs = [i for i, b in enumerate(budgets) if (method, b, length) in cells]
+            ax.plot(xs, [_aggregate(cells[(method, budgets[i], length)]) for i in xs], marker="o", label=method)
+        ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+        ax.set_title(f"{task}, {length} tokens")
+        ax.set_xlabel("budget (tokens per head, or fraction)")
+        ax.set_ylabel("perplexity" if task == PERPLEXITY else "score")
+        ax.grid(alpha=0.3)
+    fig.legend(*axes[-1].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _depth_heatmaps(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    depths = sorted({r["depth"] for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    cells = _group(rows, "method", "budget", "depth", "length")
+    arms = _arms(rows)
+    cols = min(4, len(arms))
+    fig = Figure(figsize=(3.2 * cols, 0.5 + (0.4 * len(depths) + 1.2) * -(-len(arms) // cols)), layout="constrained")
+    axes = fig.subplots(-(-len(arms) // cols), cols, squeeze=False).flatten()
+    for ax, (method, budget) in zip(axes, arms):
+        grid = [[_aggregate(cells[(method, budget, d, n)]) if (method, budget, d, n) in cells else float("nan")
+                 for n in lengths] for d in depths]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i, line in enumerate(grid):
+            for j, value in enumerate(line):
+                ax.text(j, i, "" if math.isnan(value) else f"{value:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0f}%" for d in depths])
+        ax.set_title(_label(method, budget), fontsize=9)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("needle depth")
+    for ax in axes[len(arms):]:
+        ax.set_visible(False)
+    fig.colorbar(image, ax=axes.tolist(), shrink=0.6, label="score")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_report(results_dir: str | Path, html_samples: list[str] | None = None) -> tuple[Path, list[Path]]:
+    """Write report.md, plots/*.png and html/*.html (every traced sample, or those named) into `results_dir`;
+    return the report's path and the HTML pages'."""
+    store = ResultsDir(results_dir)
+    rows = store.rows()
+    if not rows:
+        raise SemkvError(f"no results in {store.predictions}; run `semkv eval --out {results_dir}` first")
+    plots, pages = store.path / "plots", store.path / "html"
+    plots.mkdir(exist_ok=True)
+    images = []
+    for (task,), task_rows in _group(rows, "task").items():
+        images.append(_budget_plot(task, task_rows, plots / f"{task}_vs_budget.png"))
+        if any(r["depth"] is not None for r in task_rows):
+            images.append(_depth_heatmaps(task, [r for r in task_rows if r["depth"] is not None],
+                                          plots / f"{task}_depth_heatmap.png"))
+    views = [store.find_trace(s) for s in html_samples] if html_samples else [store.read_trace(p)
+                                                                               for p in store.traces()]
+    links = [html.write(v, pages / f"{store.trace_path(v['task'], v['sample_id']).name[:-8]}.html") for v in views]
+    config = store.config() or {}
+    model = config.get("resolved", {}).get("model_source", "?")
+    text = [f"# Evaluation report\n\nModel: `{model}`. Rows: {len(rows)}. Budget: KV tokens per head and layer "
+            "(a fraction: of the context). KV attended/step: mean per decode step, head and layer.\n",
+            "## Scores\n", summary_table(rows), "\n## Cost\n", cost_table(rows), "\n## Plots\n"]
+    text += [f"![{p.stem}](plots/{p.name})" for p in images]
+    if links:
+        text += ["\n## What each method attended (HTML)\n"] + [f"- [{p.stem}](html/{p.name})" for p in links]
+    path = store.path / "report.md"
+    path.write_text("\n".join(text) + "\n", encoding="utf-8")
+    return path, links

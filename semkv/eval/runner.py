@@ -1,0 +1,222 @@
+"""`semkv eval`: every task x length x sample under every method x budget, on one model, into a results directory.
+
+Each sample is prefilled once with Full KV and every method that can start from that prefill runs from a copy of it
+(`LLM.compare_iter`); methods that change prefill itself prefill on their own. A row per sample x method x budget is
+appended to `predictions.jsonl` as soon as it is done, so a rerun skips what is finished; `config.json` holds every
+setting, the resolved method parameters and the versions, and `run_config` repeats a run from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from semkv.errors import SemkvError
+from semkv.eval import html, interim_tasks, report
+from semkv.eval.perplexity import PerplexityTask
+from semkv.eval.store import ResultsDir, row_key
+from semkv.eval.task import Sample, Task
+from semkv.methods import METHODS, KVMethod, get_method
+from semkv.methods.base import validate_budget
+
+QUICK = dict(tasks=["passkey", "perplexity"], lengths=[512, 1024], budgets=[64, 256], samples=2, ppl_tokens=32)
+# settings that must not change when a run is resumed into the same directory (the grid may grow)
+FIXED = ("model", "dtype", "page_size", "prefill_chunk", "seed", "query_aware", "method_params", "ppl_tokens")
+
+
+@dataclass
+class Arm:
+    """One method with one budget (Full KV has none) and its parameters."""
+
+    method: str
+    budget: int | float | None
+    params: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+
+    def build(self) -> KVMethod:
+        return get_method(self.method, self.budget, **self.params)
+
+
+def make_arms(methods: Seq[str], budgets: Seq[int | float], method_params: dict[str, dict[str, Any]],
+              query_aware: bool | None) -> list[Arm]:
+    arms = []
+    for name in methods:
+        params = dict(method_params.get(name, {}))
+        if query_aware is not None and "query_aware" in METHODS[name].parameters():
+            params["query_aware"] = query_aware
+        for budget in [None] if name == "full" else budgets:
+            arms.append(Arm(name, budget, params))
+            arms[-1].build()  # bad parameters fail here, before the model loads
+    return arms
+
+
+def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | PerplexityTask:
+    root = None if data_dir is None else Path(data_dir)
+    if root is not None and not root.is_dir():
+        raise SemkvError(f"data directory {data_dir!r} does not exist")
+    if name == "perplexity":
+        return PerplexityTask(interim_tasks.load_books(root), ppl_tokens)
+    return interim_tasks.TASKS[name](root)
+
+
+def _check(tasks, methods, budgets, lengths, samples, seed, method_params) -> None:
+    known = set(interim_tasks.TASKS) | {"perplexity"}
+    for name in tasks:
+        if name not in known:
+            raise SemkvError(f"unknown task {name!r}; available: {', '.join(sorted(known))}")
+    for name in list(methods) + list(method_params):
+        if name not in METHODS:
+            raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    for budget in budgets:
+        validate_budget(budget)
+    for value, what, low in [(samples, "samples", 1), (seed, "seed", 0)] + [(n, "length", 1) for n in lengths]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SemkvError(f"{what}={value!r} must be an int >= {low}")
+    if not tasks or not methods or not lengths or (not budgets and set(methods) != {"full"}):
+        raise SemkvError("give at least one task, method, length and budget")
+
+
+def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | float] = (128, 512),
+        lengths: Seq[int] = (2048,), samples: int = 4, *, query_aware: bool | None = None, model: str | None = None,
+        device: str = "auto", dtype: str = "auto", page_size: int = 16, prefill_chunk: int = 512,
+        data_dir: str | None = None, out: str = "results", seed: int = 0,
+        method_params: dict[str, dict[str, Any]] | None = None, ppl_tokens: int = 64, trace_samples: int = 1,
+        llm: Any = None, progress: bool = True) -> list[dict[str, Any]]:
+    """Run the grid, skipping rows already in `out`; return every row of `out`. `methods` None means all of
+    `semkv methods`; `llm` reuses a loaded `semkv.LLM` instead of loading `model`. Budgets: int tokens or float
+    fractions; lengths: context tokens. `trace_samples`: the first N samples of each task and length also record what
+    each method attended at the first decode step (`semkv report --html`)."""
+    import semkv
+
+    settings = dict(tasks=list(tasks), methods=list(methods or METHODS), budgets=list(budgets), lengths=list(lengths),
+                    samples=samples, seed=seed, query_aware=query_aware, model=model if llm is None else llm.source,
+                    device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
+                    data_dir=None if data_dir is None else str(data_dir), method_params=method_params or {},
+                    ppl_tokens=ppl_tokens, trace_samples=trace_samples)
+    _check(settings["tasks"], settings["methods"], budgets, lengths, samples, seed, settings["method_params"])
+    arms = make_arms(settings["methods"], budgets, settings["method_params"], query_aware)
+    task_objs = [make_task(name, settings["data_dir"], ppl_tokens) for name in settings["tasks"]]
+    store = ResultsDir(out)
+    previous = store.config()
+    if previous:
+        settings = _merge(previous["run"], settings)
+    if llm is None:
+        llm = semkv.LLM(model, device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk)
+    for task in task_objs:
+        if max(lengths) + task.max_new_tokens > llm.max_context:
+            raise SemkvError(f"length {max(lengths)} + {task.max_new_tokens} new tokens of task {task.name!r} is "
+                             f"more than the model's context of {llm.max_context} tokens")
+    store.write_config({"run": settings, "resolved": _resolved(llm, arms, task_objs)})
+    store.repair()
+    done = {row_key(r) for r in store.rows()}
+    work = []  # (task, sample, arms still to run, traced)
+    for task in task_objs:
+        for length in lengths:
+            for i, sample in enumerate(task.samples(llm.tokenizer, length, samples, seed)):
+                pending = [a for a in arms if _key(task, sample, a) not in done]
+                if pending:
+                    work.append((task, sample, pending, i < trace_samples))
+    bar = tqdm(total=sum(len(w[2]) for w in work), desc="eval", unit="run", disable=not progress, dynamic_ncols=True)
+    for task, sample, pending, traced in work:
+        bar.set_postfix_str(sample.sample_id)
+        torch.manual_seed(seed)
+        _run_sample(llm, store, task, sample, pending, traced, bar)
+    bar.close()
+    rows = store.rows()
+    if progress:
+        print(report.summary_table(rows))
+    return rows
+
+
+def _key(task, sample: Sample, arm: Arm) -> tuple:
+    return row_key({"task": task.name, "length": sample.length, "sample_id": sample.sample_id,
+                    "method": arm.method, "budget": arm.budget})
+
+
+def _run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], traced: bool, bar) -> None:
+    """Every pending arm on one sample (one shared prefill), each row saved as soon as it is done."""
+    if isinstance(task, PerplexityTask):
+        prompt, question, chat = sample.meta["prefix_ids"], None, False
+        continuation = sample.meta["continuation_ids"]
+    else:
+        prompt, question, chat, continuation = sample.context, sample.question, task.chat, None
+    trace_file = store.trace_path(task.name, sample.sample_id)
+    view = store.read_trace(trace_file) if traced and trace_file.is_file() else None
+    outputs = llm.compare_iter(prompt, [a.build() for a in arms], question, task.max_new_tokens, chat,
+                               continuation=continuation, trace_steps=[0] if traced else None)
+    for i, out in outputs:
+        arm = arms[i]
+        row = {"task": task.name, "length": sample.length, "sample_id": sample.sample_id, "depth": sample.depth,
+               "method": arm.method, "budget": arm.budget, "answers": sample.answers,
+               "meta": {k: v for k, v in sample.meta.items() if isinstance(v, (str, int, float, bool, type(None)))}}
+        if continuation is not None:
+            row.update(prediction=None, **task.score_logprobs(out.logprobs))
+        else:
+            row.update(prediction=out.text, score=task.score(out.text, sample))
+        row.update(finish_reason=out.finish_reason, stats=out.stats.as_dict())
+        if traced:
+            view = view or html.sample_view(llm.tokenizer, sample, out.prompt_token_ids, llm.config.num_kv_heads)
+            view["methods"][arm.label] = html.method_view(out.trace, len(out.prompt_token_ids), row)
+            store.write_trace(task.name, sample.sample_id, view)
+        store.append(row)
+        bar.update(1)
+
+
+def _merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Settings of a resumed run: fixed ones must agree; the grid becomes the union of both."""
+    for key in FIXED:
+        if old.get(key) != new[key]:
+            raise SemkvError(f"the results directory was made with {key}={old.get(key)!r}, not {new[key]!r}; "
+                             "use another --out or the same settings")
+    merged = dict(new)
+    for key in ("tasks", "methods", "budgets", "lengths"):
+        merged[key] = list(old[key]) + [v for v in new[key] if v not in old[key]]
+    merged["samples"] = max(old["samples"], new["samples"])
+    return merged
+
+
+def _resolved(llm, arms: list[Arm], tasks: list) -> dict[str, Any]:
+    import transformers
+
+    import semkv
+
+    cfg = llm.config
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "model_source": llm.source,
+        "model": {"layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+                  "head_dim": cfg.head_dim, "max_context": cfg.max_position_embeddings},
+        "device": str(llm.engine.device), "dtype": str(llm.engine.dtype),
+        "methods": {a.label: dataclasses.asdict(a.build()) for a in arms},
+        "tasks": {t.name: {"class": f"{type(t).__module__}.{type(t).__qualname__}", "max_new_tokens": t.max_new_tokens,
+                           "chat": t.chat} for t in tasks},
+        "versions": {"semkv": semkv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "git_commit": commit,
+        "command": sys.argv,
+    }
+
+
+def run_config(path: str | Path, out: str | Path | None = None, **overrides: Any) -> list[dict[str, Any]]:
+    """Repeat the run described by a `config.json` (into `out`, by default the directory it lies in)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SemkvError(f"config file {str(path)!r} does not exist")
+    settings = dict(json.loads(path.read_text())["run"])
+    settings.update(overrides)
+    return run(**settings, out=str(out or path.parent))

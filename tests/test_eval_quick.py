@@ -1,0 +1,33 @@
+"""End to end: `semkv eval --quick` on the embedded model over every method, then `semkv report`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from semkv.cli.main import main
+from semkv.eval.runner import QUICK
+from semkv.methods import METHODS
+
+from conftest import DATA
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_suite_and_report(tmp_path, capsys):
+    if not (DATA / "books").is_dir():
+        pytest.skip(f"shared data not found at {DATA}")
+    out = tmp_path / "quick"
+    assert main(["eval", "--quick", "--device", "cpu", "--data-dir", str(DATA), "--out", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "### passkey" in summary and "### perplexity" in summary
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    arms = 1 + (len(METHODS) - 1) * len(QUICK["budgets"])
+    assert len(rows) == len(QUICK["tasks"]) * len(QUICK["lengths"]) * QUICK["samples"] * arms
+    full = [r for r in rows if r["method"] == "full"]
+    assert sum(r["score"] for r in full if r["task"] == "passkey") > 0  # the model finds some passkeys
+    ppl = {r["sample_id"]: r["score"] for r in full if r["task"] == "perplexity"}
+    assert all(1 < p < 1000 for p in ppl.values())  # a real language model on real prose
+    assert main(["report", str(out)]) == 0
+    assert (out / "plots" / "perplexity_vs_budget.png").stat().st_size > 10000
+    assert len(list((out / "html").glob("*.html"))) == len(QUICK["tasks"]) * len(QUICK["lengths"])

@@ -1,0 +1,158 @@
+"""The evaluation runner on a tiny random model: shared prefill equals separate runs, resumability (rerun, extension,
+kill and resume), config.json reproduces a run, perplexity rows, and bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from semkv.cli.main import main
+from semkv.errors import SemkvError
+from semkv.eval import run, run_config
+from semkv.eval.interim_tasks import PasskeyTask, gutenberg_body
+from semkv.eval.store import ResultsDir, row_key
+from semkv.methods import get_method
+
+from conftest import DATA
+
+GRID = dict(tasks=["passkey"], methods=["full", "streaming_llm", "snapkv", "quest"], budgets=[24], lengths=[192],
+            samples=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_llm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    rows = run(**GRID, out=str(out), llm=tiny_llm, progress=False)
+    return out, rows
+
+
+def test_rows_cover_the_grid(clean_run):
+    out, rows = clean_run
+    assert len(rows) == 2 * (1 + 3)  # samples x (full + 3 methods x 1 budget)
+    assert {(r["method"], r["budget"]) for r in rows} == {("full", None), ("streaming_llm", 24), ("snapkv", 24),
+                                                          ("quest", 24)}
+    for r in rows:
+        assert 0 <= r["score"] <= 100 and isinstance(r["prediction"], str)
+        assert abs(r["stats"]["prompt_tokens"] - 192) <= 0.02 * 192  # the interim passkey hits the length
+        if r["method"] != "full":
+            assert r["stats"]["kv_attended_max"] <= 24 + r["stats"]["new_tokens"]
+
+
+def test_shared_prefill_equals_separate_runs(clean_run, tiny_llm):
+    _, rows = clean_run
+    task = PasskeyTask()
+    samples = {s.sample_id: s for s in task.samples(tiny_llm.tokenizer, 192, 2, 3)}
+    for r in rows:
+        s = samples[r["sample_id"]]
+        alone = tiny_llm.generate(s.context, method=get_method(r["method"], r["budget"]), questions=[s.question],
+                                  max_new_tokens=task.max_new_tokens, chat=task.chat)[0]
+        assert alone.text == r["prediction"], r["method"]
+
+
+def test_second_run_skips_finished_rows_and_extends(clean_run, tiny_llm, tmp_path):
+    out, rows = clean_run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    before = (copy / "predictions.jsonl").read_bytes()
+    run(**GRID, out=str(copy), llm=tiny_llm, progress=False)
+    assert (copy / "predictions.jsonl").read_bytes() == before  # nothing recomputed, nothing appended
+    extended = run(**dict(GRID, methods=["full", "quest"], budgets=[24, 0.5]), out=str(copy), llm=tiny_llm,
+                   progress=False)
+    new = [r for r in extended if row_key(r) not in {row_key(x) for x in rows}]
+    assert {(r["method"], r["budget"]) for r in new} == {("quest", 0.5)} and len(new) == 2
+    assert (copy / "predictions.jsonl").read_bytes().startswith(before)
+    config = json.loads((copy / "config.json").read_text())["run"]
+    assert config["budgets"] == [24, 0.5] and config["methods"] == GRID["methods"]  # the union of both runs
+    with pytest.raises(SemkvError, match="seed=3, not 4"):
+        run(**dict(GRID, seed=4), out=str(copy), llm=tiny_llm, progress=False)
+
+
+def test_config_json_reproduces_the_run(clean_run, tmp_path):
+    out, rows = clean_run
+    config = json.loads((out / "config.json").read_text())
+    assert config["resolved"]["methods"]["snapkv@24"]["window"] == 32  # every parameter, defaults included
+    assert {"semkv", "torch", "transformers"} <= set(config["resolved"]["versions"])
+    again = run_config(out / "config.json", tmp_path / "again", progress=False)  # loads the model from the config
+    strip = lambda rs: sorted((row_key(r), r["prediction"], r["score"]) for r in rs)  # noqa: E731
+    assert strip(again) == strip(rows)
+
+
+def test_kill_and_resume_leaves_no_duplicates(clean_run, tiny_model_dir, tmp_path):
+    out, rows = clean_run
+    args = [sys.executable, "-m", "semkv.cli.main", "eval", "--model", str(tiny_model_dir("llama")), "--device", "cpu",
+            "--task", "passkey", "--methods", ",".join(GRID["methods"]), "--budgets", "24", "--lengths", "192",
+            "--samples", "2", "--seed", "3", "--out", str(tmp_path)]
+    predictions = tmp_path / "predictions.jsonl"
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and (
+            not predictions.is_file() or predictions.read_text().count("\n") < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = predictions.read_text().count("\n")
+    assert 1 <= written < len(rows)  # killed half way
+    with open(predictions, "a") as f:
+        f.write('{"task": "passkey", "length": 192, "sample_')  # a torn last line, as a kill mid-write leaves
+    assert subprocess.run(args, capture_output=True).returncode == 0
+    lines = predictions.read_text().splitlines()
+    keys = [row_key(json.loads(line)) for line in lines]
+    assert len(keys) == len(set(keys)) == len(rows)
+    resumed = {row_key(r): r["prediction"] for r in ResultsDir(tmp_path).rows()}
+    assert resumed == {row_key(r): r["prediction"] for r in rows}
+
+
+def test_perplexity_rows_score_the_teacher_forced_continuation(tiny_llm, tmp_path):
+    book = DATA / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
+    if not book.is_file():
+        pytest.skip(f"shared data not found at {book}")
+    (tmp_path / "data" / "books").mkdir(parents=True)
+    shutil.copy(book, tmp_path / "data" / "books")
+    rows = run(["perplexity"], ["full", "quest"], [32], [200], samples=1, data_dir=str(tmp_path / "data"),
+               out=str(tmp_path / "out"), ppl_tokens=12, llm=tiny_llm, progress=False)
+    from semkv.eval.perplexity import PerplexityTask
+
+    body = gutenberg_body(book.read_text(encoding="utf-8"))
+    assert "Sherlock" in body and body.startswith("Produced by")
+    assert not any(mark in body for mark in ("*** START", "*** END", "End of the Project Gutenberg", "Gutenberg-tm"))
+    sample = PerplexityTask({book.stem: body}, 12).samples(tiny_llm.tokenizer, 200, 1, 0)[0]
+    for r in rows:
+        logprobs = tiny_llm.score_continuation(sample.meta["prefix_ids"], sample.meta["continuation_ids"],
+                                               r["method"], r["budget"])
+        assert r["tokens"] == 12 and r["nll"] == pytest.approx(-sum(logprobs), rel=1e-5)
+    assert rows[0]["score"] != rows[1]["score"]  # quest at 32 tokens changes what is scored
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "nope"], "unknown task 'nope'"),
+        (["--task", "passkey", "--methods", "full,nope"], "unknown method 'nope'"),
+        (["--task", "passkey", "--lengths", "2x"], "length '2x' is not a token count"),
+        (["--task", "passkey", "--lengths", "0"], "length '0' must be a whole positive number"),
+        (["--task", "passkey", "--budgets", "abc"], "budget 'abc' is not a number"),
+        (["--task", "passkey", "--budgets", "1.5"], r"budget=1.5 as a fraction must be in \(0, 1\]"),
+        (["--task", "perplexity"], "task 'perplexity' needs --data-dir"),
+        (["--task", "perplexity", "--data-dir", "/tmp"], "expected \\*.txt files in /tmp/books"),
+        (["--task", "passkey", "--data-dir", "/no/such/dir"], "data directory '/no/such/dir' does not exist"),
+        (["--task", "passkey", "--param", "snapkv.nope=1"], "unknown parameter"),
+        (["--task", "passkey", "--samples", "0"], "samples=0 must be an int >= 1"),
+        ([], "give --task"),
+    ],
+)
+def test_eval_bad_input(args, message, capsys):
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("semkv: error: ") and "Traceback" not in err
+    assert __import__("re").search(message, err), err
+
+
+def test_report_bad_input(capsys, tmp_path):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no results" in capsys.readouterr().err
