@@ -60,22 +60,27 @@ class LLM:
         return self.config.max_position_embeddings
 
     # -- prompts --------------------------------------------------------------------------------------------------
-    def encode(self, prompt: str, question: str | None = None, chat: bool = True) -> tuple[list[int], int | None]:
-        """Token ids of a prompt (wrapped in the chat template if asked) and where the question starts in them."""
+    def prompt_text(self, prompt: str, question: str | None = None, chat: bool = True, answer_prefix: str = "") -> str:
+        """The text `encode` tokenizes: prompt and question joined, wrapped in the chat template if asked, then the
+        answer prefix (after the template's generation prompt, so the model continues it)."""
         content = prompt if question is None else f"{prompt}\n\n{question}"
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise SemkvError("this model's tokenizer has no chat template; use chat=False (--no-chat)")
-            text = self.tokenizer.apply_chat_template(
+            content = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
             )
-            special = False
-        else:
-            text, special = content, True
+        return content + answer_prefix
+
+    def encode(self, prompt: str, question: str | None = None, chat: bool = True,
+               answer_prefix: str = "") -> tuple[list[int], int | None]:
+        """Token ids of `prompt_text` and where the question starts in them (None without a question)."""
+        text = self.prompt_text(prompt, question, chat, answer_prefix)
+        special = not chat  # the chat template writes its own special tokens
         if question is None:
             return self.tokenizer(text, add_special_tokens=special)["input_ids"], None
         enc = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-        where = text.rfind(question)
+        where = text.rfind(question, 0, len(text) - len(answer_prefix))
         # the first token that ends past the question's first character holds its start
         start = next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > where)
         return enc["input_ids"], start
@@ -139,6 +144,8 @@ class LLM:
         continuation: str | Seq[int] | None = None,
         trace_steps: Collection[int] | None = None,
         inspect: Callable[[KVMethod, Sequence], None] | None = None,
+        answer_prefix: str = "",
+        trace_weights: bool = False,
     ) -> list[GenerationOutput]:
         """Greedy generation of one prompt under several methods, prefilling it once with Full KV and applying each
         method that does not change prefill itself to a copy of that cache (eviction and selection methods alike).
@@ -147,20 +154,22 @@ class LLM:
         prompt: text, or token ids used as they are (no chat template, no question). continuation: tokens (or text)
         fed through the decode steps instead of generated ones; each output then has their `logprobs`.
         trace_steps: decode steps whose attended positions are recorded, with the resident positions after prefill,
-        in each output's `trace` (`semkv.engine.trace.Trace`). inspect(method, seq): sees each method's sequence
-        after prefill and prefill-time compression, before decoding (e.g. the kept positions:
-        `seq.kv.positions(layer)`)."""
+        in each output's `trace` (`semkv.engine.trace.Trace`); trace_weights: with the attention probabilities over
+        the attended positions. inspect(method, seq): sees each method's sequence after prefill and prefill-time
+        compression, before decoding (e.g. the kept positions: `seq.kv.positions(layer)`). answer_prefix: the start
+        of the answer, appended to a text prompt after the chat template's generation prompt (`prompt_text`)."""
         outputs = dict(self.compare_iter(prompt, methods, question, max_new_tokens, chat, stop, allow_overlong,
-                                         progress, continuation, trace_steps, inspect))
+                                         progress, continuation, trace_steps, inspect, answer_prefix, trace_weights))
         return [outputs[i] for i in range(len(methods))]
 
     @torch.inference_mode()
     def compare_iter(self, prompt, methods, question=None, max_new_tokens=64, chat=True, stop=None,
                      allow_overlong=False, progress=False, continuation=None,
-                     trace_steps=None, inspect=None) -> Iterator[tuple[int, GenerationOutput]]:
+                     trace_steps=None, inspect=None, answer_prefix="",
+                     trace_weights=False) -> Iterator[tuple[int, GenerationOutput]]:
         """`compare`, yielding (index in `methods`, output) as each method finishes, so a caller can save results
         one by one."""
-        ids, question_start = self._prompt_ids(prompt, question, chat)
+        ids, question_start = self._prompt_ids(prompt, question, chat, answer_prefix)
         if continuation is not None:
             continuation = self._token_ids(continuation, "continuation")
             max_new_tokens = len(continuation)
@@ -181,7 +190,7 @@ class LLM:
                 first = self.engine.prefill(base, get_method("full"), progress, record_window=max(window, 1))
                 for i, m in shared:
                     seq = self.engine.fork(base, 0)
-                    seq.trace = None if steps is None else Trace(steps)
+                    seq.trace = None if steps is None else Trace(steps, weights=trace_weights)
                     self.engine.apply_prefill(seq, m)
                     if inspect is not None:
                         inspect(m, seq)
@@ -191,7 +200,7 @@ class LLM:
         for i, m in own:
             seq = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
             seq.method_state = m.new_state(seq)
-            seq.trace = None if steps is None else Trace(steps)
+            seq.trace = None if steps is None else Trace(steps, weights=trace_weights)
             try:
                 first = self.engine.prefill(seq, m, progress)
                 if inspect is not None:
@@ -209,13 +218,13 @@ class LLM:
         kv_method = get_method(method, budget, **(method_params or {}))
         return self.compare(prefix, [kv_method], chat=chat, continuation=continuation)[0].logprobs
 
-    def _prompt_ids(self, prompt, question, chat) -> tuple[list[int], int | None]:
+    def _prompt_ids(self, prompt, question, chat, answer_prefix) -> tuple[list[int], int | None]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SemkvError("the prompt is empty; give some text")
-            return self.encode(prompt, question, chat)
-        if question is not None:
-            raise SemkvError("a question goes with a text prompt, not with token ids")
+            return self.encode(prompt, question, chat, answer_prefix)
+        if question is not None or answer_prefix:
+            raise SemkvError("a question or answer prefix goes with a text prompt, not with token ids")
         return self._token_ids(prompt, "prompt"), None
 
     def _token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:

@@ -1,5 +1,6 @@
 """The evaluation runner on a tiny random model: shared prefill equals separate runs, resumability (rerun, extension,
-kill and resume), config.json reproduces a run, perplexity rows, and bad input."""
+kill and resume), config.json reproduces a run, perplexity rows, selection diagnostics in the rows, and bad
+input."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,10 @@ import pytest
 from semkv.cli.main import main
 from semkv.errors import SemkvError
 from semkv.eval import run, run_config
-from semkv.eval.interim_tasks import PasskeyTask, gutenberg_body
+from semkv.eval.lengths import n_tokens
+from semkv.eval.perplexity_data import book_text
+from semkv.eval.task import prompt_text
+from semkv.eval.tasks import get_task
 from semkv.eval.store import ResultsDir, row_key
 from semkv.methods import get_method
 
@@ -31,26 +35,35 @@ def clean_run(tiny_llm, tmp_path_factory):
     return out, rows
 
 
-def test_rows_cover_the_grid(clean_run):
+def test_rows_cover_the_grid(clean_run, tiny_llm):
     out, rows = clean_run
+    template = len(tiny_llm.encode("x", chat=True)[0]) - 1  # the chat template's tokens around the prompt
     assert len(rows) == 2 * (1 + 3)  # samples x (full + 3 methods x 1 budget)
     assert {(r["method"], r["budget"]) for r in rows} == {("full", None), ("streaming_llm", 24), ("snapkv", 24),
                                                           ("quest", 24)}
     for r in rows:
         assert 0 <= r["score"] <= 100 and isinstance(r["prediction"], str)
-        assert abs(r["stats"]["prompt_tokens"] - 192) <= 0.02 * 192  # the interim passkey hits the length
+        assert abs(r["stats"]["prompt_tokens"] - template - 192) <= 0.02 * 192  # the task hits the length
+        diag = r["diag"]  # passkey has a needle: retention, and recall against Full KV
+        assert 0 <= diag["retention"] <= 1 and 0 <= diag["recall"] <= 1 and 0 <= diag["mass_recall"] <= 1
+        assert len(diag["layers_retention"]) == tiny_llm.config.num_layers
+        if r["method"] == "full":
+            assert diag["retention"] == diag["recall"] == diag["mass_recall"] == 1.0
         if r["method"] != "full":
             assert r["stats"]["kv_attended_max"] <= 24 + r["stats"]["new_tokens"]
 
 
 def test_shared_prefill_equals_separate_runs(clean_run, tiny_llm):
     _, rows = clean_run
-    task = PasskeyTask()
+    task = get_task("passkey")
     samples = {s.sample_id: s for s in task.samples(tiny_llm.tokenizer, 192, 2, 3)}
     for r in rows:
         s = samples[r["sample_id"]]
-        alone = tiny_llm.generate(s.context, method=get_method(r["method"], r["budget"]), questions=[s.question],
-                                  max_new_tokens=task.max_new_tokens, chat=task.chat)[0]
+        assert s.answer_prefix == "The pass key is" and abs(n_tokens(tiny_llm.tokenizer, prompt_text(s)) - 192) <= 4
+        alone = tiny_llm.compare(s.context, [get_method(r["method"], r["budget"])], s.question, task.max_new_tokens,
+                                 task.chat, answer_prefix=s.answer_prefix)[0]
+        assert alone.prompt_token_ids[-len(tiny_llm.tokenizer(" pass key is")["input_ids"]):] == \
+            tiny_llm.tokenizer(" pass key is")["input_ids"]  # the answer prefix ends the prompt
         assert alone.text == r["prediction"], r["method"]
 
 
@@ -117,8 +130,8 @@ def test_perplexity_rows_score_the_teacher_forced_continuation(tiny_llm, tmp_pat
                out=str(tmp_path / "out"), ppl_tokens=12, llm=tiny_llm, progress=False)
     from semkv.eval.perplexity import PerplexityTask
 
-    body = gutenberg_body(book.read_text(encoding="utf-8"))
-    assert "Sherlock" in body and body.startswith("Produced by")
+    body = book_text(book.parent, book.stem)
+    assert "Sherlock" in body and not body.startswith("Produced by")
     assert not any(mark in body for mark in ("*** START", "*** END", "End of the Project Gutenberg", "Gutenberg-tm"))
     sample = PerplexityTask({book.stem: body}, 12).samples(tiny_llm.tokenizer, 200, 1, 0)[0]
     for r in rows:
@@ -131,14 +144,15 @@ def test_perplexity_rows_score_the_teacher_forced_continuation(tiny_llm, tmp_pat
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--task", "nope"], "unknown task 'nope'"),
+        (["--task", "nope"], "unknown task 'nope'; known: perplexity, infinitebench, ruler, longbench, passkey"),
+        (["--task", "niah"], "task 'niah' reads data files: give data_dir"),
         (["--task", "passkey", "--methods", "full,nope"], "unknown method 'nope'"),
         (["--task", "passkey", "--lengths", "2x"], "length '2x' is not a token count"),
         (["--task", "passkey", "--lengths", "0"], "length '0' must be a whole positive number"),
         (["--task", "passkey", "--budgets", "abc"], "budget 'abc' is not a number"),
         (["--task", "passkey", "--budgets", "1.5"], r"budget=1.5 as a fraction must be in \(0, 1\]"),
         (["--task", "perplexity"], "task 'perplexity' needs --data-dir"),
-        (["--task", "perplexity", "--data-dir", "/tmp"], "expected \\*.txt files in /tmp/books"),
+        (["--task", "perplexity", "--data-dir", "/tmp"], "expected Project Gutenberg .txt files in /tmp/books"),
         (["--task", "passkey", "--data-dir", "/no/such/dir"], "data directory '/no/such/dir' does not exist"),
         (["--task", "passkey", "--param", "snapkv.nope=1"], "unknown parameter"),
         (["--task", "passkey", "--samples", "0"], "samples=0 must be an int >= 1"),

@@ -135,16 +135,17 @@ class DecodeStep:
             timer.stop(span)
         self.lengths.append(lengths)
         if self.traced:
-            self._record(layer, tables, selection)
+            self._record(layer, tables, selection, None if by_rank else q)
         return out
 
-    def _record(self, layer: int, tables: torch.Tensor, selection: Selection | None) -> None:
+    def _record(self, layer: int, tables: torch.Tensor, selection: Selection | None, q: torch.Tensor | None) -> None:
         for b, seq in self.traced:
             slots = None if selection is None else selection.slots[b]
             lengths = None if selection is None else selection.lengths[b]
-            positions = attended_positions(self.engine.pool, tables[b], slots, lengths,
-                                           int(self.batch.num_slots[b, layer]))
-            seq.trace.record_attended(seq.num_computed - len(seq.prompt_ids), layer, positions)
+            query = q[b] if q is not None and seq.trace.weights else None
+            positions, probs = attended_positions(self.engine.pool, tables[b], slots, lengths,
+                                                  int(self.batch.num_slots[b, layer]), query, self.engine.scale)
+            seq.trace.record_attended(seq.num_computed - len(seq.prompt_ids), layer, positions, probs)
 
 
 def _sample(seq: Sequence, logits: torch.Tensor) -> int:

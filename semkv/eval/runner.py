@@ -1,7 +1,9 @@
 """`semkv eval`: every task x length x sample under every method x budget, on one model, into a results directory.
 
 Each sample is prefilled once with Full KV and every method that can start from that prefill runs from a copy of it
-(`LLM.compare_iter`); methods that change prefill itself prefill on their own. A row per sample x method x budget is
+(`LLM.compare_iter`); methods that change prefill itself prefill on their own. Generative samples are traced over
+their first `DIAG_STEPS` decode steps, with Full KV first as the reference (run even when its row is done), and each
+row gets its selection diagnostics (`diagnostics.py`: needle retention where the sample has needles, recall). A row per sample x method x budget is
 appended to `predictions.jsonl` as soon as it is done, so a rerun skips what is finished; `config.json` holds every
 setting, the resolved method parameters and the versions, and `run_config` repeats a run from it.
 """
@@ -20,13 +22,15 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.errors import SemkvError
-from semkv.eval import html, interim_tasks, report
+from semkv.eval import diagnostics, html, perplexity_data, report
 from semkv.eval.perplexity import PerplexityTask
+from semkv.eval.tasks import GROUPS, TASKS, get_task
 from semkv.eval.store import ResultsDir, row_key
 from semkv.eval.task import Sample, Task
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.methods.base import validate_budget
 
+DIAG_STEPS = 8  # decode steps traced for the diagnostics: the answer's first tokens
 QUICK = dict(tasks=["passkey", "perplexity"], lengths=[512, 1024], budgets=[64, 256], samples=2, ppl_tokens=32)
 # settings that must not change when a run is resumed into the same directory (the grid may grow)
 FIXED = ("model", "dtype", "page_size", "prefill_chunk", "seed", "query_aware", "method_params", "ppl_tokens")
@@ -61,20 +65,30 @@ def make_arms(methods: Seq[str], budgets: Seq[int | float], method_params: dict[
     return arms
 
 
+def expand_tasks(names: Seq[str]) -> list[str]:
+    """Task and group names (`semkv.eval.tasks`, and perplexity) -> task names, groups expanded, order kept."""
+    out: list[str] = []
+    for name in names:
+        if name != "perplexity" and name not in TASKS and name not in GROUPS:
+            raise SemkvError(f"unknown task {name!r}; known: perplexity, {', '.join([*GROUPS, *TASKS])}")
+        out += [n for n in GROUPS.get(name, [name]) if n not in out]
+    return out
+
+
 def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | PerplexityTask:
     root = None if data_dir is None else Path(data_dir)
     if root is not None and not root.is_dir():
         raise SemkvError(f"data directory {data_dir!r} does not exist")
-    if name == "perplexity":
-        return PerplexityTask(interim_tasks.load_books(root), ppl_tokens)
-    return interim_tasks.TASKS[name](root)
+    if name != "perplexity":
+        return get_task(name, root)
+    if root is None:
+        raise SemkvError("task 'perplexity' needs --data-dir: a folder with books/*.txt (Project Gutenberg eBooks)")
+    folder = root / "books"
+    return PerplexityTask({book: perplexity_data.book_text(folder, book) for book in perplexity_data.books(folder)},
+                          ppl_tokens)
 
 
-def _check(tasks, methods, budgets, lengths, samples, seed, method_params) -> None:
-    known = set(interim_tasks.TASKS) | {"perplexity"}
-    for name in tasks:
-        if name not in known:
-            raise SemkvError(f"unknown task {name!r}; available: {', '.join(sorted(known))}")
+def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
     for name in list(methods) + list(method_params):
         if name not in METHODS:
             raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
@@ -83,7 +97,7 @@ def _check(tasks, methods, budgets, lengths, samples, seed, method_params) -> No
     for value, what, low in [(samples, "samples", 1), (seed, "seed", 0)] + [(n, "length", 1) for n in lengths]:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SemkvError(f"{what}={value!r} must be an int >= {low}")
-    if not tasks or not methods or not lengths or (not budgets and set(methods) != {"full"}):
+    if not methods or not lengths or (not budgets and set(methods) != {"full"}):
         raise SemkvError("give at least one task, method, length and budget")
 
 
@@ -99,12 +113,14 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     each method attended at the first decode step (`semkv report --html`)."""
     import semkv
 
-    settings = dict(tasks=list(tasks), methods=list(methods or METHODS), budgets=list(budgets), lengths=list(lengths),
+    settings = dict(tasks=expand_tasks(tasks), methods=list(methods or METHODS), budgets=list(budgets), lengths=list(lengths),
                     samples=samples, seed=seed, query_aware=query_aware, model=model if llm is None else llm.source,
                     device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
                     data_dir=None if data_dir is None else str(data_dir), method_params=method_params or {},
                     ppl_tokens=ppl_tokens, trace_samples=trace_samples)
-    _check(settings["tasks"], settings["methods"], budgets, lengths, samples, seed, settings["method_params"])
+    if not settings["tasks"]:
+        raise SemkvError("give at least one task")
+    _check(settings["methods"], budgets, lengths, samples, seed, settings["method_params"])
     arms = make_arms(settings["methods"], budgets, settings["method_params"], query_aware)
     task_objs = [make_task(name, settings["data_dir"], ppl_tokens) for name in settings["tasks"]]
     store = ResultsDir(out)
@@ -153,10 +169,22 @@ def _run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], t
         prompt, question, chat, continuation = sample.context, sample.question, task.chat, None
     trace_file = store.trace_path(task.name, sample.sample_id)
     view = store.read_trace(trace_file) if traced and trace_file.is_file() else None
-    outputs = llm.compare_iter(prompt, [a.build() for a in arms], question, task.max_new_tokens, chat,
-                               continuation=continuation, trace_steps=[0] if traced else None)
+    diagnosed = continuation is None
+    steps = range(min(DIAG_STEPS, task.max_new_tokens)) if diagnosed else [0] if traced else None
+    # Full KV first: the diagnostics' reference, run even when its own row is done
+    full_arm = next((a for a in arms if a.method == "full"), Arm("full", None, {}))
+    run_arms = [full_arm] + [a for a in arms if a.method != "full"] if diagnosed else arms
+    outputs = llm.compare_iter(prompt, [a.build() for a in run_arms], question, task.max_new_tokens, chat,
+                               continuation=continuation, trace_steps=steps, trace_weights=diagnosed,
+                               answer_prefix="" if continuation is not None else sample.answer_prefix)
+    full = requirements = None
     for i, out in outputs:
-        arm = arms[i]
+        arm = run_arms[i]
+        if diagnosed:
+            if i == 0:
+                full, requirements = out, diagnostics.sample_requirements(llm, sample, chat, out.prompt_token_ids)
+            if not any(arm is a for a in arms):
+                continue
         row = {"task": task.name, "length": sample.length, "sample_id": sample.sample_id, "depth": sample.depth,
                "method": arm.method, "budget": arm.budget, "answers": sample.answers,
                "meta": {k: v for k, v in sample.meta.items() if isinstance(v, (str, int, float, bool, type(None)))}}
@@ -165,6 +193,9 @@ def _run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], t
         else:
             row.update(prediction=out.text, score=task.score(out.text, sample))
         row.update(finish_reason=out.finish_reason, stats=out.stats.as_dict())
+        if diagnosed:
+            row["diag"] = diagnostics.summarize(diagnostics.head_maps(out, full, arm.budget, requirements,
+                                                                      len(out.prompt_token_ids)))
         if traced:
             view = view or html.sample_view(llm.tokenizer, sample, out.prompt_token_ids, llm.config.num_kv_heads)
             view["methods"][arm.label] = html.method_view(out.trace, len(out.prompt_token_ids), row)
