@@ -15,7 +15,7 @@ from semkv.eval.store import ResultsDir
 @pytest.fixture(scope="module")
 def results(tiny_llm, tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
-    run(["passkey"], ["full", "quest", "snapkv"], [24, 0.5], [160, 224], samples=2, out=str(out), llm=tiny_llm,
+    run(["passkey"], ["full", "quest", "snapkv"], [24, 0.5], [168, 240], samples=2, out=str(out), llm=tiny_llm,
         trace_samples=1, progress=False)
     return out
 
@@ -32,17 +32,17 @@ def test_report_writes_tables_and_plots(results, capsys):
     text = (results / "report.md").read_text()
     for label in ("| full | - |", "| quest | 24 |", "| quest | 0.5 |", "| snapkv | 24 |", "| quest@0.5 |"):
         assert label in text
-    assert "160 tok" in text and "224 tok" in text
+    assert "168 tok" in text and "240 tok" in text
     assert capsys.readouterr().out.startswith("# Evaluation report")
     for name in ("passkey_vs_budget.png", "passkey_depth_heatmap.png"):
         assert_real_png(results / "plots" / name)
         assert f"plots/{name}" in text
     pages = sorted((results / "html").glob("*.html"))
-    assert [p.name for p in pages] == ["passkey__passkey-160-0.html", "passkey__passkey-224-0.html"]
+    assert [p.name for p in pages] == ["passkey__passkey-168-s0-0-d0.html", "passkey__passkey-240-s0-0-d0.html"]
 
 
 def test_trace_view_holds_every_method_and_the_needle(results, tiny_llm):
-    view = ResultsDir(results).find_trace("passkey-224-0")
+    view = ResultsDir(results).find_trace("passkey-240-s0-0-d0")
     assert set(view["methods"]) == {"full", "quest@24", "quest@0.5", "snapkv@24", "snapkv@0.5"}
     n, layers, heads = len(view["tokens"]), tiny_llm.config.num_layers, tiny_llm.config.num_kv_heads
     full, quest, snap = view["methods"]["full"], view["methods"]["quest@24"], view["methods"]["snapkv@24"]
@@ -55,14 +55,14 @@ def test_trace_view_holds_every_method_and_the_needle(results, tiny_llm):
     page = html.render(view)
     assert page.count("<section") == 5 and "needle" in page and 'class=n' in page
     with pytest.raises(Exception, match="no trace"):
-        ResultsDir(results).find_trace("passkey-224-1")
+        ResultsDir(results).find_trace("passkey-240-s0-1-d100")
 
 
 def test_report_for_one_sample_and_png(results, capsys):
     if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
         pytest.skip("chromium is not installed (apt-get install chromium)")
-    assert main(["report", str(results), "--html", "passkey-160-0", "--png"]) == 0
-    png = results / "html" / "passkey__passkey-160-0.png"
+    assert main(["report", str(results), "--html", "passkey-168-s0-0-d0", "--png"]) == 0
+    png = results / "html" / "passkey__passkey-168-s0-0-d0.png"
     assert_real_png(png, 20000)
     pixels = imread(png)[..., :3]
     orange = (pixels[..., 0] > 0.95) & (pixels[..., 1] > 0.5) & (pixels[..., 1] < 0.8) & (pixels[..., 2] < 0.3)

@@ -181,6 +181,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
              _lazy("semkv.eval.cli", "run_eval")),
     "report": ("tables, plots and HTML views of a results directory", _lazy("semkv.eval.cli", "add_report"),
                _lazy("semkv.eval.cli", "run_report")),
+    "inspect": ("needle retention and critical-token recall of a method on one prompt, per layer and head",
+                _lazy("semkv.eval.cli", "add_inspect"), _lazy("semkv.eval.cli", "run_inspect")),
 }
 
 

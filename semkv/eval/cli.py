@@ -1,4 +1,5 @@
-"""`semkv eval` and `semkv report`: argument parsing; the work is in `runner.py`, `report.py` and `html.py`."""
+"""`semkv eval`, `semkv report` and `semkv inspect`: argument parsing; the work is in `runner.py`, `report.py`,
+`html.py` and `inspect.py`."""
 from __future__ import annotations
 
 import argparse
@@ -115,4 +116,50 @@ def run_report(args: argparse.Namespace) -> int:
         if args.png:
             print(f"rendered: {html.screenshot(page, page.with_suffix('.png'))}", file=sys.stderr)
     print(f"written: {path}", file=sys.stderr)
+    return 0
+
+
+def add_inspect(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--method", required=True, help="KV method (see `semkv methods`)")
+    p.add_argument("--budget", default=None, help="tokens per head and layer (512) or a fraction (0.1, 10%%)")
+    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
+    p.add_argument("--prompt-file", required=True, help="file with the prompt (e.g. a long document)")
+    p.add_argument("--question", default=None, help="question appended after the prompt (marks the query)")
+    p.add_argument("--needle", default=None, help="text of the prompt the answer depends on (for needle retention)")
+    p.add_argument("--answer", default=None, help="the answer inside the needle (its span is what must be kept)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps traced and averaged over (8)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    p.add_argument("--out", default="inspect", help="folder for the PNG heat map and the HTML view")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    import semkv
+    from semkv.eval import html
+    from semkv.eval.inspect import heatmap, inspect, layer_table
+    from semkv.methods import get_method
+
+    method = get_method(args.method, parse_budget(args.budget), **parse_params(args.param))  # fail before loading
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise SemkvError(f"prompt file {args.prompt_file!r} does not exist")
+    if args.steps < 1:
+        raise SemkvError(f"steps={args.steps} must be an int >= 1")
+    prompt = path.read_text(encoding="utf-8")
+    if args.needle and args.needle not in prompt:
+        raise SemkvError(f"the needle {args.needle[:60]!r} is not in {args.prompt_file}")
+    llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                    prefill_chunk=args.prefill_chunk)
+    result = inspect(llm, method, prompt, args.question, args.needle, args.answer, args.steps, args.chat, path.stem)
+    if not result["maps"]:
+        raise SemkvError("nothing to measure: the method's first generated token already differs from Full KV's "
+                         "and no --needle was given")
+    label = f"{method.name}@{method.budget}"
+    print(f"{label} on {path.name}: {len(result['output'].prompt_token_ids)} prompt tokens; Full KV: "
+          f"{result['full'].text!r}; {label}: {result['output'].text!r}")
+    print(layer_table(result["maps"]))
+    out = Path(args.out)
+    png = heatmap(result["maps"], f"{label} · {path.name}", out / f"{path.stem}__{method.name}.png")
+    page = html.write(result["view"], out / f"{path.stem}__{method.name}.html")
+    print(f"written: {png}\nwritten: {page}", file=sys.stderr)
     return 0

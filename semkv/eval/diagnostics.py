@@ -46,15 +46,14 @@ def answer_spans(text: str, offsets: list[tuple[int, int]], needles: list[str],
             for alts in requirements]
 
 
-def sample_requirements(llm: Any, sample: Any, chat: bool, prompt_ids: list[int]) -> list[list[torch.Tensor]] | None:
-    """`answer_spans` of an evaluation sample in its encoded prompt (None when it has no needle in the prompt)."""
-    if not sample.needles:
+def prompt_requirements(llm: Any, prompt: str, question: str | None, chat: bool, answer_prefix: str,
+                        needles: list[str], answers: list[str]) -> list[list[torch.Tensor]] | None:
+    """`answer_spans` of a prompt as `LLM.encode` tokenizes it (None without a needle found in it)."""
+    if not needles:
         return None
-    text = llm.prompt_text(sample.context, sample.question, chat, sample.answer_prefix)
+    text = llm.prompt_text(prompt, question, chat, answer_prefix)
     enc = llm.tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
-    if enc["input_ids"] != list(prompt_ids):
-        raise AssertionError("the prompt re-encoded with offsets differs from the one the engine ran")
-    return answer_spans(text, enc["offset_mapping"], sample.needles, sample.answers) or None
+    return answer_spans(text, enc["offset_mapping"], needles, answers) or None
 
 
 def kept_positions(trace: Trace, steps: list[int]) -> list[list[torch.Tensor]]:

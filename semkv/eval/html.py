@@ -93,7 +93,8 @@ def _section(label: str, m: dict[str, Any], tokens: list[str], needle: list[bool
     spans = "".join(f'<span{" class=n" if n else ""} style="{_token_style(a, r)}">{html.escape(t)}</span>'
                     for t, a, r, n in zip(tokens, attended, resident, needle))
     prediction = "(perplexity)" if m["prediction"] is None else html.escape(repr(m["prediction"]))
-    return (f'<section data-m="{html.escape(label)}"><h2>{html.escape(label)} — score {m["score"]:.4g}</h2>'
+    score = "" if m["score"] is None else f' — score {m["score"]:.4g}'
+    return (f'<section data-m="{html.escape(label)}"><h2>{html.escape(label)}{score}</h2>'
             f'<div class="info">prediction: {prediction} · {shown} · <select onchange="paint(this)">{options}'
             f'</select></div><div class="text">{spans}</div></section>')
 

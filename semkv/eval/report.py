@@ -18,6 +18,9 @@ from semkv.eval import html
 from semkv.eval.store import ResultsDir
 
 PERPLEXITY = "perplexity"
+# selection diagnostics of the rows (`diagnostics.py`), shown where a task has them
+DIAG_COLUMNS = {"retention": "needle kept (heads)", "retained_layers": "layers keeping needle",
+                "recall": "top-k recall", "mass_recall": "mass recall"}
 
 
 def _aggregate(rows: list[dict[str, Any]]) -> float:
@@ -56,11 +59,18 @@ def _markdown(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
 
 
+def _diag_mean(rows: list[dict[str, Any]], key: str) -> str:
+    values = [r["diag"][key] for r in rows if key in r.get("diag", {})]
+    return "-" if not values else f"{sum(values) / len(values):.{1 if key == 'retained_layers' else 2}f}"
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """Per task: one line per method and budget, one column per length, the mean, and the KV attended per step."""
+    """Per task: one line per method and budget, one column per length, the mean, the KV attended per step and the
+    means of the selection diagnostics the rows have."""
     parts = []
     for (task,), task_rows in _group(rows, "task").items():
         lengths = sorted({r["length"] for r in task_rows})
+        diag = [key for key in DIAG_COLUMNS if any(key in r.get("diag", {}) for r in task_rows)]
         cells = _group(task_rows, "method", "budget", "length")
         arm_rows = _group(task_rows, "method", "budget")
         lines = []
@@ -70,10 +80,11 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             per_length = [f"{_aggregate(cells[(method, budget, n)]):.1f}" if cells.get((method, budget, n)) else "-"
                           for n in lengths]
             lines.append([method, "-" if budget is None else str(budget), *per_length, f"{_aggregate(rs):.1f}",
-                          f"{attended:.0f}"])
+                          f"{attended:.0f}", *[_diag_mean(rs, key) for key in diag]])
         metric = "perplexity, lower is better" if task == PERPLEXITY else "score 0-100"
         n = len({r["sample_id"] for r in task_rows})
-        header = ["method", "budget", *[f"{x} tok" for x in lengths], "mean", "KV attended/step"]
+        header = ["method", "budget", *[f"{x} tok" for x in lengths], "mean", "KV attended/step",
+                  *[DIAG_COLUMNS[key] for key in diag]]
         parts.append(f"### {task} ({metric}; {n} samples)\n\n" + _markdown(header, lines))
     return "\n\n".join(parts)
 
@@ -166,7 +177,10 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None)
     config = store.config() or {}
     model = config.get("resolved", {}).get("model_source", "?")
     text = [f"# Evaluation report\n\nModel: `{model}`. Rows: {len(rows)}. Budget: KV tokens per head and layer "
-            "(a fraction: of the context). KV attended/step: mean per decode step, head and layer.\n",
+            "(a fraction: of the context). KV attended/step: mean per decode step, head and layer. "
+            "Needle kept: share of (layer, KV head) pairs that attended every answer-span token at the first "
+            "decode steps; layers keeping needle: layers where all heads did; top-k / mass recall: share of Full "
+            "KV's top-k (k = budget) attention mass, and of all its attention mass, on the attended positions.\n",
             "## Scores\n", summary_table(rows), "\n## Cost\n", cost_table(rows), "\n## Plots\n"]
     text += [f"![{p.stem}](plots/{p.name})" for p in images]
     if links:

@@ -182,7 +182,8 @@ def _run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], t
         arm = run_arms[i]
         if diagnosed:
             if i == 0:
-                full, requirements = out, diagnostics.sample_requirements(llm, sample, chat, out.prompt_token_ids)
+                full, requirements = out, diagnostics.prompt_requirements(
+                    llm, sample.context, sample.question, chat, sample.answer_prefix, sample.needles, sample.answers)
             if not any(arm is a for a in arms):
                 continue
         row = {"task": task.name, "length": sample.length, "sample_id": sample.sample_id, "depth": sample.depth,
