@@ -140,14 +140,14 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     for task in task_objs:
         for length in lengths:
             for i, sample in enumerate(task.samples(llm.tokenizer, length, samples, seed)):
-                pending = [a for a in arms if _key(task, sample, a) not in done]
+                pending = [a for a in arms if sample_key(task, sample, a) not in done]
                 if pending:
                     work.append((task, sample, pending, i < trace_samples))
     bar = tqdm(total=sum(len(w[2]) for w in work), desc="eval", unit="run", disable=not progress, dynamic_ncols=True)
     for task, sample, pending, traced in work:
         bar.set_postfix_str(sample.sample_id)
         torch.manual_seed(seed)
-        _run_sample(llm, store, task, sample, pending, traced, bar)
+        run_sample(llm, store, task, sample, pending, traced, bar)
     bar.close()
     rows = store.rows()
     if progress:
@@ -155,12 +155,12 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     return rows
 
 
-def _key(task, sample: Sample, arm: Arm) -> tuple:
+def sample_key(task, sample: Sample, arm: Arm) -> tuple:
     return row_key({"task": task.name, "length": sample.length, "sample_id": sample.sample_id,
                     "method": arm.method, "budget": arm.budget})
 
 
-def _run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], traced: bool, bar) -> None:
+def run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], traced: bool, bar) -> None:
     """Every pending arm on one sample (one shared prefill), each row saved as soon as it is done."""
     if isinstance(task, PerplexityTask):
         prompt, question, chat = sample.meta["prefix_ids"], None, False
