@@ -49,7 +49,7 @@ def parse_method_params(items: list[str] | None) -> dict[str, dict[str, Any]]:
 
 def add_eval(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--task", help="tasks, comma-separated (passkey, perplexity, ...)")
+    p.add_argument("--task", help="tasks or groups, comma-separated (passkey, niah, ruler, longbench, perplexity, ...)")
     p.add_argument("--methods", default=None, help="methods, comma-separated (default: every one of `semkv methods`)")
     p.add_argument("--budgets", default=None, help=f"tokens or fractions, comma-separated ({DEFAULTS['budgets']})")
     p.add_argument("--lengths", default=None, help=f"context lengths in tokens, k = 1024 ({DEFAULTS['lengths']})")
@@ -57,7 +57,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-aware", action=argparse.BooleanOptionalAction, default=None,
                    help="set query_aware of every method that has it (default: each method's own default)")
     p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
-    p.add_argument("--data-dir", default=None, help="data root (books/ for perplexity, ...)")
+    p.add_argument("--data-dir", default=None, help="data root (books/ for perplexity, paul_graham/ for niah, ...)")
     p.add_argument("--out", default="results", help="results directory (a rerun resumes it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per perplexity sample (64)")
