@@ -33,6 +33,7 @@ def test_report_writes_tables_and_plots(results, capsys):
     for label in ("| full | - |", "| quest | 24 |", "| quest | 0.5 |", "| snapkv | 24 |", "| quest@0.5 |"):
         assert label in text
     assert "168 tok" in text and "240 tok" in text
+    assert "needle kept (heads) | layers keeping needle | top-k recall | mass recall |" in text  # diagnostics columns
     assert capsys.readouterr().out.startswith("# Evaluation report")
     for name in ("passkey_vs_budget.png", "passkey_depth_heatmap.png"):
         assert_real_png(results / "plots" / name)
