@@ -40,8 +40,8 @@ def answer_spans(text: str, offsets: list[tuple[int, int]], needles: list[str],
     found = [span for needle in needles for span in _occurrences(text, needle)]
     spans = [[occ for lo, hi in found for occ in _occurrences(text, answer, lo, hi)] for answer in answers]
     requirements = [alts for alts in spans if alts] or [[span] for span in found]
-    starts = torch.tensor([s for s, _ in offsets])
-    ends = torch.tensor([e for _, e in offsets])
+    starts = torch.tensor([s for s, _ in offsets])  # [n_prompt]
+    ends = torch.tensor([e for _, e in offsets])  # [n_prompt]
     return [[torch.nonzero((ends > lo) & (starts < hi) & (ends > starts)).flatten() for lo, hi in alts]
             for alts in requirements]
 
