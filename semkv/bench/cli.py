@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
     for name in methods:
-        b = None if name == "full" else budget
+        b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
         for context in contexts:
             for batch in batches:
                 try:

@@ -100,18 +100,20 @@ def sync(device: torch.device) -> None:
 
 
 def time_steps(engine: Engine, method: KVMethod, seqs: list[Sequence], steps: int, graphs) -> list[float]:
-    """Seconds per decode step for `steps` steps (the fed token is fixed: speed does not depend on it)."""
+    """Seconds per decode step for `steps` steps of the engine's loop: the forward, sampling and the method's
+    per-step bookkeeping (`end_step`), as in generation."""
     times = []
     for _ in range(steps):
         sync(engine.device)
         started = time.perf_counter()
-        if graphs is not None and graphs.fits(seqs):
-            graphs.decode_step(seqs)
-        else:
-            engine.decode_step(seqs, method)
+        engine._step(seqs, method, graphs, never_stop)
         sync(engine.device)
         times.append(time.perf_counter() - started)
     return times
+
+
+def never_stop(seq: Sequence) -> None:
+    return None
 
 
 @torch.inference_mode()
@@ -137,12 +139,13 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
 
 
 def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> dict[str, float]:
-    """One eager step with its selection and attention regions timed (ms); `rest` is everything else."""
+    """One eager step with its selection (the method's work before, inside and after the forward) and attention
+    regions timed (ms); `rest` is everything else."""
     timer = EventTimer(engine.device)
     engine.timer = timer
     try:
         whole = timer.start("step")
-        engine.decode_step(seqs, method)
+        engine._step(seqs, method, None, never_stop)
         timer.stop(whole)
     finally:
         engine.timer = None

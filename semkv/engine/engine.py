@@ -282,8 +282,12 @@ class Engine:
         slots_after = [s.kv.num_slots for s in seqs]
         tables = _stack_tables([s.kv.table for s in seqs])
         batch = DecodeBatch(seqs, positions, torch.tensor(slots_after, device=self.device), self.config, tables,
-                            max(max(n) for n in slots_after))
-        return replace(batch, step_selection=method.step_selection(batch)), write.contiguous()
+                            max(max(n) for n in slots_after), pool=self.pool)
+        span = self.timer.start("selection") if self.timer else None
+        batch = replace(batch, step_selection=method.step_selection(batch))
+        if span:
+            self.timer.stop(span)
+        return batch, write.contiguous()
 
     def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
         n = len(seqs)
@@ -343,7 +347,10 @@ class Engine:
         tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
         batch = DecodeBatch(running, torch.tensor([s.num_computed for s in running]),
                             torch.tensor([s.kv.num_slots for s in running]), self.config)
+        span = self.timer.start("selection") if self.timer else None  # per-step bookkeeping of the method
         method.end_step(batch, logits, tokens)
+        if span:
+            self.timer.stop(span)
         elapsed = time.perf_counter() - started
         for seq, token in zip(running, tokens):
             seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, seq.kv.resident_slots())
