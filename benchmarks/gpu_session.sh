@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the speed issue, in stages that each fit one device call (~10 min):
-#   bash benchmarks/gpu_session.sh kernels OUT   # kernel equality + timing, TokenSelect paged dot and attention
+#   bash benchmarks/gpu_session.sh kernels OUT   # kernel equality + timing, TokenSelect's paged dot kernel
+#   bash benchmarks/gpu_session.sh attention OUT # TokenSelect's selective attention vs our full kernel, 8k..1M
 #   bash benchmarks/gpu_session.sh grid OUT      # semkv bench: methods x batches x contexts, HF eager points
 #   bash benchmarks/gpu_session.sh long OUT      # TPOT over 6000 generated tokens after 32k; offload peak memory
 # Llama-3.1-8B shape with random weights, bf16. TOK: a tokenizer folder for the methods that read token text.
@@ -14,6 +15,8 @@ kernels)
   python benchmarks/kernel_check.py 2>&1 | tee "$out/kernel_check.log"
   (cd benchmarks && python tokenselect_kernels.py --lengths 32768 1048576 --out "$out/tokenselect_kernels.json") \
     2>&1 | tee "$out/tokenselect_kernels.log"
+  ;;
+attention)
   (cd benchmarks && python tokenselect_attention.py --lengths 8192 32768 131072 524288 1048576 \
     --out "$out/tokenselect_attention.json") 2>&1 | tee "$out/tokenselect_attention.log"
   ;;
@@ -30,5 +33,5 @@ long)
     --param dynsplit.offload=True --tokenizer "${TOK:-.gpu/tok}" --batches 15 --contexts 32k --steps 8 \
     --out "$out/offload" 2>&1 | tee "$out/offload.log"
   ;;
-*) echo "stage: kernels | grid | long" >&2; exit 2 ;;
+*) echo "stage: kernels | attention | grid | long" >&2; exit 2 ;;
 esac
