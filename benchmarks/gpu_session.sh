@@ -23,7 +23,7 @@ attention)
 grid)
   $bench --methods full,chess,tokenselect,quest --budget 0.01 --param chess.preset=aggressive \
     --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1,8,16,24,28 \
-    --contexts 4k,8k,16k,32k --steps 24 --hf 1x4k,1x32k,24x32k --out "$out/grid" 2>&1 | tee "$out/grid.log"
+    --contexts 4k,8k,16k,32k --steps 24 --hf 1x4k,1x32k,16x32k --out "$out/grid" 2>&1 | tee "$out/grid.log"
   ;;
 long)
   $bench --methods full,chess,tokenselect --budget 0.01 --param chess.preset=aggressive \

@@ -111,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
         for point in args.hf.split(","):
             batch, _, ctx = point.partition("x")
             batch, context = int(batch), parse_sizes(ctx, "hf")[0]
-            tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
-                                     torch.bfloat16 if "cuda" in info["device"] else torch.float32)
+            try:
+                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
+                                         torch.bfloat16 if "cuda" in info["device"] else torch.float32)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                print(f"HF eager B={batch} ctx={context}: out of GPU memory")
+                continue
             results["hf"].append(dict(batch=batch, context=context, tpot_ms=tpot, tokens_per_s=1e3 * batch / tpot))
             print(f"HF eager B={batch} ctx={context}: {tpot:.2f} ms/token")
     out = Path(args.out)

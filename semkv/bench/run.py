@@ -55,13 +55,18 @@ def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> N
 
 def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int) -> list[Sequence]:
     seqs = []
-    for i in range(batch):
-        ids = [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
-        seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
-        fill_random(engine, seq, context, seed=i)
-        engine.apply_prefill(seq, method)
-        seq.output_ids.append(ids[-1])
-        seqs.append(seq)
+    try:
+        for i in range(batch):
+            ids = [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
+            seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
+            seqs.append(seq)
+            fill_random(engine, seq, context, seed=i)
+            engine.apply_prefill(seq, method)
+            seq.output_ids.append(ids[-1])
+    except MemoryError:  # the pool cannot hold the batch: give back what was filled
+        for seq in seqs:
+            seq.kv.release()
+        raise
     return seqs
 
 
