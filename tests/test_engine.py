@@ -99,19 +99,30 @@ def test_question_start_marks_the_question(tiny_llm):
     assert tiny_llm.tokenizer.decode(ids_plain[start_plain:]).startswith("What is it?")
 
 
-def test_static_buffer_decode_equals_eager(tiny_llm):
-    """The CUDA-graph step (run eagerly here: same static buffers, padding rows on the scratch page) gives the
-    logits of the plain decode step."""
+GRAPH_SAFE = {
+    "full": dict(),
+    "chess": dict(budget=64, page_size=16, window=1, chunk_pages=2, grid_chunks=2, mode="always"),
+    "tokenselect": dict(budget=24, n_sink=4, n_recent=4, theta=1.0),
+}
+
+
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_static_buffer_decode_equals_eager(tiny_llm, name):
+    """The CUDA-graph step of each graph-safe method (run eagerly here: same static buffers, padding rows on the
+    scratch page, selections from the step's tensors alone) gives the logits of the plain decode step."""
     from semkv.engine.cuda_graph import GraphRunner
     from semkv.engine.kv_cache import SeqKV
     from semkv.engine.sequence import SamplingParams, Sequence
-    from semkv.methods import FullKV
+    from semkv.methods import get_method
 
-    engine, method = tiny_llm.engine, FullKV()
+    engine, method = tiny_llm.engine, get_method(name, **GRAPH_SAFE[name])
+    assert method.graph_safe
+    method.bind(tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
 
     def prefilled(text):
         ids = tiny_llm.tokenizer(text)["input_ids"]
         seq = Sequence(0, ids, SamplingParams(), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
         seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
         return seq
 

@@ -76,12 +76,26 @@ def test_paged_dot_reference_reads_the_right_keys():
 @pytest.mark.parametrize("heads, kv_heads, dim, page_size", [(28, 4, 128, 16), (9, 3, 64, 1)])
 def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_heads, dim, page_size):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated, so (re)import the module
-    monkeypatch.delitem(sys.modules, "semkv.kernels.paged_dot", raising=False)
-    kernel = importlib.import_module("semkv.kernels.paged_dot")
+    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot", raising=False)
+    kernel = importlib.import_module("semkv.kernels.triton_paged_dot")
     q, k_pool, table, keys = random_pool(heads, kv_heads, dim, page_size, pages=300 // page_size + 1)
     slots = torch.randperm(keys.shape[0])[:150]
     torch.testing.assert_close(kernel.paged_dot(q, k_pool, table, slots), reference.paged_dot(q, k_pool, table, slots))
-    monkeypatch.delitem(sys.modules, "semkv.kernels.paged_dot")
+    tables = torch.stack([table, table.roll(3)])  # a batch: one page table per row, the same slot list
+    q2 = torch.stack([q, -q])
+    got = kernel.paged_dot(q2, k_pool, tables, slots)
+    torch.testing.assert_close(got, reference.paged_dot(q2, k_pool, tables, slots))
+    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot")
+
+
+def test_batched_paged_dot_equals_row_by_row():
+    q, k_pool, table, _ = random_pool(heads=12, kv_heads=3, page_size=8)
+    tables = torch.stack([table, table.flip(0)])
+    queries = torch.stack([q, q * 2 + 1])
+    slots = torch.randperm(200)[:70]
+    got = reference.paged_dot(queries, k_pool, tables, slots)  # [2, heads, 70]
+    for b in range(2):
+        torch.testing.assert_close(got[b], reference.paged_dot(queries[b], k_pool, tables[b], slots))
 
 
 def prefilled(llm, method, prompt=PROMPT):
@@ -110,7 +124,7 @@ def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(
 
     def fresh_selection(q):
         fresh_seq.method_state = fresh.new_state(fresh_seq)
-        return fresh.select(1, batch_of(fresh_seq), q).slots
+        return fresh.select_per_sequence(1, batch_of(fresh_seq), q).slots
 
     first = cached.select(1, batch, q1).slots
     assert torch.equal(first, fresh_selection(q1))
@@ -123,6 +137,25 @@ def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(
     assert seq.stats.extra["selection_cache_hits"] == 2
     assert seq.stats.extra["selection_cache_hit_rate"] == 2 / 4
     for s in (seq, fresh_seq):
+        s.kv.release()
+
+
+@pytest.mark.parametrize("scope", ["layer", "kv_head"])
+def test_batched_selection_equals_row_by_row(tiny_llm, scope):
+    """The graph-safe path (int budget, theta = 1) selects for the whole batch from tensors what the per-sequence
+    path selects row by row, for rows above and below the budget."""
+    method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, scope=scope)
+    seqs = [prefilled(tiny_llm, method), prefilled(tiny_llm, method, PROMPT[:300]), prefilled(tiny_llm, method, "Hi.")]
+    batch, _ = tiny_llm.engine.prepare_step(seqs, method)
+    cfg = tiny_llm.config
+    q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    for layer in (0, 1):
+        got = method.select_batched(layer, batch, q)
+        want = method.select_per_sequence(layer, batch, q)
+        assert torch.equal(got.lengths, want.lengths)
+        for b, n in enumerate(want.lengths[:, 0].tolist()):
+            assert torch.equal(got.slots[b, :, :n], want.slots[b, :, :n])
+    for s in seqs:
         s.kv.release()
 
 

@@ -36,7 +36,7 @@ class GraphedStep:
             self.selection = Selection(torch.zeros(*shape, width, dtype=torch.long, device=device),
                                        torch.ones(shape, dtype=torch.long, device=device))
         self.batch = DecodeBatch(None, self.positions, self.num_slots, engine.config, self.tables, max_slots,
-                                 self.selection)
+                                 self.selection, engine.pool)
         self.graph = None
         if capture:
             self._capture()

@@ -18,18 +18,21 @@ def _rows(tables: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Te
 
 
 def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Dot products of each query head with the keys of its KV group at the given slots of one sequence and layer.
+    """Dot products of each query head with the keys of its KV group at the given slots of one layer.
 
-    q [heads, D]; k_pool [pages, page_size, kv_heads, D]; table [max_pages]; slots [n] logical slots (any order).
-    Returns float32 scores [heads, n]. This reference gathers the keys first; `kernels/paged_dot.py` reads them in
-    place on the GPU.
+    q [heads, D] with table [max_pages] (one sequence), or q [B, heads, D] with tables [B, max_pages] (a batch, the
+    same slot list for every row); k_pool [pages, page_size, kv_heads, D]; slots [n] logical slots (any order).
+    Returns float32 scores [heads, n] (or [B, heads, n]). This reference gathers the keys first;
+    `kernels/triton_paged_dot.py` reads them in place on the GPU.
     """
-    n_heads, dim = q.shape
+    if q.dim() == 2:
+        return paged_dot(q[None], k_pool, table[None], slots)[0]
+    batch, n_heads, dim = q.shape
     page_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    rows = table[slots // page_size] * page_size + slots % page_size
-    keys = k_pool.view(-1, kv_heads, dim)[rows]  # [n, kv_heads, D]
-    grouped = q.view(kv_heads, n_heads // kv_heads, dim).float()
-    return torch.einsum("kgd,nkd->kgn", grouped, keys.float()).reshape(n_heads, -1)
+    rows = table[:, slots // page_size] * page_size + slots % page_size  # [B, n]
+    keys = k_pool.view(-1, kv_heads, dim)[rows]  # [B, n, kv_heads, D]
+    grouped = q.view(batch, kv_heads, n_heads // kv_heads, dim).float()
+    return torch.einsum("bkgd,bnkd->bkgn", grouped, keys.float()).reshape(batch, n_heads, -1)
 
 
 def _rotate_keys(k: torch.Tensor, key_rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 from semkv.errors import SemkvError
 
 if TYPE_CHECKING:
+    from semkv.engine.kv_cache import KVPool
     from semkv.engine.sequence import Sequence
     from semkv.models.config import ModelConfig
 
@@ -74,6 +75,7 @@ class DecodeBatch:
     tables: torch.Tensor | None = None  # [B, layers, max_pages] physical page ids
     max_slots: int = 0  # upper bound of num_slots (fixes shapes without reading device values)
     step_selection: "Selection | None" = None  # from `KVMethod.step_selection`: serves every layer of the step
+    pool: "KVPool | None" = None  # the paged K/V storage the tables point into
 
     @property
     def size(self) -> int:

@@ -90,6 +90,7 @@ class Chess(KVMethod):
     varentropy_threshold: float | None = None
 
     kind = "selection"
+    graph_safe = True  # the step's selection is decided before the forward and copied into the graph's buffers
     name = "chess"
     summary = "CHESS: grid->chunk->page cascade by key-key affinity with the recent pages, re-selected on uncertainty"
 
@@ -110,7 +111,6 @@ class Chess(KVMethod):
             if getattr(self, name) is not None:
                 check_range(name, getattr(self, name), 0.0, None)
         self.summaries = PageSummaries(("sum",), self.unrotate if self.rope_free else None)
-        self.current: Selection | None = None
         self.rotary: RotaryEmbedding | None = None
 
     def bind(self, model, tokenizer, page_size: int) -> None:
@@ -173,10 +173,8 @@ class Chess(KVMethod):
         return sums.reshape(b, n_pages, -1) / counts.clamp(min=1)[..., None]
 
     # -- decode ---------------------------------------------------------------------------------------------------
-    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
-        if layer == 0:  # one selection serves every layer: the vectors span all of them
-            self.current = self.step_selection(batch)
-        return self.current
+    def selection_width(self, max_slots: int) -> int:
+        return min(resolve_budget(self.budget, max_slots), max_slots)
 
     def safety(self, n: torch.Tensor, budget: torch.Tensor, start: torch.Tensor):
         """Recent and sink tokens attended, and pages left for the selection, under the budget (all [b])."""
@@ -186,6 +184,7 @@ class Chess(KVMethod):
         return recent, sink, (budget - recent - sink) // size
 
     def step_selection(self, batch: DecodeBatch) -> Selection:
+        """One page set for every layer and head of the step (the vectors span all layers)."""
         n = batch.num_slots[:, 0]  # [b] selection methods store every token in every layer
         budget = torch.tensor([resolve_budget(self.budget, int(x)) for x in n.tolist()], device=n.device)
         states: list[ChessState] = [s.method_state for s in batch.seqs]

@@ -45,28 +45,17 @@ import torch
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
-from semkv.kernels import reference
+from semkv import kernels
 from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, per_kv_head, resolve_budget
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
 
 
-def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel on CUDA (when Triton is installed), the torch reference elsewhere."""
-    if q.is_cuda:
-        try:
-            from semkv.kernels.paged_dot import paged_dot as kernel
-        except ImportError:
-            kernel = reference.paged_dot
-        return kernel(q, k_pool, table, slots)
-    return reference.paged_dot(q, k_pool, table, slots)
-
-
 def vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
-    """scores [heads, n] (q_h . k of each candidate) -> indices of the k chosen candidates [S, k], ascending.
-    kv_heads None: one vote over all heads (S = 1); otherwise one per KV group (S = kv_heads)."""
-    def over_heads(x: torch.Tensor) -> torch.Tensor:  # [heads, n] -> [S, n]
-        return x.sum(0, keepdim=True) if kv_heads is None else per_kv_head(x, kv_heads, "sum")
+    """scores [..., heads, n] (q_h . k of each candidate) -> indices of the k chosen candidates [..., S, k],
+    ascending. kv_heads None: one vote over all heads (S = 1); otherwise one per KV group (S = kv_heads)."""
+    def over_heads(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
+        return x.sum(-2, keepdim=True) if kv_heads is None else x.unflatten(-2, (kv_heads, -1)).sum(-2)
 
     if selection == "top_k":
         total = over_heads(scores)
@@ -76,7 +65,7 @@ def vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> 
             total = soft
         else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
             hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
-            voters = scores.shape[0] // soft.shape[0]
+            voters = scores.shape[-2] // soft.shape[-2]
             total = over_heads(hits) + soft / (2 * voters)
     return total.topk(k, dim=-1).indices.sort(dim=-1).values
 
@@ -115,6 +104,12 @@ class TokenSelect(KVMethod):
     def rope_by_rank(self) -> bool:
         return self.extrapolate
 
+    @property
+    def graph_safe(self) -> bool:
+        """With an int budget, exact mode and the Selection Cache off (theta >= 1), every row of a step is selected
+        by tensor operations alone (`select_batched`), which CUDA graphs capture."""
+        return isinstance(self.budget, int) and not self.extrapolate and self.theta >= 1.0
+
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
@@ -136,7 +131,7 @@ class TokenSelect(KVMethod):
         """The k voted slots among candidates [lo, hi) for the query q [heads, D]: [S, k]."""
         kv = seq.kv
         candidates = torch.arange(lo, hi, device=q.device)
-        scores = paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
+        scores = kernels.paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
         kv_heads = kv.pool.num_kv_heads if self.scope == "kv_head" else None
         return vote(scores, k, self.selection, kv_heads) + lo
 
@@ -152,6 +147,12 @@ class TokenSelect(KVMethod):
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        if self.graph_safe:
+            return self.select_batched(layer, batch, q)
+        return self.select_per_sequence(layer, batch, q)
+
+    def select_per_sequence(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        """Row by row, with per-sequence budgets (fractions) and the Selection Cache."""
         n_slots = batch.num_slots[:, layer].tolist()
         budgets = [resolve_budget(self.budget, s.num_computed + 1) for s in batch.seqs]
         if all(b >= n for b, n in zip(budgets, n_slots)):
@@ -168,6 +169,28 @@ class TokenSelect(KVMethod):
             mask[b, :, n - recent : n] = True
             mask[b].scatter_(-1, self.cached_top(layer, seq, q[b], sink, n - recent, k), True)
         return Selection.from_mask(mask)
+
+    def select_batched(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        """Every row at once, without reading device values: the initial slots, the voted top-k among
+        [initial, n - recent) and the recent ones where n > budget, else all n slots. q [B, heads, D]."""
+        budget, width = self.budget, batch.max_slots
+        if budget >= width:
+            return None
+        sink, k, recent = self.split(budget)
+        n = batch.num_slots[:, layer]  # [B]
+        slot = torch.arange(width, device=q.device)
+        scores = kernels.paged_dot(q, batch.pool.k, batch.tables[:, layer], slot)  # [B, heads, width]
+        candidate = (slot >= sink) & (slot < (n - recent)[:, None])  # [B, width]
+        scores = scores.masked_fill(~candidate[:, None], float("-inf"))
+        kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
+        top = vote(scores, k, self.selection, kv_heads)  # [B, S, k]
+        size, groups = top.shape[:2]
+        recent_slots = (n - recent)[:, None] + torch.arange(recent, device=q.device)  # [B, recent]
+        chosen = torch.cat([slot[:sink].expand(size, groups, -1), top,
+                            recent_slots[:, None].expand(-1, groups, -1)], dim=-1)  # [B, S, budget]
+        every = slot[:budget].expand(size, groups, -1)  # rows with n <= budget attend to all their slots
+        sparse = (n > budget)[:, None, None]
+        return Selection(torch.where(sparse, chosen, every), n.clamp(max=budget)[:, None].expand(-1, groups))
 
     def cached_top(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
         """Algorithm 1: reuse the layer's last top-k while cos(q, cached q) >= theta, else select anew."""

@@ -1,11 +1,11 @@
 """Paged dot-product kernel (TokenSelect's Algorithm 2): scores of every query head against keys read in place from
 the paged cache by an index list, without gathering them into a contiguous copy first.
 
-Same signature and result as `reference.paged_dot`. One program handles one KV head and a block of slots: it loads
-the queries of that KV group once ([group, D], GQA by grouping: query head h reads KV head h // group), maps each
-logical slot to its physical row through the page table, loads the keys of the block and computes the group's
-scores with one `tl.dot`. Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run
-the kernel on CPU tensors (slowly) for tests.
+Same signature and result as `reference.paged_dot`. One program handles one sequence, one KV head and a block of
+slots: it loads the queries of that KV group once ([group, D], GQA by grouping: query head h reads KV head
+h // group), maps each logical slot to its physical row through the page table, loads the keys of the block and
+computes the group's scores with one `tl.dot`. Importing this module imports Triton; set TRITON_INTERPRET=1 before
+importing it to run the kernel on CPU tensors (slowly) for tests.
 """
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n,
+def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n, MAX_PAGES,
                       PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr,
                       GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     kv_head = tl.program_id(0)
     block = tl.program_id(1)
+    row_b = tl.program_id(2).to(tl.int64)  # the sequence: its queries, page table and scores
+    q_ptr += row_b * KV_HEADS * GROUP * DIM
+    table_ptr += row_b * MAX_PAGES
+    out_ptr += row_b * KV_HEADS * GROUP * n
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, BLOCK_D)
     t = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,19 +43,21 @@ def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n,
 
 def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
               block_n: int = 64) -> torch.Tensor:
-    """q [heads, D]; k_pool [pages, page_size, kv_heads, D] (contiguous); table [max_pages]; slots [n].
-    Returns float32 scores [heads, n]."""
-    n_heads, dim = q.shape
+    """q [heads, D] with table [max_pages], or q [B, heads, D] with tables [B, max_pages]; k_pool [pages, page_size,
+    kv_heads, D] (contiguous); slots [n]. Returns float32 scores [heads, n] (or [B, heads, n])."""
+    if q.dim() == 2:
+        return paged_dot(q[None], k_pool, table[None], slots, block_n)[0]
+    batch, n_heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pool.shape
     n = slots.shape[0]
-    out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, n_heads, n, dtype=torch.float32, device=q.device)
     if n == 0:
         return out
     group = n_heads // kv_heads
-    grid = (kv_heads, triton.cdiv(n, block_n))
+    grid = (kv_heads, triton.cdiv(n, block_n), batch)
     _paged_dot_kernel[grid](
         q.to(k_pool.dtype).contiguous(), k_pool.contiguous(), table.contiguous(), slots.contiguous(), out, n,
-        PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=group, DIM=dim,
+        table.shape[1], PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=group, DIM=dim,
         GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
     )
