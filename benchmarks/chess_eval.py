@@ -67,15 +67,23 @@ def needle_shares(kv, layer: int, selection, needle: torch.Tensor) -> list[float
 
 
 def track_needle(method, needle: torch.Tensor, log: list[float]):
-    """Record the needle shares of every decode step and layer of `method` into `log`."""
-    inner = method.select
+    """Record the needle shares of every decode step and layer of `method` into `log`: from the per-layer `select`,
+    or from the once-per-step `step_selection` (CHESS), which then serves every layer and replaces `select`."""
+    inner_select, inner_step = method.select, method.step_selection
 
     def select(layer, batch, q):
-        selection = inner(layer, batch, q)
+        selection = inner_select(layer, batch, q)
         log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
         return selection
 
-    method.select = select
+    def step_selection(batch):
+        selection = inner_step(batch)
+        if selection is not None:
+            for layer in range(batch.num_slots.shape[1]):
+                log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
+        return selection
+
+    method.select, method.step_selection = select, step_selection
     return method
 
 
@@ -88,8 +96,8 @@ class Sweep(Chess):
     needle: torch.Tensor | None = None
     found: dict = field(default_factory=dict)
 
-    def select(self, layer, batch, q):
-        if layer == 0 and not self.found:
+    def step_selection(self, batch):
+        if not self.found:
             seq = batch.seqs[0]
             own = seq.method_state
             for name, m in self.grid.items():
@@ -97,7 +105,7 @@ class Sweep(Chess):
                 m.summaries, seq.method_state = self.summaries, m.new_state(seq)
                 self.found[name] = needle_shares(seq.kv, 0, m.step_selection(batch), self.needle)[0]
             seq.method_state = own
-        return super().select(layer, batch, q)
+        return super().step_selection(batch)
 
 
 def prompts(llm, args):
