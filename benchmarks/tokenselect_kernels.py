@@ -71,7 +71,7 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     from semkv.kernels import reference
-    from semkv.kernels.paged_dot import paged_dot
+    from semkv.kernels.triton_paged_dot import paged_dot
 
     rows = []
     print(f"{'page':>5} {'kv_len':>8} {'max_err':>9} {'kernel_ms':>10} {'gather_mm_ms':>13} {'ref_fp32_ms':>12} "

@@ -1,6 +1,7 @@
 """Bad input: one clear message naming the bad value and what is allowed; exit code 2 from the CLI."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -95,3 +96,20 @@ def test_corrupted_weight_files(tmp_path, tiny_model_dir):
 def test_bad_page_size(tiny_model_dir):
     with pytest.raises(semkv.SemkvError, match="page_size=0 is out of range; allowed: 1..256"):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", page_size=0)
+
+
+def test_methods_lists_every_method_with_its_parameters(capsys):
+    """`semkv methods --json` names every registered method with its kind and each parameter's default; the text
+    form prints one line per method."""
+    from semkv.methods import METHODS
+
+    assert main(["methods", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert set(listed) == set(METHODS)
+    for name, cls in METHODS.items():
+        assert listed[name]["kind"] == cls.kind
+        assert set(listed[name]["parameters"]) == set(cls.parameters())
+    assert listed["snapkv"]["parameters"]["window"] == 32
+    assert main(["methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[::2]] == list(METHODS)

@@ -76,8 +76,8 @@ def test_paged_dot_reference_reads_the_right_keys():
 @pytest.mark.parametrize("heads, kv_heads, dim, page_size", [(28, 4, 128, 16), (9, 3, 64, 1)])
 def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_heads, dim, page_size):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated, so (re)import the module
-    monkeypatch.delitem(sys.modules, "semkv.kernels.paged_dot", raising=False)
-    kernel = importlib.import_module("semkv.kernels.paged_dot")
+    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot", raising=False)
+    kernel = importlib.import_module("semkv.kernels.triton_paged_dot")
     q, k_pool, table, keys = random_pool(heads, kv_heads, dim, page_size, pages=300 // page_size + 1)
     slots = torch.randperm(keys.shape[0])[:150]
     torch.testing.assert_close(kernel.paged_dot(q, k_pool, table, slots), reference.paged_dot(q, k_pool, table, slots))
@@ -85,7 +85,7 @@ def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_he
     q2 = torch.stack([q, -q])
     got = kernel.paged_dot(q2, k_pool, tables, slots)
     torch.testing.assert_close(got, reference.paged_dot(q2, k_pool, tables, slots))
-    monkeypatch.delitem(sys.modules, "semkv.kernels.paged_dot")
+    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot")
 
 
 def test_batched_paged_dot_equals_row_by_row():

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
     p.add_argument("--long-gen", type=int, default=0, help="TPOT over this many generated tokens (largest context)")
     p.add_argument("--hf", default="", help="points 'BxCTX' (e.g. 1x4k,14x32k) to time HF transformers' eager decode")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     batches, contexts = parse_sizes(args.batches, "batches"), parse_sizes(args.contexts, "contexts")
     budget, params = parse_budget(args.budget), method_params(args.param)
     engine, label = build_engine(args)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs)
     print(json.dumps(info))
     results: dict = dict(info=info, decode=[], ttft=[], long_generation={}, hf=[])
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         for context in contexts:
             for batch in batches:
                 try:
-                    row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name))
+                    row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
+                                       tokenizer=tokenizer)
                 except MemoryError as exc:
                     print(f"{name} B={batch} ctx={context}: skipped ({exc})")
                     continue
@@ -89,10 +93,11 @@ def run(args: argparse.Namespace) -> int:
                 print(report.decode_line(row))
         if args.ttft:
             for context in contexts:
-                ttft = bench_ttft(engine, name, b, context, params=params.get(name))
+                ttft = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer)
                 results["ttft"].append(dict(method=name, context=context, ttft_s=ttft))
         if args.long_gen:
-            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name))
+            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
+                                          tokenizer=tokenizer)
             results["long_generation"][name] = curve
     if args.hf:
         from semkv.bench.hf_baseline import hf_decode_tpot_ms
@@ -106,14 +111,27 @@ def run(args: argparse.Namespace) -> int:
         for point in args.hf.split(","):
             batch, _, ctx = point.partition("x")
             batch, context = int(batch), parse_sizes(ctx, "hf")[0]
-            tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
-                                     torch.bfloat16 if "cuda" in info["device"] else torch.float32)
+            try:
+                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
+                                         torch.bfloat16 if "cuda" in info["device"] else torch.float32)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                print(f"HF eager B={batch} ctx={context}: out of GPU memory")
+                continue
             results["hf"].append(dict(batch=batch, context=context, tpot_ms=tpot, tokens_per_s=1e3 * batch / tpot))
             print(f"HF eager B={batch} ctx={context}: {tpot:.2f} ms/token")
     out = Path(args.out)
     report.write(results, out)
     print(f"wrote {out}/results.json, results.md and plots")
     return 0
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise SemkvError(f"--tokenizer {path!r} is not a folder with tokenizer files")
+    return AutoTokenizer.from_pretrained(path)
 
 
 def build_engine(args: argparse.Namespace):

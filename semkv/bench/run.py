@@ -3,7 +3,8 @@ and TPOT over a long generation, on a model of a real shape with random weights 
 
 Decode measurements start from a cache filled with random K/V (`fill_random`: speed does not depend on the values),
 to which each method's prefill-time work is applied (eviction with random window queries, summaries); TTFT runs a
-real prefill. Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up).
+real prefill. Methods that read token text (sentences, delimiters) take a tokenizer (`--tokenizer`) whose vocabulary
+interprets the benchmark's synthetic token ids. Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up).
 """
 from __future__ import annotations
 
@@ -54,13 +55,18 @@ def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> N
 
 def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int) -> list[Sequence]:
     seqs = []
-    for i in range(batch):
-        ids = [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
-        seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
-        fill_random(engine, seq, context, seed=i)
-        engine.apply_prefill(seq, method)
-        seq.output_ids.append(ids[-1])
-        seqs.append(seq)
+    try:
+        for i in range(batch):
+            ids = [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
+            seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
+            seqs.append(seq)
+            fill_random(engine, seq, context, seed=i)
+            engine.apply_prefill(seq, method)
+            seq.output_ids.append(ids[-1])
+    except MemoryError:  # the pool cannot hold the batch: give back what was filled
+        for seq in seqs:
+            seq.kv.release()
+        raise
     return seqs
 
 
@@ -118,9 +124,9 @@ def never_stop(seq: Sequence) -> None:
 
 @torch.inference_mode()
 def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, steps: int = 32,
-                 warmup: int = 4, params: dict | None = None) -> DecodeResult:
+                 warmup: int = 4, params: dict | None = None, tokenizer=None) -> DecodeResult:
     method = get_method(name, budget, **(params or {}))
-    method.bind(engine.config, None, engine.pool.page_size)
+    method.bind(engine.config, tokenizer, engine.pool.page_size)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.pool.peak_in_use = engine.pool.in_use
@@ -131,11 +137,22 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     tpot = times[len(times) // 2]
     breakdown = step_breakdown(engine, method, seqs)
     attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
-    peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if engine.device.type == "cuda" else 0.0
+    peak = needed_memory_gib(engine)
     for seq in seqs:
         seq.kv.release()
     return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / tpot, peak, engine.pool.peak_in_use,
                         attended, graphs is not None, breakdown)
+
+
+def needed_memory_gib(engine: Engine) -> float:
+    """Peak GPU memory the run needed: the peak of everything allocated, with the pre-allocated KV pool counted by
+    its pages in use at the peak (the pool itself is sized from free memory, the same for every method)."""
+    if engine.device.type != "cuda":
+        return 0.0
+    pool = engine.pool
+    pool_bytes = sum(x.numel() * x.element_size() for x in (pool.k, pool.v, pool.pos))
+    used = pool_bytes * pool.peak_in_use / pool.num_pages
+    return (torch.cuda.max_memory_allocated(engine.device) - pool_bytes + used) / 2**30
 
 
 def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> dict[str, float]:
@@ -155,10 +172,10 @@ def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> di
 
 
 @torch.inference_mode()
-def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | None = None) -> float:
+def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | None = None, tokenizer=None) -> float:
     """Seconds from prompt to first token (a real prefill) for one request."""
     method = get_method(name, budget, **(params or {}))
-    method.bind(engine.config, None, engine.pool.page_size)
+    method.bind(engine.config, tokenizer, engine.pool.page_size)
     ids = [1 + t % (engine.config.vocab_size - 2) for t in range(context)]
     seq = Sequence(0, ids, SamplingParams(max_new_tokens=1), SeqKV(engine.pool))
     seq.method_state = method.new_state(seq)
@@ -173,10 +190,10 @@ def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | N
 
 @torch.inference_mode()
 def bench_long_generation(engine: Engine, name: str, budget, context: int, new_tokens: int, every: int = 100,
-                          params: dict | None = None) -> list[tuple[int, float]]:
+                          params: dict | None = None, tokenizer=None) -> list[tuple[int, float]]:
     """(generated tokens, TPOT ms) every `every` steps over a long generation at batch 1."""
     method = get_method(name, budget, **(params or {}))
-    method.bind(engine.config, None, engine.pool.page_size)
+    method.bind(engine.config, tokenizer, engine.pool.page_size)
     seqs = prefilled_batch(engine, method, 1, context, new_tokens + 8)
     graphs = engine.graph_runner(method, seqs)
     curve = []

@@ -94,7 +94,9 @@ class DecodeStep:
         self.write_slots = write_slots  # [B, layers, kv_heads] logical slot of the new token
         self.tables = batch.tables  # [B, layers, max_pages]
         self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
-        self.lengths: list[torch.Tensor] = []  # attended slots per layer [B, S]: statistics, read after the step
+        size = batch.positions.shape[0]  # statistics, summed over layers on the device (inside a captured graph)
+        self.attended_sum = torch.zeros(size, device=engine.device)  # [B] mean attended slots per layer, summed
+        self.attended_max = torch.zeros(size, dtype=torch.long, device=engine.device)  # [B] most slots of a head
         self.selection_s = 0.0
         self.traced = [(b, s) for b, s in enumerate(batch.seqs or ())  # no seqs: a captured CUDA-graph step
                        if s.trace is not None and s.trace.wants(s.num_computed - len(s.prompt_ids))]
@@ -133,7 +135,8 @@ class DecodeStep:
             out = kernels.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale, max_len)
         if timer:
             timer.stop(span)
-        self.lengths.append(lengths)
+        self.attended_sum += lengths.float().mean(-1)
+        torch.maximum(self.attended_max, lengths.max(-1).values, out=self.attended_max)
         if self.traced:
             self._record(layer, tables, selection)
         return out
@@ -271,9 +274,11 @@ class Engine:
         slots_before = torch.tensor([s.kv.num_slots for s in seqs], device=self.device)  # [B, layers]
         pre = DecodeBatch(seqs, positions, slots_before, self.config)
         write = method.begin_step(pre)
-        if write is None:
+        if write is None:  # every layer appends (no device round trip to find out)
             write = slots_before[:, :, None].expand(-1, -1, self.config.num_kv_heads)
-        appends = (write == slots_before[:, :, None]).any(-1).tolist()  # [B][layers]
+            appends = [[True] * layers] * len(seqs)
+        else:
+            appends = (write == slots_before[:, :, None]).any(-1).tolist()  # [B][layers]
         for b, seq in enumerate(seqs):
             for layer in range(layers):
                 if appends[b][layer]:
@@ -291,9 +296,8 @@ class Engine:
 
     def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
         n = len(seqs)
-        per_layer = torch.stack([lengths[:n].float().mean(-1) for lengths in step.lengths], dim=1)  # [B, layers]
-        attended = per_layer.mean(-1).tolist()
-        attended_max = torch.stack([lengths[:n].max(-1).values for lengths in step.lengths], 1).max(-1).values.tolist()
+        attended = (step.attended_sum[:n] / self.config.num_layers).tolist()
+        attended_max = step.attended_max[:n].tolist()
         for b, seq in enumerate(seqs):
             seq.num_computed += 1
             seq.attended_total += attended[b]
@@ -344,7 +348,10 @@ class Engine:
             logits = graphs.decode_step(running)
         else:
             logits = self.decode_step(running, method)
-        tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
+        if pick is _sample and all(s.params.temperature <= 0 for s in running):  # greedy: one argmax, one sync
+            tokens = logits.argmax(-1).tolist()
+        else:
+            tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
         batch = DecodeBatch(running, torch.tensor([s.num_computed for s in running]),
                             torch.tensor([s.kv.num_slots for s in running]), self.config)
         span = self.timer.start("selection") if self.timer else None  # per-step bookkeeping of the method

@@ -14,6 +14,13 @@ import torch
 from semkv.errors import SemkvError
 
 
+def _extended(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with `rows` zero rows appended, allocated once (a fixed pool is one allocation, no temporary copy)."""
+    out = x.new_zeros((x.shape[0] + rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out
+
+
 class KVPool:
     def __init__(
         self,
@@ -50,12 +57,9 @@ class KVPool:
 
     def _grow(self, new_pages: int) -> None:
         old = self.num_pages
-        shape = (new_pages, self.page_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: padded slots of a batch are read and multiplied by a zero probability, and 0 * NaN
         # garbage would poison the output; stale data of freed pages is always finite
-        self.k = torch.cat([self.k, torch.zeros(shape, dtype=self.dtype, device=self.device)])
-        self.v = torch.cat([self.v, torch.zeros(shape, dtype=self.dtype, device=self.device)])
-        self.pos = torch.cat([self.pos, torch.zeros(shape[:3], dtype=torch.int32, device=self.device)])
+        self.k, self.v, self.pos = (_extended(x, new_pages) for x in (self.k, self.v, self.pos))
         self.free.extend(range(old + new_pages - 1, old - 1, -1))  # pop() hands out low ids first
 
     def allocate(self, n: int) -> list[int]:

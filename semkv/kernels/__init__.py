@@ -67,7 +67,7 @@ def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
 def paged_dot(q, k_pool, table, slots):
     """See `reference.paged_dot`."""
     if use_triton(q.device):
-        from semkv.kernels import paged_dot as kernel
+        from semkv.kernels import triton_paged_dot as kernel
 
         return kernel.paged_dot(q, k_pool, table, slots)
     return reference.paged_dot(q, k_pool, table, slots)

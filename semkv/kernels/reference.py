@@ -23,7 +23,7 @@ def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots:
     q [heads, D] with table [max_pages] (one sequence), or q [B, heads, D] with tables [B, max_pages] (a batch, the
     same slot list for every row); k_pool [pages, page_size, kv_heads, D]; slots [n] logical slots (any order).
     Returns float32 scores [heads, n] (or [B, heads, n]). This reference gathers the keys first;
-    `kernels/paged_dot.py` reads them in place on the GPU.
+    `kernels/triton_paged_dot.py` reads them in place on the GPU.
     """
     if q.dim() == 2:
         return paged_dot(q[None], k_pool, table[None], slots)[0]

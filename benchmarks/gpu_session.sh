@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU measurements of the speed issue, in stages that each fit one device call (~10 min):
+#   bash benchmarks/gpu_session.sh kernels OUT   # kernel equality + timing, TokenSelect's paged dot kernel
+#   bash benchmarks/gpu_session.sh attention OUT # TokenSelect's selective attention vs our full kernel, 8k..1M
+#   bash benchmarks/gpu_session.sh grid OUT      # semkv bench: methods x batches x contexts, HF eager points
+#   bash benchmarks/gpu_session.sh long OUT      # TPOT over 6000 generated tokens after 32k; offload peak memory
+# Llama-3.1-8B shape with random weights, bf16. TOK: a tokenizer folder for the methods that read token text.
+set -euo pipefail
+stage=$1 out=$2
+mkdir -p "$out"
+export PYTHONPATH=$PWD
+bench="python -m semkv.cli.main bench --shape llama3-8b"
+case $stage in
+kernels)
+  python benchmarks/kernel_check.py 2>&1 | tee "$out/kernel_check.log"
+  (cd benchmarks && python tokenselect_kernels.py --lengths 32768 1048576 --out "$out/tokenselect_kernels.json") \
+    2>&1 | tee "$out/tokenselect_kernels.log"
+  ;;
+attention)
+  (cd benchmarks && python tokenselect_attention.py --lengths 8192 32768 131072 524288 1048576 \
+    --out "$out/tokenselect_attention.json") 2>&1 | tee "$out/tokenselect_attention.log"
+  ;;
+grid)
+  $bench --methods full,chess,tokenselect,quest --budget 0.01 --param chess.preset=aggressive \
+    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1,8,16,24,28 \
+    --contexts 4k,8k,16k,32k --steps 24 --hf 1x4k,1x32k,16x32k --out "$out/grid" 2>&1 | tee "$out/grid.log"
+  ;;
+long)
+  $bench --methods full,chess,tokenselect --budget 0.01 --param chess.preset=aggressive \
+    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1 --contexts 32k --steps 16 \
+    --long-gen 6000 --out "$out/long" 2>&1 | tee "$out/long.log"
+  $bench --methods full,sentencekv,dynsplit --budget 0.1 --param sentencekv.offload=True \
+    --param dynsplit.offload=True --tokenizer "${TOK:-.gpu/tok}" --batches 15 --contexts 32k --steps 8 \
+    --out "$out/offload" 2>&1 | tee "$out/offload.log"
+  ;;
+*) echo "stage: kernels | attention | grid | long" >&2; exit 2 ;;
+esac
