@@ -67,15 +67,23 @@ def needle_shares(kv, layer: int, selection, needle: torch.Tensor) -> list[float
 
 
 def track_needle(method, needle: torch.Tensor, log: list[float]):
-    """Record the needle shares of every decode step and layer of `method` into `log`."""
-    inner = method.select
+    """Record the needle shares of every decode step and layer of `method` into `log`: from the per-layer `select`,
+    or from the once-per-step `step_selection` (CHESS), which then serves every layer and replaces `select`."""
+    inner_select, inner_step = method.select, method.step_selection
 
     def select(layer, batch, q):
-        selection = inner(layer, batch, q)
+        selection = inner_select(layer, batch, q)
         log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
         return selection
 
-    method.select = select
+    def step_selection(batch):
+        selection = inner_step(batch)
+        if selection is not None:
+            for layer in range(batch.num_slots.shape[1]):
+                log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
+        return selection
+
+    method.select, method.step_selection = select, step_selection
     return method
 
 
@@ -88,8 +96,8 @@ class Sweep(Chess):
     needle: torch.Tensor | None = None
     found: dict = field(default_factory=dict)
 
-    def select(self, layer, batch, q):
-        if layer == 0 and not self.found:
+    def step_selection(self, batch):
+        if not self.found:
             seq = batch.seqs[0]
             own = seq.method_state
             for name, m in self.grid.items():
@@ -97,7 +105,7 @@ class Sweep(Chess):
                 m.summaries, seq.method_state = self.summaries, m.new_state(seq)
                 self.found[name] = needle_shares(seq.kv, 0, m.step_selection(batch), self.needle)[0]
             seq.method_state = own
-        return super().select(layer, batch, q)
+        return super().step_selection(batch)
 
 
 def prompts(llm, args):
@@ -172,13 +180,23 @@ def run_reselect(llm, args) -> dict:
 
 
 def run_overhead(llm, args) -> dict:
-    """Selection time (engine-measured, all layers) and CHESS's end-of-step bookkeeping as shares of decode time."""
+    """Selection time as a share of decode time: the engine's per-layer `select` time plus the once-per-step
+    `step_selection` (where CHESS runs its cascade; timed here, the engine's stats do not count it), and CHESS's
+    end-of-step bookkeeping (page vectors, entropy)."""
     text = " ".join((args.essays / f"{name}.txt").read_text() for name in HAYSTACK + ("worked",))
     prompt = " ".join(text.split()[: int(args.context * 0.72)])
     named = {"full": FullKV(), "quest": Quest(budget=args.budget), "chess-dynamic": Chess(budget=args.budget),
              "chess-always": Chess(budget=args.budget, mode="always")}
     end_s = {name: 0.0 for name in named}
+    step_s = {name: 0.0 for name in named}
     for name, m in named.items():
+        def timed_step(batch, inner=m.step_selection, name=name):
+            started = time.perf_counter()
+            selection = inner(batch)
+            step_s[name] += time.perf_counter() - started
+            return selection
+
+        m.step_selection = timed_step
         if isinstance(m, Chess):
             def timed(batch, logits, tokens, inner=m.end_step, name=name):
                 started = time.perf_counter()
@@ -192,7 +210,8 @@ def run_overhead(llm, args) -> dict:
     for (name, m), o in zip(named.items(), outs):
         s = o.stats
         table[name] = {"context": s.prompt_tokens, "new_tokens": s.new_tokens, "decode_s": s.decode_s,
-                       "selection_share": s.selection_s / s.decode_s, "end_step_share": end_s[name] / s.decode_s,
+                       "selection_share": (s.selection_s + step_s[name]) / s.decode_s,
+                       "step_selection_share": step_s[name] / s.decode_s, "end_step_share": end_s[name] / s.decode_s,
                        "reselections": s.extra.get("reselections", 0), "attended": s.kv_attended_tokens}
         print(name, json.dumps(table[name]), flush=True)
     return table
