@@ -180,23 +180,15 @@ def run_reselect(llm, args) -> dict:
 
 
 def run_overhead(llm, args) -> dict:
-    """Selection time as a share of decode time: the engine's per-layer `select` time plus the once-per-step
-    `step_selection` (where CHESS runs its cascade; timed here, the engine's stats do not count it), and CHESS's
-    end-of-step bookkeeping (page vectors, entropy)."""
+    """Selection time as a share of decode time: the engine's selection time (per-layer `select` plus the
+    once-per-step `step_selection`, where CHESS runs its cascade), and CHESS's end-of-step bookkeeping (page vectors,
+    entropy)."""
     text = " ".join((args.essays / f"{name}.txt").read_text() for name in HAYSTACK + ("worked",))
     prompt = " ".join(text.split()[: int(args.context * 0.72)])
     named = {"full": FullKV(), "quest": Quest(budget=args.budget), "chess-dynamic": Chess(budget=args.budget),
              "chess-always": Chess(budget=args.budget, mode="always")}
     end_s = {name: 0.0 for name in named}
-    step_s = {name: 0.0 for name in named}
     for name, m in named.items():
-        def timed_step(batch, inner=m.step_selection, name=name):
-            started = time.perf_counter()
-            selection = inner(batch)
-            step_s[name] += time.perf_counter() - started
-            return selection
-
-        m.step_selection = timed_step
         if isinstance(m, Chess):
             def timed(batch, logits, tokens, inner=m.end_step, name=name):
                 started = time.perf_counter()
@@ -210,8 +202,7 @@ def run_overhead(llm, args) -> dict:
     for (name, m), o in zip(named.items(), outs):
         s = o.stats
         table[name] = {"context": s.prompt_tokens, "new_tokens": s.new_tokens, "decode_s": s.decode_s,
-                       "selection_share": (s.selection_s + step_s[name]) / s.decode_s,
-                       "step_selection_share": step_s[name] / s.decode_s, "end_step_share": end_s[name] / s.decode_s,
+                       "selection_share": s.selection_s / s.decode_s, "end_step_share": end_s[name] / s.decode_s,
                        "reselections": s.extra.get("reselections", 0), "attended": s.kv_attended_tokens}
         print(name, json.dumps(table[name]), flush=True)
     return table

@@ -171,6 +171,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.timer = None  # set by benchmarks to time the selection and attention of eager steps
+        self.step_selection_s = 0.0  # host time of the last step's `KVMethod.step_selection`
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
         shape = (config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
@@ -290,7 +291,9 @@ class Engine:
         batch = DecodeBatch(seqs, positions, torch.tensor(slots_after, device=self.device), self.config, tables,
                             max(max(n) for n in slots_after), pool=self.pool)
         span = self.timer.start("selection") if self.timer else None
+        started = time.perf_counter()
         batch = replace(batch, step_selection=method.step_selection(batch))
+        self.step_selection_s = time.perf_counter() - started  # added to the sequences' selection time
         if span:
             self.timer.stop(span)
         return batch, write.contiguous()
@@ -303,7 +306,7 @@ class Engine:
             seq.num_computed += 1
             seq.attended_total += attended[b]
             seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, attended_max[b])
-            seq.stats.selection_s += step.selection_s / len(seqs)
+            seq.stats.selection_s += (step.selection_s + self.step_selection_s) / len(seqs)
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
         """Continuous batching: admit waiting requests while the pool can hold them to the end, prefill each on
