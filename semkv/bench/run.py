@@ -112,7 +112,7 @@ def time_steps(engine: Engine, method: KVMethod, seqs: list[Sequence], steps: in
     for _ in range(steps):
         sync(engine.device)
         started = time.perf_counter()
-        engine._step(seqs, method, graphs, never_stop)
+        engine.step(seqs, method, graphs, never_stop)
         sync(engine.device)
         times.append(time.perf_counter() - started)
     return times
@@ -162,7 +162,7 @@ def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> di
     engine.timer = timer
     try:
         whole = timer.start("step")
-        engine._step(seqs, method, None, never_stop)
+        engine.step(seqs, method, None, never_stop)
         timer.stop(whole)
     finally:
         engine.timer = None

@@ -324,7 +324,7 @@ class Engine:
                 need = self.pages_needed(waiting[0])
                 raise MemoryError(f"request {waiting[0].seq_id} needs {need} KV pages; the pool has "
                                   f"{self.pool.num_pages - 1} (raise gpu_memory_utilization or shorten it)")
-            self._step(running, method, graphs, is_stop)
+            self.step(running, method, graphs, is_stop)
             for seq in [s for s in running if s.finished]:
                 running.remove(seq)
                 self._done(seq)
@@ -340,13 +340,15 @@ class Engine:
         running = [s for s in seqs if not s.finished]
         graphs = self.graph_runner(method, seqs)
         while running:
-            self._step(running, method, graphs, is_stop, pick)
+            self.step(running, method, graphs, is_stop, pick)
             running = [s for s in running if not s.finished]
         for seq in seqs:
             self._done(seq)
 
-    def _step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop,
-              pick=_sample) -> None:
+    def step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop,
+             pick=_sample) -> None:
+        """One decode step of the running batch: the forward (graph replay when it fits), the next tokens, the
+        method's `end_step`, statistics and stop checks (what `run`, `generate` and the benchmarks time)."""
         started = time.perf_counter()
         if graphs is not None and graphs.fits(running):
             logits = graphs.decode_step(running)
