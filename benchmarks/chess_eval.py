@@ -21,7 +21,7 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,22 +68,21 @@ def needle_shares(kv, layer: int, selection, needle: torch.Tensor) -> list[float
 
 def track_needle(method, needle: torch.Tensor, log: list[float]):
     """Record the needle shares of every decode step and layer of `method` into `log`: from the per-layer `select`,
-    or from the once-per-step `step_selection` (CHESS), which then serves every layer and replaces `select`."""
-    inner_select, inner_step = method.select, method.step_selection
+    or from the once-per-step `plan_selection` (CHESS), which then serves every layer and replaces `select`."""
+    inner_select, inner_plan = method.select, method.plan_selection
 
     def select(layer, batch, q):
         selection = inner_select(layer, batch, q)
         log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
         return selection
 
-    def step_selection(batch):
-        selection = inner_step(batch)
-        if selection is not None:
-            for layer in range(batch.num_slots.shape[1]):
-                log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
+    def plan_selection(batch, plan):
+        selection = inner_plan(batch, plan)
+        for layer in range(batch.num_slots.shape[1]):
+            log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
         return selection
 
-    method.select, method.step_selection = select, step_selection
+    method.select, method.plan_selection = select, plan_selection
     return method
 
 
@@ -96,16 +95,20 @@ class Sweep(Chess):
     needle: torch.Tensor | None = None
     found: dict = field(default_factory=dict)
 
-    def step_selection(self, batch):
+    def step_plan(self, batch):
         if not self.found:
             seq = batch.seqs[0]
             own = seq.method_state
             for name, m in self.grid.items():
                 m.bind(self.model, self.tokenizer, self.kv_page_size)
                 m.summaries, seq.method_state = self.summaries, m.new_state(seq)
-                self.found[name] = needle_shares(seq.kv, 0, m.step_selection(batch), self.needle)[0]
+                seq.method_state.summarized = own.summarized
+                plan = m.step_plan(batch)
+                own.summarized = seq.method_state.summarized  # the shared sums were brought up to date
+                selection = m.plan_selection(replace(batch, max_slots=seq.kv.num_slots[0]), plan)
+                self.found[name] = needle_shares(seq.kv, 0, selection, self.needle)[0]
             seq.method_state = own
-        return super().step_selection(batch)
+        return super().step_plan(batch)
 
 
 def prompts(llm, args):
@@ -181,8 +184,8 @@ def run_reselect(llm, args) -> dict:
 
 def run_overhead(llm, args) -> dict:
     """Selection time as a share of decode time: the engine's selection time (per-layer `select` plus the
-    once-per-step `step_selection`, where CHESS runs its cascade), and CHESS's end-of-step bookkeeping (page vectors,
-    entropy)."""
+    once-per-step `step_plan` and `plan_selection`, where CHESS runs its cascade), and CHESS's end-of-step bookkeeping
+    (entropy)."""
     text = " ".join((args.essays / f"{name}.txt").read_text() for name in HAYSTACK + ("worked",))
     prompt = " ".join(text.split()[: int(args.context * 0.72)])
     named = {"full": FullKV(), "quest": Quest(budget=args.budget), "chess-dynamic": Chess(budget=args.budget),

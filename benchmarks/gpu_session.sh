@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh attention OUT # TokenSelect's selective attention vs our full kernel, 8k..1M
 #   bash benchmarks/gpu_session.sh grid OUT      # semkv bench: methods x batches x contexts, HF eager points
 #   bash benchmarks/gpu_session.sh long OUT      # TPOT over 6000 generated tokens after 32k; offload peak memory
+#   bash benchmarks/gpu_session.sh speed OUT     # targets 1-3 alone: Full KV, CHESS, TokenSelect at B=1 and 16, HF
 # Llama-3.1-8B shape with random weights, bf16. TOK: a tokenizer folder for the methods that read token text.
 set -euo pipefail
 stage=$1 out=$2
@@ -33,5 +34,11 @@ long)
     --param dynsplit.offload=True --tokenizer "${TOK:-.gpu/tok}" --batches 15 --contexts 32k --steps 8 \
     --out "$out/offload" 2>&1 | tee "$out/offload.log"
   ;;
-*) echo "stage: kernels | attention | grid | long" >&2; exit 2 ;;
+speed)
+  python benchmarks/kernel_check.py 2>&1 | tee "$out/kernel_check.log"
+  $bench --methods full,chess,tokenselect --budget 0.01 --param chess.preset=aggressive \
+    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1,16 --contexts 4k,8k,16k,32k \
+    --steps 64 --hf 16x32k --out "$out/speed" 2>&1 | tee "$out/speed.log"
+  ;;
+*) echo "stage: kernels | attention | grid | long | speed" >&2; exit 2 ;;
 esac

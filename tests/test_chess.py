@@ -94,6 +94,34 @@ def test_budget_maps_onto_the_ratios():
         assert rho[3].tolist() == [1.0, 1.0, 1.0]  # budget >= context: Full KV
 
 
+def test_plan_selection_is_the_sink_the_best_kept_pages_and_the_window(tiny_llm):
+    """The step's slots, computed by index arithmetic from the plan, against a direct construction: the sink page,
+    the best k of the kept pages (k from what the budget leaves) and the recent window from its start."""
+    from semkv.methods.base import DecodeBatch
+
+    layers = tiny_llm.config.num_layers
+    for budget in (0.25, 100, 10_000):
+        method = Chess(budget=budget, page_size=16)
+        method.bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+        n = [300, 200, 150, 1]
+        window = [17, 11, 8, 0]  # first page of each row's window (row 3: a padding row)
+        ranked = [[5, 2, 9, 1, 14, 3], [7, 1, 4], [], []]  # kept pages, best first
+        pages = torch.tensor([r + [-1] * (6 - len(r)) for r in ranked])
+        counts = torch.tensor(n)
+        batch = DecodeBatch(None, counts - 1, counts[:, None].expand(-1, layers), tiny_llm.config, max_slots=300)
+        selection = method.plan_selection(batch, {"pages": pages, "window": torch.tensor(window)[:, None]})
+        for b in range(4):
+            limit = math.ceil(budget * n[b]) if isinstance(budget, float) else budget
+            recent = min(n[b] - 16 * window[b], limit)
+            sink = min(16 if window[b] else 0, limit - recent)
+            k = (limit - recent - sink) // 16
+            want = set(range(sink)) | set(range(n[b] - recent, n[b]))
+            for page in ranked[b][:k]:
+                want |= set(range(16 * page, 16 * page + 16))
+            got = selection.slots[b, 0, : int(selection.lengths[b, 0])].tolist()
+            assert got == sorted(want), (budget, b)
+
+
 def test_parameters_are_validated(tiny_llm):
     for bad in (dict(preset="greedy"), dict(mode="never"), dict(window=0), dict(page_size=0), dict(trigger="all"),
                 dict(entropy_threshold=-1.0), dict(center=1)):
@@ -111,10 +139,11 @@ class Probe(Chess):
 
     def end_step(self, batch, logits, tokens):
         seq = batch.seqs[0]
-        before = list(seq.method_state.entropies)
+        before = [float(x) for x in seq.method_state.entropies]
         super().end_step(batch, logits, tokens)
         kv = seq.kv
         n = kv.num_slots[0]
+        self.fold([seq], [n])  # the page sums are brought up to date lazily (at a selection)
         pages = -(-n // self.page_size)
         keys = torch.stack([kv.keys(layer) for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
         if self.rope_free:  # RoPE undone: rotating forward again, as the model does, gives the stored keys back
@@ -129,7 +158,7 @@ class Probe(Chess):
         direct = sums / counts[:, None]
         state = seq.method_state
         self.seen.append((logits[0].clone(), self.page_vectors([seq], torch.tensor([n]), pages)[0], direct,
-                          seq.stats.extra["reselections"], before, list(state.entropies)))
+                          seq.stats.extra["reselections"], before, [float(x) for x in state.entropies]))
 
 
 @pytest.mark.parametrize("rope_free", [False, True])
@@ -139,7 +168,7 @@ def test_page_vectors_follow_the_keys_and_entropies_the_logits(tiny_llm, rope_fr
     tiny_llm.generate(TEXT, method=probe, max_new_tokens=40, chat=False, ignore_eos=True)
     assert len(probe.seen) == 39
     for logits, vectors, direct, _, before, after in probe.seen:
-        assert torch.allclose(vectors, direct, atol=1e-4)  # Eq. 1, incrementally updated across page boundaries
+        assert torch.allclose(vectors, direct, atol=1e-4)  # Eq. 1, brought up to date across page boundaries
         p = torch.softmax(logits.double(), -1)
         if len(before) + 1 == probe.page_size:  # a page of generated tokens is complete: its entropies are used up
             assert after == []

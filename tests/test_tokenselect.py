@@ -146,7 +146,7 @@ def test_batched_selection_equals_row_by_row(tiny_llm, scope):
     path selects row by row, for rows above and below the budget."""
     method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, scope=scope)
     seqs = [prefilled(tiny_llm, method), prefilled(tiny_llm, method, PROMPT[:300]), prefilled(tiny_llm, method, "Hi.")]
-    batch, _ = tiny_llm.engine.prepare_step(seqs, method)
+    batch = tiny_llm.engine.step_batch(seqs, *tiny_llm.engine.prepare_step(seqs, method))
     cfg = tiny_llm.config
     q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
     for layer in (0, 1):

@@ -6,8 +6,10 @@ from pathlib import Path
 
 
 def decode_line(row) -> str:
-    return (f"{row.method:<12} B={row.batch:<3} ctx={row.context:<6} TPOT {row.tpot_ms:8.2f} ms  "
-            f"{row.tokens_per_s:9.1f} tok/s  peak {row.peak_memory_gib:6.1f} GiB  attended {row.attended_per_layer:8.0f}")
+    return (f"{row.method:<12} B={row.batch:<3} ctx={row.context:<6} TPOT {row.tpot_ms:8.2f} ms "
+            f"(mean {row.tpot_mean_ms:.2f}, forward {row.forward_ms:.2f})  {row.tokens_per_s:9.1f} tok/s  "
+            f"selection {100 * row.selection_share:.2f}%  peak {row.peak_memory_gib:6.1f} GiB  "
+            f"attended {row.attended_per_layer:8.0f}")
 
 
 def floor_ms(row: dict, info: dict, kv_token_bytes: int) -> float:
@@ -28,15 +30,16 @@ def write(results: dict, out: Path) -> None:
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     full = {(r["batch"], r["context"]): r for r in results["decode"] if r["method"] == "full"}
     lines += ["", "## Decode", "",
-              "| method | batch | context | TPOT ms | tokens/s | x Full KV | floor ms | TPOT / floor | peak GiB | "
-              "attended / layer | graphs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| method | batch | context | TPOT ms | tokens/s | x Full KV | floor ms | TPOT / floor | graph forward ms | "
+              "selection share | peak GiB | attended / layer | graphs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
         base = full.get((r["batch"], r["context"]))
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         floor = floor_ms(r, info, kv_token_bytes)
         ratio = f"{r['tpot_ms'] / floor:.2f}" if floor else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
-                     f"| {speedup} | {floor:.2f} | {ratio} | {r['peak_memory_gib']:.1f} | "
+                     f"| {speedup} | {floor:.2f} | {ratio} | {r.get('forward_ms', 0):.2f} | "
+                     f"{100 * r.get('selection_share', 0):.2f}% | {r['peak_memory_gib']:.1f} | "
                      f"{r['attended_per_layer']:.0f} | {r['graphs']} |")
     lines += ["", "## Step breakdown (one eager step, ms)", "",
               "| method | batch | context | step | selection | attention | rest | selection share |",

@@ -25,12 +25,15 @@ class DecodeResult:
     budget: int | float | None
     batch: int
     context: int
-    tpot_ms: float
-    tokens_per_s: float
+    tpot_ms: float  # median step
+    tokens_per_s: float  # batch / mean step (periodic work such as re-selections and page allocation included)
     peak_memory_gib: float
     kv_pages_peak: int
     attended_per_layer: float
     graphs: bool
+    tpot_mean_ms: float = 0.0
+    forward_ms: float = 0.0  # device time of one replay of the captured forward (0 without graphs)
+    selection_share: float = 0.0  # selection time (host-side plan, per-layer selects, the plan's slots) / step time
     breakdown_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -133,15 +136,53 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     seqs = prefilled_batch(engine, method, batch, context, warmup + steps + 8)
     graphs = engine.graph_runner(method, seqs)
     time_steps(engine, method, seqs, warmup, graphs)
+    selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
     times = sorted(time_steps(engine, method, seqs, steps, graphs))
-    tpot = times[len(times) // 2]
+    tpot, mean = times[len(times) // 2], sum(times) / len(times)
+    selection = sum(s.stats.selection_s for s in seqs) - selection_before + steps * plan_selection_s(engine, graphs)
+    share = selection / (seqs[0].stats.decode_s - decode_before)
+    forward = forward_s(engine, graphs)
     breakdown = step_breakdown(engine, method, seqs)
     attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
     peak = needed_memory_gib(engine)
     for seq in seqs:
         seq.kv.release()
-    return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / tpot, peak, engine.pool.peak_in_use,
-                        attended, graphs is not None, breakdown)
+    return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / mean, peak, engine.pool.peak_in_use,
+                        attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown)
+
+
+def _graphed(graphs):
+    return next(iter(graphs.steps.values())) if graphs is not None and graphs.steps else None
+
+
+def _event_seconds(engine: Engine, work, repeat: int = 10) -> float:
+    """Median device time of `work()` (CUDA events), 0 off CUDA."""
+    if engine.device.type != "cuda":
+        return 0.0
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def forward_s(engine: Engine, graphs) -> float:
+    """Device time of one replay of the captured forward (replaying writes the same K/V to the same slots again)."""
+    graphed = _graphed(graphs)
+    return 0.0 if graphed is None or graphed.graph is None else _event_seconds(engine, graphed.graph.replay)
+
+
+def plan_selection_s(engine: Engine, graphs) -> float:
+    """Device time of a method's `plan_selection` (inside the graph under replay), timed eagerly on the graph's
+    static buffers: an upper bound (launch gaps included)."""
+    graphed = _graphed(graphs)
+    if graphed is None or graphed.plan is None:
+        return 0.0
+    return _event_seconds(engine, lambda: graphed.method.plan_selection(graphed.batch, graphed.plan))
 
 
 def needed_memory_gib(engine: Engine) -> float:

@@ -1,42 +1,48 @@
 """CUDA-graph replay of the decode step for methods marked `graph_safe` (Full KV and the selection methods written
 against DecodeBatch tensors).
 
-One graph per batch-size bucket, captured over static buffers: token ids, positions, slot counts, write slots and
-page tables. Before each replay the host copies the step's values into them; batches smaller than the bucket are
-padded with rows that point at the pool's scratch page. Shapes are fixed by capacity (`max_slots`), so nothing in
-the captured step reads a device value back. Without CUDA the same static-buffer step runs eagerly, which is how
-the CPU tests check the padding logic.
+One graph per batch-size bucket, captured over static buffers: token ids, positions, slot counts and write slots
+(one int64 buffer), page tables, and the method's step plan. Before each replay the step's inputs are copied in
+from the device (`Engine.prepare_step` sent them in one copy); a row's page table is copied again only when the
+row holds another sequence or its sequence got new pages (`SeqKV.version`), and the plan only when it changed.
+Batches smaller than the bucket are padded with rows that point at the pool's scratch page. Shapes are fixed by
+capacity (`max_slots`), so nothing in the captured step reads a device value back. Without CUDA the same
+static-buffer step runs eagerly, which is how the CPU tests check the padding and reuse logic.
 """
 from __future__ import annotations
 
 import torch
 
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import DecodeBatch, KVMethod, Selection
+from semkv.methods.base import DecodeBatch, KVMethod
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 class GraphedStep:
-    def __init__(self, engine, method: KVMethod, size: int, max_pages: int, capture: bool,
-                 step_selection: Selection | None):
+    def __init__(self, engine, method: KVMethod, size: int, max_pages: int, capture: bool):
         layers, heads = engine.config.num_layers, engine.config.num_kv_heads
         device, scratch = engine.device, engine.pool.scratch
         self.engine, self.method, self.size, self.max_pages = engine, method, size, max_pages
-        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.num_slots = torch.ones(size, layers, dtype=torch.long, device=device)
-        self.write = torch.zeros(size, layers, heads, dtype=torch.long, device=device)
+        # per row: token, position, slot counts [layers], write slots [layers * kv_heads]; padding rows hold one
+        # slot, written and attended on the scratch page
+        width = 2 + layers + layers * heads
+        self.padding = torch.zeros(width, dtype=torch.long, device=device)
+        self.padding[2 : 2 + layers] = 1
+        self.inputs = self.padding.repeat(size, 1)
+        self.tokens, self.positions = self.inputs[:, 0], self.inputs[:, 1]
+        self.num_slots = self.inputs[:, 2 : 2 + layers]
+        self.write = self.inputs[:, 2 + layers :].view(size, layers, heads)
         self.tables = torch.full((size, layers, max_pages), scratch, dtype=torch.long, device=device)
+        self.table_versions: list[int | None] = [None] * size  # `SeqKV.version` of the table each row holds
+        self.rows = 0  # rows holding sequences at the last replay
         max_slots = max_pages * engine.pool.page_size
-        self.selection = None
-        if step_selection is not None:  # static copy of the per-step selection (padding rows attend to slot 0)
-            shape = (size, step_selection.slots.shape[1])
-            width = method.selection_width(max_slots)
-            self.selection = Selection(torch.zeros(*shape, width, dtype=torch.long, device=device),
-                                       torch.ones(shape, dtype=torch.long, device=device))
+        self.plan_fill = method.plan_widths(max_slots)
+        self.plan = {name: torch.full((size, w), fill, dtype=torch.long, device=device)
+                     for name, (w, fill) in self.plan_fill.items()} or None
+        self.last_plan, self.plan_rows = None, 0  # the plan the buffers hold, for how many rows
         self.batch = DecodeBatch(None, self.positions, self.num_slots, engine.config, self.tables, max_slots,
-                                 self.selection, engine.pool)
+                                 self.plan, engine.pool)
         self.graph = None
         if capture:
             self._capture()
@@ -46,6 +52,7 @@ class GraphedStep:
 
         self.step = DecodeStep(self.engine, self.batch, self.method, self.write)
         self.logits = self.engine.model(self.tokens, self.step)
+        self.step.finish()
 
     def _capture(self) -> None:
         stream = torch.cuda.Stream()
@@ -59,24 +66,28 @@ class GraphedStep:
             self._forward()
         self.step.selection_s = 0.0  # host timing means nothing under replay; benches time selection with events
 
-    def run(self, seqs: list[Sequence], batch: DecodeBatch, write: torch.Tensor) -> torch.Tensor:
-        n = len(seqs)
-        scratch = self.engine.pool.scratch
-        self.tokens[:n] = torch.tensor([s.last_token for s in seqs], device=self.tokens.device)
-        self.positions[:n] = batch.positions
-        self.num_slots[:n] = batch.num_slots
-        self.write[:n] = write
-        width = min(batch.tables.shape[2], self.max_pages)
-        self.tables[:n, :, :width] = batch.tables[:, :, :width]
-        self.tables[:n, :, width:] = scratch
-        self.tables[n:] = scratch
-        self.num_slots[n:], self.positions[n:], self.write[n:] = 1, 0, 0
-        if self.selection is not None:
-            chosen = batch.step_selection
-            width = chosen.slots.shape[2]
-            self.selection.slots[:n, :, :width] = chosen.slots
-            self.selection.lengths[:n] = chosen.lengths
-            self.selection.lengths[n:] = 1
+    def run(self, seqs: list[Sequence], inputs, plan: dict | None) -> torch.Tensor:
+        n, layers = len(seqs), self.engine.config.num_layers
+        self.inputs[:n, : 2 + layers] = inputs.packed
+        self.write[:n] = inputs.write
+        if n < self.rows:  # rows that held sequences become padding
+            self.inputs[n : self.rows] = self.padding
+            self.tables[n : self.rows] = self.engine.pool.scratch
+            self.table_versions[n : self.rows] = [None] * (self.rows - n)
+        self.rows = n
+        for b, seq in enumerate(seqs):
+            if self.table_versions[b] != seq.kv.version:
+                width = min(seq.kv.table.shape[1], self.max_pages)
+                self.tables[b, :, :width] = seq.kv.table[:, :width]
+                self.tables[b, :, width:] = self.engine.pool.scratch
+                self.table_versions[b] = seq.kv.version
+        if self.plan is not None and (plan is not self.last_plan or n != self.plan_rows):
+            for name, (_, fill) in self.plan_fill.items():
+                given = plan[name]
+                self.plan[name][:n, : given.shape[1]] = given
+                self.plan[name][:n, given.shape[1] :] = fill
+                self.plan[name][n:] = fill
+            self.last_plan, self.plan_rows = plan, n
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -99,12 +110,11 @@ class GraphRunner:
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
-        batch, write = self.engine.prepare_step(seqs, self.method)
+        inputs, plan = self.engine.prepare_step(seqs, self.method)
         size = next(b for b in BUCKETS if b >= len(seqs))
         if size not in self.steps:
-            self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture,
-                                           batch.step_selection)
+            self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture)
         graphed = self.steps[size]
-        logits = graphed.run(seqs, batch, write)
+        logits = graphed.run(seqs, inputs, plan)
         self.engine.finish_step(seqs, graphed.step)
         return logits

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -91,37 +91,44 @@ class DecodeStep:
 
     def __init__(self, engine: "Engine", batch: DecodeBatch, method: KVMethod, write_slots: torch.Tensor):
         self.engine, self.batch, self.method = engine, batch, method
-        self.write_slots = write_slots  # [B, layers, kv_heads] logical slot of the new token
         self.tables = batch.tables  # [B, layers, max_pages]
+        size = engine.pool.page_size
+        # pool rows of the new tokens' K/V, every layer at once: [B, layers, kv_heads] (write_slots: logical slots)
+        self.rows = torch.gather(self.tables, 2, write_slots // size) * size + write_slots % size
         self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
-        size = batch.positions.shape[0]  # statistics, summed over layers on the device (inside a captured graph)
-        self.attended_sum = torch.zeros(size, device=engine.device)  # [B] mean attended slots per layer, summed
-        self.attended_max = torch.zeros(size, dtype=torch.long, device=engine.device)  # [B] most slots of a head
+        self.lengths: list[torch.Tensor] = []  # attended slots of each layer [B, S]
+        self.attended_sum = self.attended_max = None  # [B] set by `finish`
         self.selection_s = 0.0
         self.traced = [(b, s) for b, s in enumerate(batch.seqs or ())  # no seqs: a captured CUDA-graph step
                        if s.trace is not None and s.trace.wants(s.num_computed - len(s.prompt_ids))]
+        self.step_selection = None  # one selection for every layer (methods with a step plan)
+        if batch.step_plan is not None:
+            self.step_selection = self._timed(lambda: method.plan_selection(batch, batch.step_plan))
+
+    def _timed(self, select):
+        timer = self.engine.timer
+        span = timer.start("selection") if timer else None
+        started = time.perf_counter()
+        selection = select()
+        self.selection_s += time.perf_counter() - started
+        if timer:
+            timer.stop(span)
+        return selection
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool, batch = self.engine, self.engine.pool, self.batch
         by_rank = self.method.rope_by_rank()
-        size = pool.page_size
         tables = self.tables[:, layer]  # [B, max_pages]
-        slots = self.write_slots[:, layer]  # [B, kv_heads]
-        rows = torch.gather(tables, 1, slots // size) * size + slots % size
+        rows = self.rows[:, layer]  # [B, kv_heads]
         if by_rank:
             reference.store(k, v, rows, batch.positions, *pool.flat())
         else:
             q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, batch.positions, *pool.flat())
-        timer = engine.timer
-        span = timer.start("selection") if timer else None
-        started = time.perf_counter()
-        selection = batch.step_selection
+        selection = self.step_selection
         if selection is None:
-            selection = self.method.select(layer, batch, q)
-        self.selection_s += time.perf_counter() - started
-        if timer:
-            timer.stop(span)
-            span = timer.start("attention")
+            selection = self._timed(lambda: self.method.select(layer, batch, q))
+        timer = engine.timer
+        span = timer.start("attention") if timer else None
         slots = None if selection is None else selection.slots
         lengths = batch.num_slots[:, layer : layer + 1] if selection is None else selection.lengths  # [B, S]
         if by_rank:  # the query takes the rank of the last attended key, its own
@@ -135,11 +142,21 @@ class DecodeStep:
             out = kernels.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale, max_len)
         if timer:
             timer.stop(span)
-        self.attended_sum += lengths.float().mean(-1)
-        torch.maximum(self.attended_max, lengths.max(-1).values, out=self.attended_max)
+        self.lengths.append(lengths)
         if self.traced:
             self._record(layer, tables, selection, None if by_rank else q)
         return out
+
+    def finish(self) -> None:
+        """Statistics of the step, on the device (inside a captured graph): attended slots per head summed over
+        layers and the most slots any head attended, both [B]."""
+        if len({x.shape for x in self.lengths}) == 1:
+            per_layer = torch.stack(self.lengths, 1)  # [B, layers, S]
+            self.attended_sum = per_layer.float().mean(-1).sum(1)
+            self.attended_max = per_layer.amax((1, 2))
+        else:
+            self.attended_sum = torch.stack([x.float().mean(-1) for x in self.lengths], 1).sum(1)
+            self.attended_max = torch.stack([x.amax(-1) for x in self.lengths], 1).amax(1)
 
     def _record(self, layer: int, tables: torch.Tensor, selection: Selection | None, q: torch.Tensor | None) -> None:
         for b, seq in self.traced:
@@ -160,6 +177,19 @@ def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
 
 
+@dataclass
+class StepInputs:
+    """What the host decided for one decode step, on the device: tokens [B], positions [B], slot counts after the
+    append [B, layers] (the current token included), the three side by side in `packed` [B, 2 + layers], and the
+    slots the new tokens are written to [B, layers, kv_heads]."""
+
+    packed: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    num_slots: torch.Tensor
+    write: torch.Tensor
+
+
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  page_size: int = 16, prefill_chunk: int = 512, cuda_graphs: bool = True,
@@ -171,7 +201,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.timer = None  # set by benchmarks to time the selection and attention of eager steps
-        self.step_selection_s = 0.0  # host time of the last step's `KVMethod.step_selection`
+        self.step_plan_s = 0.0  # host time of the last step's `KVMethod.step_plan`
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
         shape = (config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
@@ -261,52 +291,63 @@ class Engine:
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], method: KVMethod) -> torch.Tensor:
         """Feed each sequence's last sampled token; return next-token logits [B, vocab]."""
-        batch, write = self.prepare_step(seqs, method)
-        step = DecodeStep(self, batch, method, write)
-        tokens = torch.tensor([s.last_token for s in seqs], device=self.device)
-        logits = self.model(tokens, step)
+        inputs, plan = self.prepare_step(seqs, method)
+        step = DecodeStep(self, self.step_batch(seqs, inputs, plan), method, inputs.write)
+        logits = self.model(inputs.tokens, step)
+        step.finish()
         self.finish_step(seqs, step)
         return logits
 
-    def prepare_step(self, seqs: list[Sequence], method: KVMethod) -> tuple[DecodeBatch, torch.Tensor]:
+    def prepare_step(self, seqs: list[Sequence], method: KVMethod) -> tuple[StepInputs, dict | None]:
         """Host-side work before a decode step: the method picks write slots (decode eviction), appended tokens get
-        pages. Returns the batch as `select` will see it and the write slots [B, layers, kv_heads]."""
-        layers = self.config.num_layers
-        positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
-        slots_before = torch.tensor([s.kv.num_slots for s in seqs], device=self.device)  # [B, layers]
-        pre = DecodeBatch(seqs, positions, slots_before, self.config)
-        write = method.begin_step(pre)
-        if write is None:  # every layer appends (no device round trip to find out)
-            write = slots_before[:, :, None].expand(-1, -1, self.config.num_kv_heads)
-            appends = [[True] * layers] * len(seqs)
+        pages, the method plans the step's selection (`step_plan`). The step's inputs reach the device in one copy
+        that does not wait for it."""
+        layers, heads = self.config.num_layers, self.config.num_kv_heads
+        before = [list(s.kv.num_slots) for s in seqs]
+        write = None
+        if type(method).begin_step is not KVMethod.begin_step:
+            positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
+            write = method.begin_step(DecodeBatch(seqs, positions, torch.tensor(before, device=self.device),
+                                                  self.config))
+        if write is None:  # every layer appends
+            for seq in seqs:
+                seq.kv.append_slot()
         else:
-            appends = (write == slots_before[:, :, None]).any(-1).tolist()  # [B][layers]
-        for b, seq in enumerate(seqs):
-            for layer in range(layers):
-                if appends[b][layer]:
-                    seq.kv.num_slots[layer] += 1
-                    seq.kv.ensure_slots(layer, seq.kv.num_slots[layer])
-        slots_after = [s.kv.num_slots for s in seqs]
-        tables = _stack_tables([s.kv.table for s in seqs])
-        batch = DecodeBatch(seqs, positions, torch.tensor(slots_after, device=self.device), self.config, tables,
-                            max(max(n) for n in slots_after), pool=self.pool)
+            appends = (write == torch.tensor(before, device=write.device)[:, :, None]).any(-1).tolist()
+            for b, seq in enumerate(seqs):
+                grown = {layer: n + 1 for layer, n in enumerate(before[b]) if appends[b][layer]}
+                for layer, n in grown.items():
+                    seq.kv.num_slots[layer] = n
+                seq.kv.ensure_all(grown)
+        host = torch.tensor([[s.last_token, s.num_computed, *s.kv.num_slots, *b] for s, b in zip(seqs, before)])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(self.device, non_blocking=True)  # [B, 2 + 2 * layers]
+        if write is None:
+            write = packed[:, 2 + layers :, None].expand(-1, -1, heads)
+        inputs = StepInputs(packed[:, : 2 + layers], packed[:, 0], packed[:, 1], packed[:, 2 : 2 + layers], write)
         span = self.timer.start("selection") if self.timer else None
         started = time.perf_counter()
-        batch = replace(batch, step_selection=method.step_selection(batch))
-        self.step_selection_s = time.perf_counter() - started  # added to the sequences' selection time
+        plan = method.step_plan(DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, pool=self.pool))
+        self.step_plan_s = time.perf_counter() - started  # added to the sequences' selection time
         if span:
             self.timer.stop(span)
-        return batch, write.contiguous()
+        return inputs, plan
+
+    def step_batch(self, seqs: list[Sequence], inputs: StepInputs, plan: dict | None) -> DecodeBatch:
+        """The batch of a prepared eager step as `select` sees it (page tables stacked, shapes from the lengths)."""
+        tables = _stack_tables([s.kv.table for s in seqs])
+        return DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, tables,
+                           max(max(s.kv.num_slots) for s in seqs), plan, self.pool)
 
     def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
         n = len(seqs)
-        attended = (step.attended_sum[:n] / self.config.num_layers).tolist()
-        attended_max = step.attended_max[:n].tolist()
+        stats = torch.stack([step.attended_sum[:n] / self.config.num_layers, step.attended_max[:n].float()]).tolist()
         for b, seq in enumerate(seqs):
             seq.num_computed += 1
-            seq.attended_total += attended[b]
-            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, attended_max[b])
-            seq.stats.selection_s += (step.selection_s + self.step_selection_s) / len(seqs)
+            seq.attended_total += stats[0][b]
+            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(stats[1][b]))
+            seq.stats.selection_s += (step.selection_s + self.step_plan_s) / len(seqs)
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
         """Continuous batching: admit waiting requests while the pool can hold them to the end, prefill each on

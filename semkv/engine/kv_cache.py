@@ -9,6 +9,8 @@ slots to rows of the flattened pool.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from semkv.errors import SemkvError
@@ -87,8 +89,14 @@ class KVPool:
         )
 
 
+_versions = itertools.count(1)
+
+
 class SeqKV:
-    """One sequence's page tables (a device tensor [layers, capacity_pages]) and slot counts per layer."""
+    """One sequence's page tables (a device tensor [layers, capacity_pages]) and slot counts per layer.
+
+    `version` changes, to a value no other table ever had, whenever pages are added, so holders of a copy of the
+    table (the CUDA-graph buffers) know when to copy it again."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
@@ -96,21 +104,43 @@ class SeqKV:
         self.pages: list[list[int]] = [[] for _ in range(layers)]
         self.num_slots = [0] * layers
         self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
+        self.version = next(_versions)
 
     def ensure_slots(self, layer: int, n: int) -> None:
         """Allocate pages so that slots [0, n) exist in `layer`."""
-        have = len(self.pages[layer])
-        need = -(-n // self.pool.page_size)
-        if need <= have:
+        self.ensure_all({layer: n})
+
+    def append_slot(self) -> None:
+        """One more slot in every layer (a decode step that appends its token everywhere)."""
+        self.num_slots = [n + 1 for n in self.num_slots]
+        size = self.pool.page_size
+        self.ensure_all({layer: n for layer, n in enumerate(self.num_slots) if n > len(self.pages[layer]) * size})
+
+    def ensure_all(self, slots: dict[int, int]) -> None:
+        """Allocate pages so that slots [0, slots[layer]) exist in each given layer; the new page ids reach the
+        device table in one host-to-device copy that does not wait for the device."""
+        layers, cols, new = [], [], []
+        for layer, n in slots.items():
+            have, need = len(self.pages[layer]), -(-n // self.pool.page_size)
+            if need > have:
+                pages = self.pool.allocate(need - have)
+                self.pages[layer].extend(pages)
+                layers += [layer] * len(pages)
+                cols += range(have, need)
+                new += pages
+        if not new:
             return
-        new = self.pool.allocate(need - have)
-        self.pages[layer].extend(new)
-        if need > self.table.shape[1]:
-            grown = torch.zeros(self.table.shape[0], max(need, 2 * self.table.shape[1]), dtype=torch.long,
+        if max(cols) >= self.table.shape[1]:
+            grown = torch.zeros(self.table.shape[0], max(max(cols) + 1, 2 * self.table.shape[1]), dtype=torch.long,
                                 device=self.table.device)
             grown[:, : self.table.shape[1]] = self.table
             self.table = grown
-        self.table[layer, have:need] = torch.tensor(new, dtype=torch.long, device=self.table.device)
+        host = torch.tensor([layers, cols, new], dtype=torch.long)
+        if self.table.is_cuda:
+            host = host.pin_memory()
+        index = host.to(self.table.device, non_blocking=True)  # [3, new pages]: layer, column, page id
+        self.table[index[0], index[1]] = index[2]
+        self.version = next(_versions)
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Logical slots (any shape) of `layer` -> physical rows of the flattened pool."""

@@ -108,7 +108,6 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
     out = torch.empty(batch, n_heads, splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, n_heads, splits, device=q.device, dtype=torch.float32)
     kf, vf = k_pool.view(-1, kv_heads, dim), v_pool.view(-1, kv_heads, dim)
-    lengths = lengths.to(torch.int32)
     slot_arg = slots if slots is not None else lengths  # placeholder pointer when every slot is attended
     _partial[(batch, kv_heads, splits)](
         q, kf, vf, tables, slot_arg, lengths, out, lse,

@@ -11,6 +11,8 @@ Prefill (one sequence, chunk by chunk, layer by layer):
     finish_prefill(seq)                   -> build summaries / offload after all layers are done.
 Decode (a batch, one token per sequence):
     begin_step(batch)                      -> slots the new tokens overwrite [B, layers, kv_heads] (None: append)
+    step_plan(batch) / plan_selection(batch, plan) -> one `Selection` for every layer of the step (CHESS), decided
+        from per-sequence state on the host and turned into slots by tensor operations (inside the CUDA graph)
     select(layer, batch, q)                -> `Selection` of slots each KV head attends to (None: all stored)
     end_step(batch, logits, tokens)        -> update per-sequence state (entropy, sentence ends...).
 
@@ -74,7 +76,7 @@ class DecodeBatch:
     model: "ModelConfig"
     tables: torch.Tensor | None = None  # [B, layers, max_pages] physical page ids
     max_slots: int = 0  # upper bound of num_slots (fixes shapes without reading device values)
-    step_selection: "Selection | None" = None  # from `KVMethod.step_selection`: serves every layer of the step
+    step_plan: "dict[str, torch.Tensor] | None" = None  # from `KVMethod.step_plan`: [B, width] int64 tensors
     pool: "KVPool | None" = None  # the paged K/V storage the tables point into
 
     @property
@@ -185,15 +187,22 @@ class KVMethod:
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
         return None
 
-    def step_selection(self, batch: DecodeBatch) -> Selection | None:
-        """One selection for every layer of this step, decided before the forward (per-step methods such as
-        CHESS). It may use per-sequence state; under CUDA graphs it is copied into the graph's static buffers, so
-        such a method can be `graph_safe` without its `select` being called. None: ask `select` per layer."""
+    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
+        """Per-sequence int64 tensors [B, width] decided on the host before the forward, from which
+        `plan_selection` computes one selection for every layer of the step (per-step methods such as CHESS). It
+        may use per-sequence state; it sees the batch without page tables. Under CUDA graphs the plan is copied into
+        static buffers (`plan_widths`), so such a method is `graph_safe` without its `select` being called.
+        None: ask `select` per layer."""
         return None
 
-    def selection_width(self, max_slots: int) -> int:
-        """An upper bound of a step selection's length (sizes the static buffer under CUDA graphs)."""
-        return max_slots
+    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
+        """Name -> (width, padding value) of each plan tensor's static buffer under CUDA graphs, for sequences of at
+        most `max_slots` slots; a plan narrower than its buffer is padded with the value."""
+        return {}
+
+    def plan_selection(self, batch: DecodeBatch, plan: dict[str, torch.Tensor]) -> Selection:
+        """The step's selection from the plan and the batch tensors alone (captured in the CUDA graph)."""
+        raise NotImplementedError
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         return None

@@ -43,6 +43,7 @@ entropy_threshold, varentropy_threshold: override the calibrated thresholds (nat
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -53,7 +54,7 @@ from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
 from semkv.methods import calibration
 from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
-from semkv.methods.cascade import cascade, cascade_ratios, top_mask
+from semkv.methods.cascade import cascade, cascade_ratios
 from semkv.methods.page_summaries import PageSummaries
 from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
 from semkv.models.rotary import RotaryEmbedding
@@ -65,11 +66,17 @@ MODES = ("dynamic", "periodic", "always")
 DEFAULT_THRESHOLDS = {"entropy": 3.84, "varentropy": 3.50}
 
 
+_selections = itertools.count(1)
+
+
 @dataclass
 class ChessState:
-    scores: torch.Tensor | None = None  # [pages at the last selection] score of each selected page, -inf elsewhere
+    ranked: torch.Tensor | None = None  # [kept pages] page ids of the last selection, best score first
+    selection_id: int = 0  # unique per selection, so a step plan can be reused while no sequence re-selected
     window_start: int = 0  # first page of the recent window (fixed between selections, so the window grows)
-    entropies: list[float] = field(default_factory=list)  # of the generated tokens of the current page
+    summarized: int = 0  # tokens whose keys are folded into the page sums (brought up to date at a selection)
+    entropies: list[torch.Tensor] = field(default_factory=list)  # 0-d, on the device: the current page's tokens
+    page_tokens: int = 0  # generated tokens of the current page
     pages_since: int = 0  # generated pages since the last selection
     pending: bool = True  # select at the next step
 
@@ -90,7 +97,7 @@ class Chess(KVMethod):
     varentropy_threshold: float | None = None
 
     kind = "selection"
-    graph_safe = True  # the step's selection is decided before the forward and copied into the graph's buffers
+    graph_safe = True  # the step's plan is decided before the forward; its selection is computed inside the graph
     name = "chess"
     summary = "CHESS: grid->chunk->page cascade by key-key affinity with the recent pages, re-selected on uncertainty"
 
@@ -112,6 +119,7 @@ class Chess(KVMethod):
                 check_range(name, getattr(self, name), 0.0, None)
         self.summaries = PageSummaries(("sum",), self.unrotate if self.rope_free else None)
         self.rotary: RotaryEmbedding | None = None
+        self._plan: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # (selection ids, plan)
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -155,6 +163,20 @@ class Chess(KVMethod):
     def finish_prefill(self, seq: Sequence) -> None:
         for layer in range(seq.kv.pool.num_layers):
             self.summaries.build(seq.kv, layer)
+        seq.method_state.summarized = seq.kv.num_slots[0]
+
+    def fold(self, seqs: list[Sequence], upto: list[int]) -> None:
+        """Bring the page sums of each sequence up to its first `upto` tokens, in every layer (the keys of tokens
+        generated since the last fold; only a selection reads the sums)."""
+        size = self.kv_page_size
+        for seq, end in zip(seqs, upto):
+            st: ChessState = seq.method_state
+            if end > st.summarized:
+                first, last = st.summarized // size, -(-end // size)  # KV pages holding the new tokens
+                table = seq.kv.table[:, first:last]  # [layers, pages]
+                filled = (end - torch.arange(first, last, device=table.device) * size).clamp(max=size)
+                self.summaries.rebuild(seq.kv.pool, table, filled.expand_as(table))
+                st.summarized = end
 
     def page_vectors(self, seqs: list[Sequence], summarized: torch.Tensor, n_pages: int) -> torch.Tensor:
         """Eq. 1 for pages [0, n_pages) of each sequence: the mean of the `summarized` [b] first tokens' keys per page,
@@ -183,35 +205,67 @@ class Chess(KVMethod):
         sink = torch.minimum(start.clamp(max=1) * size, budget - recent)
         return recent, sink, (budget - recent - sink) // size
 
-    def step_selection(self, batch: DecodeBatch) -> Selection:
-        """One page set for every layer and head of the step (the vectors span all layers)."""
-        n = batch.num_slots[:, 0]  # [b] selection methods store every token in every layer
-        budget = torch.tensor([resolve_budget(self.budget, int(x)) for x in n.tolist()], device=n.device)
+    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor]:
+        """Re-select where pending; the plan is each sequence's kept pages, best first, and its window start."""
         states: list[ChessState] = [s.method_state for s in batch.seqs]
-        redo = [i for i, st in enumerate(states) if st.pending]
+        redo = [s for s, st in zip(batch.seqs, states) if st.pending]
         if redo:
-            self.reselect([batch.seqs[i] for i in redo], n[redo], budget[redo])
-        start = torch.tensor([st.window_start for st in states], device=n.device)
-        recent, sink, k = self.safety(n, budget, start)
-        width = max(st.scores.shape[0] for st in states)
-        scores = torch.stack([F.pad(st.scores, (0, width - st.scores.shape[0]), value=float("-inf")) for st in states])
-        pages = top_mask(scores, scores > float("-inf"), k)  # the best k of the selection: the window may have grown
-        slot = torch.arange(int(n.max()), device=n.device)
-        mask = pages.repeat_interleave(self.page_size, -1)
-        mask = F.pad(mask, (0, max(slot.shape[0] - mask.shape[1], 0)))[:, : slot.shape[0]]
-        mask = mask | (slot < sink[:, None]) | ((slot >= (n - recent)[:, None]) & (slot < n[:, None]))
-        return Selection.from_mask(mask[:, None])
+            self.reselect(redo)
+        key = tuple(st.selection_id for st in states)
+        if self._plan is None or self._plan[0] != key:
+            width = max(1, max(st.ranked.shape[0] for st in states))
+            pages = torch.stack([F.pad(st.ranked, (0, width - st.ranked.shape[0]), value=-1) for st in states])
+            window = torch.tensor([[st.window_start] for st in states], device=pages.device)
+            self._plan = key, {"pages": pages, "window": window}
+        return self._plan[1]
 
-    def reselect(self, seqs: list[Sequence], n: torch.Tensor, budget: torch.Tensor) -> None:
+    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
+        return {"pages": (self.selection_width(max_slots) // self.page_size + 1, -1), "window": (1, 0)}
+
+    def budget_tokens(self, n: torch.Tensor) -> torch.Tensor:
+        """`resolve_budget` for slot counts n [b] on the device."""
+        if self.budget is None:
+            return n
+        if isinstance(self.budget, float):
+            return torch.ceil(n.double() * self.budget).long().clamp(min=1)
+        return torch.full_like(n, self.budget)
+
+    def plan_selection(self, batch: DecodeBatch, plan: dict[str, torch.Tensor]) -> Selection:
+        """One page set for every layer and head of the step: the sink tokens, the best k kept pages (the window
+        may have grown since the selection, so k may have shrunk) and the recent window, ascending, by index
+        arithmetic over a fixed width (no mask over the context, no sort of it)."""
         size = self.page_size
+        n = batch.num_slots[:, 0]  # [b] selection methods store every token in every layer
+        recent, sink, k = self.safety(n, self.budget_tokens(n), plan["window"][:, 0])
+        pages = plan["pages"]  # [b, P] best first, -1 padding
+        kept = (torch.arange(pages.shape[1], device=n.device) < k[:, None]) & (pages >= 0)
+        chosen = torch.where(kept, pages, torch.iinfo(torch.long).max).sort(-1).values  # [b, P] ascending
+        n_kept = kept.sum(-1) * size  # [b] slots of the kept pages
+        j = torch.arange(self.selection_width(batch.max_slots), device=n.device)[None]  # [1, W]
+        in_pages = j - sink[:, None]  # [b, W] offset into the kept pages' slots
+        page = torch.gather(chosen, 1, (in_pages // size).clamp(0, pages.shape[1] - 1))
+        in_recent = in_pages - n_kept[:, None]
+        slots = torch.where(j < sink[:, None], j, torch.where(in_recent < 0, page * size + in_pages % size,
+                                                             (n - recent)[:, None] + in_recent))
+        lengths = sink + n_kept + recent  # [b]
+        slots = torch.where(j < lengths[:, None], slots, 0)
+        return Selection(slots[:, None], lengths[:, None])
+
+    def reselect(self, seqs: list[Sequence]) -> None:
+        size = self.page_size
+        counts = [s.kv.num_slots[0] for s in seqs]  # the current token included: its keys are not written yet
+        self.fold(seqs, [c - 1 for c in counts])
+        device = seqs[0].kv.table.device
+        n = torch.tensor(counts, device=device)
+        budget = torch.tensor([resolve_budget(self.budget, c) for c in counts], device=device)
         n_pages = -(-n // size)  # [b]
         start = (n_pages - self.window).clamp(min=0)
         _, _, k = self.safety(n, budget, start)
         width = int(n_pages.max())
-        vectors = self.page_vectors(seqs, n - 1, width)  # the current token's keys are folded in at end_step
+        vectors = self.page_vectors(seqs, n - 1, width)
         page = torch.arange(width, device=n.device)[None, :]
-        counts = (n[:, None] - 1 - page * size).clamp(0, size)
-        recent = (page >= start[:, None]) & (counts > 0)
+        filled = (n[:, None] - 1 - page * size).clamp(0, size)
+        recent = (page >= start[:, None]) & (filled > 0)
         anchor = (vectors * recent[..., None]).sum(1) / recent.sum(1, keepdim=True).clamp(min=1)  # Eq. 3
         candidates = (page >= 1) & (page < start[:, None])
         if self.center:
@@ -220,33 +274,37 @@ class Chess(KVMethod):
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
         keep, scores = cascade(vectors, candidates, anchor, self.chunk_pages, self.grid_chunks, rho, k)
-        kept_scores = scores.masked_fill(~keep, float("-inf"))
-        for i, seq in enumerate(seqs):
+        ranked = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)  # [b, width]
+        for i, (seq, kept) in enumerate(zip(seqs, keep.sum(-1).tolist())):
             st: ChessState = seq.method_state
-            seq.stats.extra["reselections"] += st.scores is not None
-            st.scores, st.window_start = kept_scores[i, : int(n_pages[i])], int(start[i])
+            seq.stats.extra["reselections"] += st.ranked is not None
+            st.ranked, st.selection_id, st.window_start = ranked[i, :kept], next(_selections), int(start[i])
             st.pages_since, st.pending = 0, False
 
     def end_step(self, batch: DecodeBatch, logits: torch.Tensor, tokens: list[int]) -> None:
-        """Fold the step's keys (now written in every layer) into the page sums; track uncertainty per page."""
-        pool = batch.seqs[0].kv.pool
-        width = max(s.kv.table.shape[1] for s in batch.seqs)
-        tables = torch.stack([F.pad(s.kv.table, (0, width - s.kv.table.shape[1])) for s in batch.seqs])
-        slots = (batch.num_slots.to(tables.device) - 1).flatten()[:, None].expand(-1, pool.num_kv_heads)
-        self.summaries.add_tokens(pool, tables.flatten(0, 1), slots)  # every (sequence, layer) at once
-        for seq, entropy in zip(batch.seqs, token_entropy(logits).tolist()):
+        """Track uncertainty per page of generated tokens: the entropies stay on the device until a page ends."""
+        if self.mode == "always":
+            for seq in batch.seqs:
+                seq.method_state.pending = True
+            return
+        entropies = token_entropy(logits) if self.mode == "dynamic" else None  # [b]
+        ended = []
+        for b, seq in enumerate(batch.seqs):
             st: ChessState = seq.method_state
-            st.entropies.append(entropy)
-            if self.mode == "always":
-                st.pending = True
-            elif len(st.entropies) == self.page_size:
-                st.pages_since += 1
-                mean, var = page_uncertainty(torch.tensor(st.entropies))
+            st.page_tokens += 1
+            if entropies is not None:
+                st.entropies.append(entropies[b])
+            if st.page_tokens == self.page_size:
+                st.page_tokens, st.pages_since = 0, st.pages_since + 1
+                ended.append(st)
+        if self.mode == "periodic":
+            for st in ended:
+                st.pending = st.pages_since >= self.period
+        elif ended:  # one read of the ended pages' entropies
+            means, variances = page_uncertainty(torch.stack([torch.stack(st.entropies) for st in ended]))
+            for st, mean, var in zip(ended, means.tolist(), variances.tolist()):
                 st.entropies.clear()
-                if self.mode == "periodic":
-                    st.pending = st.pages_since >= self.period
-                else:
-                    st.pending = self.uncertain(float(mean), float(var))
+                st.pending = self.uncertain(mean, var)
 
     def uncertain(self, mean_entropy: float, varentropy: float) -> bool:
         above = (mean_entropy > self.thresholds[0], varentropy > self.thresholds[1])

@@ -39,24 +39,28 @@ class PageSummaries:
 
     def build(self, kv: SeqKV, layer: int) -> None:
         """Summaries of every page of one sequence and layer, from its stored keys."""
-        self.ensure(kv.pool)
         n, size = kv.num_slots[layer], kv.pool.page_size
-        if n == 0:
-            return
         pages = -(-n // size)
-        keys = kv.keys(layer).float()  # [kv_heads, n, D]
-        if self.transform is not None:
-            keys = self.transform(keys, kv.positions(layer))
-        padded = torch.nn.functional.pad(keys, (0, 0, 0, pages * size - n), value=float("nan"))
-        blocks = padded.view(keys.shape[0], pages, size, -1)  # [kv_heads, pages, size, D]
-        ids = kv.table[layer, :pages]
-        valid = ~torch.isnan(blocks)
-        if "min" in self.stats:
-            self.data["min"][ids] = torch.where(valid, blocks, float("inf")).amin(2).transpose(0, 1)
-        if "max" in self.stats:
-            self.data["max"][ids] = torch.where(valid, blocks, float("-inf")).amax(2).transpose(0, 1)
-        if "sum" in self.stats:
-            self.data["sum"][ids] = torch.where(valid, blocks, 0.0).sum(2).transpose(0, 1)
+        filled = (n - torch.arange(pages, device=kv.table.device) * size).clamp(max=size)
+        self.rebuild(kv.pool, kv.table[layer, :pages], filled)
+
+    def rebuild(self, pool: KVPool, page_ids: torch.Tensor, filled: torch.Tensor, block: int = 64) -> None:
+        """Summaries of physical pages `page_ids` [..., m] from their first `filled` [..., m] slots (`block` pages of
+        the last dim at a time, to bound the float32 copy of their keys)."""
+        self.ensure(pool)
+        size = pool.page_size
+        for lo in range(0, page_ids.shape[-1], block):
+            ids, count = page_ids[..., lo : lo + block], filled[..., lo : lo + block]
+            keys = pool.k[ids].float()  # [..., block, size, kv_heads, D]
+            if self.transform is not None:
+                keys = self.transform(keys, pool.pos[ids])
+            valid = (torch.arange(size, device=ids.device) < count[..., None])[..., None, None]
+            if "min" in self.stats:
+                self.data["min"][ids] = torch.where(valid, keys, float("inf")).amin(-3)
+            if "max" in self.stats:
+                self.data["max"][ids] = torch.where(valid, keys, float("-inf")).amax(-3)
+            if "sum" in self.stats:
+                self.data["sum"][ids] = torch.where(valid, keys, 0.0).sum(-3)
 
     def add_tokens(self, pool: KVPool, tables: torch.Tensor, slots: torch.Tensor) -> None:
         """Fold the keys just written at logical slots [B, kv_heads] into their pages' summaries (a slot at a page
