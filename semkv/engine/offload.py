@@ -14,25 +14,41 @@ class HostKVStore:
     def __init__(self, num_layers: int, device: torch.device):
         self.device = device
         self.pin = device.type == "cuda"
-        self.k: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads, n, D] on the host
+        # per layer, buffers with room to grow (the first `size(layer)` tokens are held): keys and values
+        # [kv_heads, capacity, D], positions [kv_heads, capacity] int32, on the host
+        self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.pos: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads, n] int32
+        self.pos: list[torch.Tensor | None] = [None] * num_layers
+        self.count = [0] * num_layers
         self.h2d_bytes = 0
         self.d2h_bytes = 0
 
     def size(self, layer: int) -> int:
-        return 0 if self.k[layer] is None else self.k[layer].shape[1]
+        return self.count[layer]
+
+    def _reserve(self, layer: int, k: torch.Tensor, need: int) -> None:
+        """Room for `need` tokens, grown by an eighth beyond the need (amortised appends, bounded slack)."""
+        have = 0 if self.k[layer] is None else self.k[layer].shape[1]
+        if need <= have:
+            return
+        capacity = need + max(256, need // 8)
+        heads, dim, n = k.shape[0], k.shape[2], self.count[layer]
+        grown = [torch.empty(heads, capacity, *rest, dtype=dtype, pin_memory=self.pin)
+                 for rest, dtype in (((dim,), k.dtype), ((dim,), k.dtype), ((), torch.int32))]
+        for new, old in zip(grown, (self.k[layer], self.v[layer], self.pos[layer])):
+            if old is not None:
+                new[:, :n] = old[:, :n]
+        self.k[layer], self.v[layer], self.pos[layer] = grown
 
     def put(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Append tokens (device tensors [kv_heads, m, D], positions [kv_heads, m]) to the layer's host store."""
-        host = [t.to("cpu") for t in (k, v, pos.to(torch.int32))]
+        n, m = self.count[layer], k.shape[1]
+        self._reserve(layer, k, n + m)
+        self.k[layer][:, n : n + m] = k
+        self.v[layer][:, n : n + m] = v
+        self.pos[layer][:, n : n + m] = pos
+        self.count[layer] = n + m
         self.d2h_bytes += (k.numel() + v.numel()) * k.element_size()
-        old = (self.k[layer], self.v[layer], self.pos[layer])
-        if old[0] is not None:
-            host = [torch.cat([o, h], dim=1) for o, h in zip(old, host)]
-        if self.pin:
-            host = [h.pin_memory() for h in host]
-        self.k[layer], self.v[layer], self.pos[layer] = host
 
     def fetch(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """index [kv_heads or 1, m] into the layer's store -> keys, values [kv_heads, m, D] and positions
@@ -52,4 +68,4 @@ class HostKVStore:
 
     def nbytes(self) -> int:
         """Host bytes held (keys and values)."""
-        return sum(0 if k is None else 2 * k.numel() * k.element_size() for k in self.k)
+        return sum(2 * n * k.shape[0] * k.shape[2] * k.element_size() for n, k in zip(self.count, self.k) if n)

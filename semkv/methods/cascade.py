@@ -1,8 +1,8 @@
 """The coarse-to-fine cascade of CHESS (Algorithm 1) over a hierarchy of pages, batched over sequences.
 
 Pages are grouped into chunks of `chunk_pages` consecutive pages and grids of `grid_chunks` consecutive chunks (logical
-views: only page vectors exist in memory). One batched product scores every unit against an anchor; the top grids are
-kept, then the top chunks inside kept grids, then the top pages inside kept chunks, all with masks over padded
+views: only page scores exist in memory, the scores of chunks and grids follow from them by linearity). The top grids
+are kept, then the top chunks inside kept grids, then the top pages inside kept chunks, all with masks over padded
 tensors (sequences of different lengths), without Python loops over units or sequences.
 """
 from __future__ import annotations
@@ -28,47 +28,37 @@ def top_fraction(scores: torch.Tensor, eligible: torch.Tensor, rho: torch.Tensor
     return top_mask(scores, eligible, k)
 
 
-def hierarchy(page_vectors: torch.Tensor, candidates: torch.Tensor, chunk_pages: int, grid_chunks: int):
-    """Page vectors [b, P, dim] and candidate pages [b, P] -> grid, chunk and page vectors (pages padded to whole
-    grids) with their eligibility: a chunk is the mean of its candidate pages, a grid the mean of its chunks (Eq. 2)."""
-    b, n_pages, dim = page_vectors.shape
-    span = chunk_pages * grid_chunks
-    pad = -n_pages % span
-    v_p = F.pad(page_vectors, (0, 0, 0, pad))  # [b, Pp, dim]
-    ok_p = F.pad(candidates, (0, pad))  # [b, Pp]
+def level_scores(page_scores: torch.Tensor, candidates: torch.Tensor, chunk_pages: int, grid_chunks: int):
+    """Page scores [b, P] and candidate pages [b, P] -> grid, chunk and page scores (pages padded to whole grids)
+    with their eligibility. A chunk's vector is the mean of its candidate pages' vectors and a grid's the mean of its
+    chunks' (Eq. 2); the affinity with the anchor is linear in the vectors, so a chunk scores the mean of its pages'
+    scores and a grid the mean of its chunks' (Eq. 4 needs the product with page vectors only)."""
+    b, n_pages = page_scores.shape
+    pad = -n_pages % (chunk_pages * grid_chunks)
+    s_p = F.pad(page_scores, (0, pad))  # [b, Pp]
+    ok_p = F.pad(candidates, (0, pad))
     pages_in_chunk = ok_p.view(b, -1, chunk_pages).sum(-1)  # [b, C]
-    v_c = torch.where(ok_p[..., None], v_p, 0).view(b, -1, chunk_pages, dim).sum(2)
-    v_c = v_c / pages_in_chunk.clamp(min=1)[..., None]  # [b, C, dim]
+    s_c = torch.where(ok_p, s_p, 0.0).view(b, -1, chunk_pages).sum(-1) / pages_in_chunk.clamp(min=1)
     ok_c = pages_in_chunk > 0
     chunks_in_grid = ok_c.view(b, -1, grid_chunks).sum(-1)  # [b, G]
-    v_g = torch.where(ok_c[..., None], v_c, 0).view(b, -1, grid_chunks, dim).sum(2)
-    v_g = v_g / chunks_in_grid.clamp(min=1)[..., None]  # [b, G, dim]
-    return (v_g, v_c, v_p), (chunks_in_grid > 0, ok_c, ok_p)
+    s_g = torch.where(ok_c, s_c, 0.0).view(b, -1, grid_chunks).sum(-1) / chunks_in_grid.clamp(min=1)
+    return (s_g, s_c, s_p), (chunks_in_grid > 0, ok_c, ok_p)
 
 
-def score_levels(anchor: torch.Tensor, v_g: torch.Tensor, v_c: torch.Tensor, v_p: torch.Tensor):
-    """Affinity with the anchor [b, dim] of every grid, chunk and page in ONE batched product (Algorithm 1, lines 2-4).
-    The product is linear, so a chunk's score is also the mean of its pages' scores; the vectors are kept as the
-    paper describes them."""
-    v_all = torch.cat([v_g, v_c, v_p], dim=1)  # [b, G + C + P, dim]
-    scores = torch.bmm(v_all, anchor[:, :, None])[..., 0]  # [b, G + C + P]
-    return scores.split([v_g.shape[1], v_c.shape[1], v_p.shape[1]], dim=1)
-
-
-def cascade(page_vectors: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chunk_pages: int,
-            grid_chunks: int, rho: torch.Tensor, max_pages: torch.Tensor | None = None):
+def cascade(page_scores: torch.Tensor, candidates: torch.Tensor, chunk_pages: int, grid_chunks: int,
+            rho: torch.Tensor, max_pages: torch.Tensor | None = None) -> torch.Tensor:
     """Algorithm 1, batched: top rho_g of the eligible grids, top rho_c of the chunks in kept grids, top rho_p of the
-    pages in kept chunks (at most max_pages [b]). rho [b, 3]. Returns kept pages [b, P] and page scores [b, P]."""
-    n_pages = page_vectors.shape[1]
-    (v_g, v_c, v_p), (ok_g, ok_c, ok_p) = hierarchy(page_vectors, candidates, chunk_pages, grid_chunks)
-    s_g, s_c, s_p = score_levels(anchor, v_g, v_c, v_p)
+    pages in kept chunks (at most max_pages [b]). page_scores [b, P] (affinity with the anchor), rho [b, 3].
+    Returns the kept pages [b, P]."""
+    n_pages = page_scores.shape[1]
+    (s_g, s_c, s_p), (ok_g, ok_c, ok_p) = level_scores(page_scores, candidates, chunk_pages, grid_chunks)
     keep_g = top_fraction(s_g, ok_g, rho[:, 0])
     keep_c = top_fraction(s_c, ok_c & keep_g.repeat_interleave(grid_chunks, -1), rho[:, 1])
     active_p = ok_p & keep_c.repeat_interleave(chunk_pages, -1)
     keep_p = top_fraction(s_p, active_p, rho[:, 2])
     if max_pages is not None:
         keep_p = top_mask(s_p, keep_p, max_pages)
-    return keep_p[:, :n_pages], s_p[:, :n_pages]
+    return keep_p[:, :n_pages]
 
 
 def cascade_ratios(preset: tuple[float, float], share: torch.Tensor) -> torch.Tensor:

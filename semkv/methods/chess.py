@@ -178,21 +178,47 @@ class Chess(KVMethod):
                 self.summaries.rebuild(seq.kv.pool, table, filled.expand_as(table))
                 st.summarized = end
 
-    def page_vectors(self, seqs: list[Sequence], summarized: torch.Tensor, n_pages: int) -> torch.Tensor:
-        """Eq. 1 for pages [0, n_pages) of each sequence: the mean of the `summarized` [b] first tokens' keys per page,
-        every layer reading the key sums of its own physical pages -> [b, n_pages, layers * kv_heads * head_dim]."""
-        size, pool = self.kv_page_size, seqs[0].kv.pool
-        per_page = self.page_size // size
-        width = n_pages * per_page
+    def page_sums(self, seqs: list[Sequence], summarized: torch.Tensor, pages: torch.Tensor):
+        """Eq. 1's numerators, layer by layer: for pages [b, m] of each sequence (the first `summarized` [b] tokens
+        summarised), a function of the layer giving the key sums of their KV pages [b, m * per_page, kv_heads, D]
+        (stale where nothing is summarised: mask with the counts), the tokens summarised in each KV page
+        [b, m * per_page] and in each page [b, m]."""
+        size, per_page = self.kv_page_size, self.page_size // self.kv_page_size
+        b, m = pages.shape
+        cols = (pages[..., None] * per_page + torch.arange(per_page, device=pages.device)).flatten(1)  # [b, m * pp]
+        width = int(cols.max()) + 1
         tables = torch.stack([F.pad(s.kv.table[:, :width], (0, max(width - s.kv.table.shape[1], 0))) for s in seqs])
-        first = torch.arange(width, device=pool.device) * size  # first token of each KV page
-        filled = (summarized[:, None] - first).clamp(0, size)  # [b, width] summarized tokens in each KV page
-        sums = self.summaries.gather("sum", tables)  # [b, layers, width, kv_heads, D]
-        sums = torch.where(filled[:, None, :, None, None] > 0, sums, 0.0)  # unfilled pages hold stale sums
-        b, layers, _, heads, dim = sums.shape
-        sums = sums.view(b, layers, n_pages, per_page, heads, dim).sum(3).permute(0, 2, 1, 3, 4)
-        counts = filled.view(b, n_pages, per_page).sum(-1)  # [b, n_pages]
-        return sums.reshape(b, n_pages, -1) / counts.clamp(min=1)[..., None]
+        physical = torch.gather(tables, 2, cols[:, None].expand(-1, tables.shape[1], -1))  # [b, layers, m * pp]
+        filled = (summarized[:, None] - cols * size).clamp(0, size)  # [b, m * pp]
+        return lambda layer: self.summaries.gather("sum", physical[:, layer]), filled, filled.view(b, m, -1).sum(-1)
+
+    def mean_vector(self, seqs: list[Sequence], summarized: torch.Tensor, pages: torch.Tensor,
+                    chosen: torch.Tensor) -> torch.Tensor:
+        """The mean of the page vectors (Eq. 1) of the `chosen` [b, m] non-empty pages among `pages` [b, m]:
+        [b, layers, kv_heads, D]."""
+        layer_sums, filled, counts = self.page_sums(seqs, summarized, pages)
+        chosen = chosen & (counts > 0)
+        weights = chosen / counts.clamp(min=1) / chosen.sum(1, keepdim=True).clamp(min=1)  # [b, m]
+        weights = weights.repeat_interleave(self.page_size // self.kv_page_size, -1)  # [b, m * pp] per KV page
+        live = (filled > 0)[..., None, None]
+
+        def mean(layer: int) -> torch.Tensor:
+            return torch.einsum("bwhd,bw->bhd", torch.where(live, layer_sums(layer), 0.0), weights)
+
+        return torch.stack([mean(layer) for layer in range(seqs[0].kv.pool.num_layers)], 1)
+
+    def page_dots(self, seqs: list[Sequence], summarized: torch.Tensor, n_pages: int,
+                  directions: torch.Tensor) -> torch.Tensor:
+        """Dot products of the page vectors (Eq. 1) of pages [0, n_pages) with `directions` [b, r, layers, kv_heads,
+        D], one matrix product per layer over the gathered page sums (the vectors of all pages, layers flattened,
+        are never built): [b, r, n_pages]."""
+        b, r, layers = directions.shape[:3]
+        pages = torch.arange(n_pages, device=directions.device).expand(b, -1)
+        layer_sums, filled, counts = self.page_sums(seqs, summarized, pages)
+        by_layer = directions.permute(2, 0, 3, 4, 1).flatten(2, 3).contiguous()  # [layers, b, kv_heads * D, r]
+        dots = sum(torch.bmm(layer_sums(layer).flatten(2), by_layer[layer]) for layer in range(layers))  # [b, w, r]
+        dots = dots.masked_fill((filled == 0)[..., None], 0.0)  # stale sums (even NaN) of unfilled KV pages
+        return dots.view(b, n_pages, -1, r).sum(2).transpose(1, 2) / counts.clamp(min=1)[:, None]
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def selection_width(self, max_slots: int) -> int:
@@ -255,30 +281,31 @@ class Chess(KVMethod):
         size = self.page_size
         counts = [s.kv.num_slots[0] for s in seqs]  # the current token included: its keys are not written yet
         self.fold(seqs, [c - 1 for c in counts])
+        n_pages = [-(-c // size) for c in counts]
+        starts = [max(p - self.window, 0) for p in n_pages]  # first page of the recent window
         device = seqs[0].kv.table.device
-        n = torch.tensor(counts, device=device)
+        n, start = torch.tensor(counts, device=device), torch.tensor(starts, device=device)
+        summarized = n - 1
         budget = torch.tensor([resolve_budget(self.budget, c) for c in counts], device=device)
-        n_pages = -(-n // size)  # [b]
-        start = (n_pages - self.window).clamp(min=0)
         _, _, k = self.safety(n, budget, start)
-        width = int(n_pages.max())
-        vectors = self.page_vectors(seqs, n - 1, width)
-        page = torch.arange(width, device=n.device)[None, :]
-        filled = (n[:, None] - 1 - page * size).clamp(0, size)
-        recent = (page >= start[:, None]) & (filled > 0)
-        anchor = (vectors * recent[..., None]).sum(1) / recent.sum(1, keepdim=True).clamp(min=1)  # Eq. 3
-        candidates = (page >= 1) & (page < start[:, None])
-        if self.center:
-            mean = (vectors * candidates[..., None]).sum(1) / candidates.sum(1, keepdim=True).clamp(min=1)  # [b, dim]
-            vectors, anchor = vectors - mean[:, None], anchor - mean
+        window = (start[:, None] + torch.arange(self.window, device=device)).clamp(max=max(n_pages) - 1)
+        anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None])
+        page = torch.arange(max(n_pages), device=device)[None, :]
+        candidates = (page >= 1) & (page < start[:, None])  # neither the sink page nor the window
+        if self.center:  # (v - mean) . (anchor - mean)
+            mean = self.mean_vector(seqs, summarized, page.expand(len(seqs), -1), candidates)
+            dots = self.page_dots(seqs, summarized, max(n_pages), torch.stack([anchor, mean], 1))
+            scores = dots[:, 0] - dots[:, 1] + ((mean - anchor) * mean).sum((1, 2, 3))[:, None]
+        else:
+            scores = self.page_dots(seqs, summarized, max(n_pages), anchor[:, None])[:, 0]  # Eq. 4
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
-        keep, scores = cascade(vectors, candidates, anchor, self.chunk_pages, self.grid_chunks, rho, k)
-        ranked = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)  # [b, width]
+        keep = cascade(scores, candidates, self.chunk_pages, self.grid_chunks, rho, k)
+        ranked = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)  # [b, P]
         for i, (seq, kept) in enumerate(zip(seqs, keep.sum(-1).tolist())):
             st: ChessState = seq.method_state
             seq.stats.extra["reselections"] += st.ranked is not None
-            st.ranked, st.selection_id, st.window_start = ranked[i, :kept], next(_selections), int(start[i])
+            st.ranked, st.selection_id, st.window_start = ranked[i, :kept], next(_selections), starts[i]
             st.pages_since, st.pending = 0, False
 
     def end_step(self, batch: DecodeBatch, logits: torch.Tensor, tokens: list[int]) -> None:

@@ -14,13 +14,14 @@ from semkv.methods.quest import page_upper_bound
 
 def block_summaries(keys: torch.Tensor, labels: torch.Tensor, n_blocks: int, pooling: str) -> torch.Tensor:
     """keys [kv_heads, m, D] with chunk labels [m] in [0, n_blocks) -> [stats, kv_heads, n_blocks, D]: element-wise
-    (min, max) of each chunk's keys, or (mean,) for mean pooling. A chunk without tokens is all zeros."""
+    (min, max) of each chunk's keys in the keys' dtype (exact: a min or max is one of the keys), or (mean,) in
+    float32 for mean pooling. A chunk without tokens is all zeros."""
     heads, m, dim = keys.shape
     index = labels[None, :, None].expand(heads, m, dim)
-    blank = torch.zeros(heads, n_blocks, dim, device=keys.device)  # [kv_heads, n_blocks, D]
-    keys = keys.float()
     if pooling == "mean":
-        return blank.scatter_reduce(1, index, keys, "mean", include_self=False)[None]
+        blank = torch.zeros(heads, n_blocks, dim, device=keys.device)  # [kv_heads, n_blocks, D]
+        return blank.scatter_reduce(1, index, keys.float(), "mean", include_self=False)[None]
+    blank = torch.zeros(heads, n_blocks, dim, dtype=keys.dtype, device=keys.device)
     return torch.stack([blank.scatter_reduce(1, index, keys, op, include_self=False) for op in ("amin", "amax")])
 
 
@@ -32,8 +33,8 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, pooling: str, group_r
         return page_upper_bound(q, summaries[:, 0].transpose(1, 2), summaries[:, 1].transpose(1, 2), group_reduce)
     batch, heads, dim = q.shape
     kv_heads = summaries.shape[2]
-    qg = q.float().view(batch, kv_heads, heads // kv_heads, 1, dim)
-    scores = (qg * summaries[:, 0, :, None]).sum(-1)  # [B, kv_heads, group, n_blocks]
+    qg = q.float().view(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("bhgd,bhpd->bhgp", qg, summaries[:, 0].float())  # [B, kv_heads, group, n_blocks]
     return scores.mean(2) if group_reduce == "mean" else scores.amax(2)
 
 
@@ -100,13 +101,12 @@ class DynSplitState:
         table = self.summaries[layer]
         need = len(self.ends) + 1
         if table is None or table.shape[2] < need:
-            grown = blocks.new_zeros(*blocks.shape[:2], max(need, 2 * (0 if table is None else table.shape[2])),
-                                     blocks.shape[-1])
+            grown = blocks.new_zeros(*blocks.shape[:2], need + max(16, need // 8), blocks.shape[-1])  # amortised
             if table is not None:
                 grown[:, :, : table.shape[2]] = table
             table = self.summaries[layer] = grown
         table[:, :, first:need] = blocks
-        self.open_keys[layer] = keys[:, self.open_start - start:]
+        self.open_keys[layer] = keys[:, self.open_start - start:].clone()  # not a view: it would pin all of `keys`
 
     @staticmethod
     def stack(states: list["DynSplitState"], layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

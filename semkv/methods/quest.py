@@ -27,12 +27,13 @@ from semkv.methods.page_summaries import PageSummaries
 
 
 def page_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_reduce: str) -> torch.Tensor:
-    """q [B, heads, D], kmin/kmax [B, pages, kv_heads, D] -> bound [B, kv_heads, pages]."""
+    """q [B, heads, D], kmin/kmax [B, pages, kv_heads, D] -> bound [B, kv_heads, pages]. Since kmax >= kmin,
+    max(q_d * max_d, q_d * min_d) is q_d * max_d where q_d >= 0 and q_d * min_d elsewhere: two matrix products."""
     batch, heads, dim = q.shape
     kv_heads = kmin.shape[2]
-    qg = q.float().view(batch, kv_heads, heads // kv_heads, 1, dim)
-    lo, hi = kmin.permute(0, 2, 1, 3)[:, :, None], kmax.permute(0, 2, 1, 3)[:, :, None]  # [B, kv_heads, 1, P, D]
-    bound = torch.maximum(qg * lo, qg * hi).sum(-1)  # [B, kv_heads, group, pages]
+    qg = q.float().view(batch, kv_heads, heads // kv_heads, dim)
+    bound = (torch.einsum("bhgd,bphd->bhgp", qg.clamp(min=0), kmax.float())
+             + torch.einsum("bhgd,bphd->bhgp", qg.clamp(max=0), kmin.float()))  # [B, kv_heads, group, pages]
     return bound.mean(2) if group_reduce == "mean" else bound.amax(2)
 
 

@@ -1,0 +1,88 @@
+"""Where the time of decode steps goes: torch.profiler over a run of the engine's loop (graph replay when the method
+is graph-safe), with the table of the costliest operations by device time and by host time, and a Chrome trace.
+
+    python benchmarks/profile_step.py --method chess --budget 0.01 --param chess.preset=aggressive \
+        --batch 16 --context 32k --steps 40 --out OUT
+
+40 steps cover a CHESS re-selection (every generated page of 32 tokens where the model is uncertain: always with
+random weights). Model: `--shape` with random weights, as `semkv bench`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from semkv.bench.cli import build_engine, method_params, parse_sizes
+from semkv.bench.run import never_stop, prefilled_batch, sync
+from semkv.cli.main import parse_budget
+from semkv.methods import get_method
+
+
+def labelled(owner, names: tuple[str, ...], prefix: str) -> None:
+    """Wrap the named methods of `owner` in profiler ranges, so the tables show the engine's and the method's
+    phases (host time of each, device time of what they launch)."""
+    for name in names:
+        inner = getattr(owner, name, None)
+        if inner is None:
+            continue
+
+        def wrapped(*a, _inner=inner, _label=f"{prefix}.{name}", **kw):
+            with torch.profiler.record_function(_label):
+                return _inner(*a, **kw)
+
+        setattr(owner, name, wrapped)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", default="chess")
+    parser.add_argument("--budget", default="0.01")
+    parser.add_argument("--param", action="append", default=[], help="M.name=value, as in semkv bench")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", default="32k")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--out", type=Path, default=Path("profile"))
+    args = parser.parse_args()
+    engine_args = argparse.Namespace(device="auto", dtype="auto", model=None, shape=args.shape, page_size=16,
+                                     no_graphs=False, gpu_memory_utilization=0.9)
+    engine, label = build_engine(engine_args)
+    params = method_params(args.param).get(args.method, {})
+    budget = params.pop("budget", None if args.method == "full" else parse_budget(args.budget))
+    method = get_method(args.method, budget, **params)
+    method.bind(engine.config, None, engine.pool.page_size)
+    context = parse_sizes(args.context, "context")[0]
+    with torch.inference_mode():
+        seqs = prefilled_batch(engine, method, args.batch, context, args.warmup + args.steps + 8)
+        graphs = engine.graph_runner(method, seqs)
+        labelled(engine, ("prepare_step", "finish_step"), "engine")
+        labelled(method, ("step_plan", "reselect", "fold", "page_dots", "mean_vector", "end_step", "select"),
+                 args.method)
+        for _ in range(args.warmup):
+            engine.step(seqs, method, graphs, never_stop)
+        sync(engine.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                engine.step(seqs, method, graphs, never_stop)
+            sync(engine.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(args.out / f"{args.method}_trace.json"))
+    events = prof.key_averages()
+    tables = {key: events.table(sort_by=key, row_limit=40)
+              for key in ("self_cuda_time_total", "cpu_time_total")
+              if key == "cpu_time_total" or engine.device.type == "cuda"}
+    for key, table in tables.items():
+        print(f"## {args.method} B={args.batch} ctx={context}: {args.steps} steps, sorted by {key}\n{table}")
+    summary = dict(model=label, method=args.method, budget=budget, batch=args.batch, context=context,
+                   steps=args.steps, graphs=graphs is not None)
+    (args.out / f"{args.method}_profile.md").write_text(json.dumps(summary) + "\n\n" + "\n\n".join(tables.values()))
+
+
+if __name__ == "__main__":
+    main()
