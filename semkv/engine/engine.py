@@ -179,15 +179,24 @@ def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class StepInputs:
-    """What the host decided for one decode step, on the device: tokens [B], positions [B], slot counts after the
-    append [B, layers] (the current token included), the three side by side in `packed` [B, 2 + layers], and the
-    slots the new tokens are written to [B, layers, kv_heads]."""
+    """What the host decided for one decode step, on the device: `packed` [B, 2 + layers] holds side by side the
+    tokens, positions and slot counts after the append (the current token included); `write` [B, layers, kv_heads]
+    the slots the new tokens are written to."""
 
     packed: torch.Tensor
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    num_slots: torch.Tensor
     write: torch.Tensor
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [B]
+        return self.packed[:, 0]
+
+    @property
+    def positions(self) -> torch.Tensor:  # [B]
+        return self.packed[:, 1]
+
+    @property
+    def num_slots(self) -> torch.Tensor:  # [B, layers]
+        return self.packed[:, 2:]
 
 
 class Engine:
@@ -307,13 +316,13 @@ class Engine:
         write = None
         if type(method).begin_step is not KVMethod.begin_step:
             positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
-            write = method.begin_step(DecodeBatch(seqs, positions, torch.tensor(before, device=self.device),
-                                                  self.config))
+            slots_before = torch.tensor(before, device=self.device)  # [B, layers]
+            write = method.begin_step(DecodeBatch(seqs, positions, slots_before, self.config))
         if write is None:  # every layer appends
             for seq in seqs:
                 seq.kv.append_slot()
         else:
-            appends = (write == torch.tensor(before, device=write.device)[:, :, None]).any(-1).tolist()
+            appends = (write == slots_before[:, :, None]).any(-1).tolist()
             for b, seq in enumerate(seqs):
                 grown = {layer: n + 1 for layer, n in enumerate(before[b]) if appends[b][layer]}
                 for layer, n in grown.items():
@@ -325,7 +334,7 @@ class Engine:
         packed = host.to(self.device, non_blocking=True)  # [B, 2 + 2 * layers]
         if write is None:
             write = packed[:, 2 + layers :, None].expand(-1, -1, heads)
-        inputs = StepInputs(packed[:, : 2 + layers], packed[:, 0], packed[:, 1], packed[:, 2 : 2 + layers], write)
+        inputs = StepInputs(packed[:, : 2 + layers], write)
         span = self.timer.start("selection") if self.timer else None
         started = time.perf_counter()
         plan = method.step_plan(DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, pool=self.pool))

@@ -286,8 +286,7 @@ class Chess(KVMethod):
         device = seqs[0].kv.table.device
         n, start = torch.tensor(counts, device=device), torch.tensor(starts, device=device)
         summarized = n - 1
-        budget = torch.tensor([resolve_budget(self.budget, c) for c in counts], device=device)
-        _, _, k = self.safety(n, budget, start)
+        _, _, k = self.safety(n, self.budget_tokens(n), start)
         window = (start[:, None] + torch.arange(self.window, device=device)).clamp(max=max(n_pages) - 1)
         anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None])
         page = torch.arange(max(n_pages), device=device)[None, :]
