@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_session.sh attention OUT # TokenSelect's selective attention vs our full kernel, 8k..1M
 #   bash benchmarks/gpu_session.sh grid OUT      # semkv bench: methods x batches x contexts, HF eager points
 #   bash benchmarks/gpu_session.sh long OUT      # TPOT over 6000 generated tokens after 32k; offload peak memory
-#   bash benchmarks/gpu_session.sh speed OUT     # targets 1-3 alone: Full KV, CHESS, TokenSelect at B=1 and 16, HF
+#   bash benchmarks/gpu_session.sh speed OUT     # targets 1-3: Full KV at B=1 4k-32k; Full KV, CHESS, TokenSelect
+#                                                # at 32k, B=16 and the largest batch Full KV fits (max), HF eager;
+#                                                # a CHESS profile at that batch
 # Llama-3.1-8B shape with random weights, bf16. TOK: a tokenizer folder for the methods that read token text.
 set -euo pipefail
 stage=$1 out=$2
@@ -36,9 +38,17 @@ long)
   ;;
 speed)
   python benchmarks/kernel_check.py 2>&1 | tee "$out/kernel_check.log"
+  $bench --methods full --batches 1 --contexts 4k,8k,16k,32k --steps 64 --out "$out/speed_b1" 2>&1 \
+    | tee "$out/speed_b1.log"
   $bench --methods full,chess,tokenselect --budget 0.01 --param chess.preset=aggressive \
-    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1,16 --contexts 4k,8k,16k,32k \
-    --steps 64 --hf 16x32k --out "$out/speed" 2>&1 | tee "$out/speed.log"
+    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 16,max --contexts 32k \
+    --steps 64 --hf 16x32k,20x32k,maxx32k --out "$out/speed" 2>&1 | tee "$out/speed.log"
+  # CHESS at the re-selection rate of its periodic mode (every 6 generated pages, Appendix C) instead of every page
+  # (random weights keep the model uncertain, so the dynamic trigger fires at every page)
+  $bench --methods chess --budget 0.01 --param chess.preset=aggressive --param chess.mode=periodic \
+    --batches max --contexts 32k --steps 192 --out "$out/speed_periodic" 2>&1 | tee "$out/speed_periodic.log"
+  python benchmarks/profile_step.py --method chess --budget 0.01 --param chess.preset=aggressive --batch max \
+    --context 32k --steps 40 --out "$out/profile" 2>&1 | tail -60 | tee "$out/profile.log"
   ;;
 *) echo "stage: kernels | attention | grid | long | speed" >&2; exit 2 ;;
 esac

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import reference, triton_decode, triton_fused, triton_prefill
+from semkv.kernels import reference, triton_decode, triton_fused, triton_prefill, triton_summary_dot
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -95,13 +95,56 @@ def check_fused(gen) -> list[dict]:
             dict(kernel="silu_mul", err=rel_err(triton_fused.silu_mul(gate_up), reference.silu_mul(gate_up)))]
 
 
+def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, pages: int = 2050) -> list[dict]:
+    """CHESS's page scoring at 32k context: float32 page sums of `pages` KV pages per layer and sequence."""
+    from triton.testing import do_bench
+
+    sums = torch.randn(batch * layers * pages + 1, HK, D, device="cuda", generator=gen)
+    ids = torch.randperm(sums.shape[0] - 1, device="cuda", generator=gen).view(batch, layers, pages) + 1
+    directions = torch.randn(batch, 1, layers, HK, D, device="cuda", generator=gen)
+    want = reference.summary_dots(sums, ids, directions)
+    got = triton_summary_dot.summary_dots(sums, ids, directions)
+    return [dict(kernel="summary_dots", batch=batch, pages=pages, err=rel_err(got, want),
+                 triton_ms=do_bench(lambda: triton_summary_dot.summary_dots(sums, ids, directions)),
+                 reference_ms=do_bench(lambda: reference.summary_dots(sums, ids, directions)),
+                 floor_ms=1e3 * ids.numel() * HK * D * 4 / bandwidth)]
+
+
+def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
+    """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
+    so they must agree exactly; device times of both captured in CUDA graphs."""
+    from semkv.methods.chess import plan_slots, plan_slots_function
+
+    n = torch.randint(20000, 40000, (batch,), device="cuda", generator=gen)
+    start = n // 32 - 2
+    pages = torch.stack([torch.randperm(600, device="cuda", generator=gen)[:kept] + 1 for _ in range(batch)])
+    pages[::3, kept // 2 :] = -1  # rows with fewer kept pages
+    args = (n, start, pages, 0.01, 32, 330)
+    compiled = plan_slots_function(n.device)
+    want, got = plan_slots(*args), compiled(*args)
+    exact = all(torch.equal(a, b) for a, b in zip(want, got))
+
+    def graphed(fn):
+        fn(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*args)
+        return graph.replay
+
+    from triton.testing import do_bench
+
+    return [dict(kernel="plan_slots", err=0.0 if exact else float("inf"), compiled_ms=do_bench(graphed(compiled)),
+                 eager_ms=do_bench(graphed(plan_slots)))]
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
-    rows = check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen)
+    rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
+            + check_plan_slots(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -111,6 +154,12 @@ def main() -> int:
             print(f"| decode | B={r['batch']} ctx={r['context']} | {r['err_full']:.1e} / {r['err_selected']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms, "
                   f"1% list {r['selected_1pct_ms']:.3f} ms |")
+        elif r["kernel"] == "summary_dots":
+            print(f"| summary_dots | B={r['batch']} pages={r['pages']} x 32 layers | {r['err']:.1e} | "
+                  f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
+        elif r["kernel"] == "plan_slots":
+            print(f"| CHESS plan_slots (torch.compile) | B=32 | {'exact' if r['err'] == 0 else 'DIFFERS'} | "
+                  f"{r['compiled_ms']:.4f} | {r['eager_ms']:.4f} | both in a CUDA graph |")
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:

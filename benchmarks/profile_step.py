@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from semkv.bench.cli import build_engine, method_params, parse_sizes
-from semkv.bench.run import never_stop, prefilled_batch, sync
+from semkv.bench.run import largest_full_batch, never_stop, prefilled_batch, sync
 from semkv.cli.main import parse_budget
 from semkv.methods import get_method
 
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--method", default="chess")
     parser.add_argument("--budget", default="0.01")
     parser.add_argument("--param", action="append", default=[], help="M.name=value, as in semkv bench")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", default="16", help="batch size, or max: the largest Full KV fits")
     parser.add_argument("--context", default="32k")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4)
@@ -57,6 +57,7 @@ def main() -> None:
     method = get_method(args.method, budget, **params)
     method.bind(engine.config, None, engine.pool.page_size)
     context = parse_sizes(args.context, "context")[0]
+    args.batch = largest_full_batch(engine, context, args.steps, args.warmup) if args.batch == "max" else int(args.batch)
     with torch.inference_mode():
         seqs = prefilled_batch(engine, method, args.batch, context, args.warmup + args.steps + 8)
         graphs = engine.graph_runner(method, seqs)

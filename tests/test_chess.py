@@ -128,6 +128,45 @@ def test_parameters_are_validated(tiny_llm):
         Chess(budget=64, page_size=24).bind(tiny_llm.config, tiny_llm.tokenizer, 16)
 
 
+def test_one_fold_brings_the_page_sums_of_a_batch_up_to_date(tiny_llm):
+    """A batched fold over sequences summarised to different points (40, 64, 5, 280 tokens) and grown by different
+    amounts (to 100, 65, 300, 300) gives, page by page and layer by layer, the sums of the stored keys (the folded range of one
+    sequence reaching past the stacked tables' width)."""
+    engine, cfg = tiny_llm.engine, tiny_llm.config
+    method = Chess(budget=64, page_size=32)
+    method.bind(cfg, tiny_llm.tokenizer, engine.pool.page_size)
+    gen = torch.Generator().manual_seed(0)
+    spans = [(40, 100), (64, 65), (5, 300), (280, 300)]
+    seqs = []
+    for i, (start, end) in enumerate(spans):
+        seq = Sequence(i, [1] * end, SamplingParams(), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
+        slots = torch.arange(end)
+        for layer in range(cfg.num_layers):
+            seq.kv.ensure_slots(layer, end)
+            k = torch.randn(end, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(engine.dtype)
+            seq.kv.write(layer, slots, k, k, slots)
+            seq.kv.num_slots[layer] = start
+        method.finish_prefill(seq)  # sums of the first `start` tokens
+        seq.kv.num_slots = [end] * cfg.num_layers
+        seqs.append(seq)
+    try:
+        size = engine.pool.page_size
+        tables = method.stacked_tables(seqs, -(-300 // size))  # as a re-selection passes them: just wide enough
+        method.fold(seqs, [end for _, end in spans], tables)
+        for seq, (_, end) in zip(seqs, spans):
+            pages = -(-end // size)
+            for layer in range(cfg.num_layers):
+                keys = torch.nn.functional.pad(seq.kv.keys(layer).float(), (0, 0, 0, pages * size - end))
+                want = keys.view(cfg.num_kv_heads, pages, size, -1).sum(2).transpose(0, 1)  # [pages, H, D]
+                got = method.summaries.gather("sum", seq.kv.table[layer, :pages])
+                assert torch.allclose(got, want, atol=1e-4), (seq.seq_id, layer)
+            assert seq.method_state.summarized == end
+    finally:
+        for seq in seqs:
+            seq.kv.release()
+
+
 @dataclass
 class Probe(Chess):
     """CHESS that records, after each step, its logits, the page dot products and mean vector it reads from its page
@@ -135,17 +174,17 @@ class Probe(Chess):
 
     seen: list = field(default_factory=list)
 
-    def end_step(self, batch, logits, tokens):
-        seq = batch.seqs[0]
+    def observe_logits(self, seqs, logits):
+        seq = seqs[0]
         before = [float(x) for x in seq.method_state.entropies]
-        super().end_step(batch, logits, tokens)
+        super().observe_logits(seqs, logits)
         kv = seq.kv
-        n = kv.num_slots[0]
+        n = seq.num_computed + 1  # keys stored: this step's token too (the next step's slot may be prepared already)
         self.fold([seq], [n])  # the page sums are brought up to date lazily (at a selection)
         pages = -(-n // self.page_size)
-        keys = torch.stack([kv.keys(layer) for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
+        keys = torch.stack([kv.keys(layer)[:, :n] for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
         if self.rope_free:  # RoPE undone: rotating forward again, as the model does, gives the stored keys back
-            positions = torch.stack([kv.positions(layer) for layer in range(kv.pool.num_layers)])
+            positions = torch.stack([kv.positions(layer)[:, :n] for layer in range(kv.pool.num_layers)])
             stored, keys = keys, self.unrotate(keys, positions)
             cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
             again = RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, sin).view_as(keys)
@@ -157,7 +196,7 @@ class Probe(Chess):
         directions = torch.randn(1, 2, *direct.shape[1:], generator=torch.Generator().manual_seed(len(self.seen)))
         chosen = torch.arange(pages) % 2 == 0
         got = (self.page_dots([seq], torch.tensor([n]), pages, directions)[0],
-               self.mean_vector([seq], torch.tensor([n]), torch.arange(pages)[None], chosen[None])[0])
+               self.mean_vector([seq], torch.tensor([n]), torch.arange(pages)[None], chosen[None], pages)[0])
         want = (torch.einsum("plhd,rlhd->rp", direct, directions[0]), direct[chosen].mean(0))
         state = seq.method_state
         self.seen.append((logits[0].clone(), got, want, seq.stats.extra["reselections"], before,

@@ -44,6 +44,22 @@ def test_batch_equals_one_at_a_time(tiny_llm):
     assert batched == [greedy(tiny_llm, [p])[0] for p in PROMPTS]
 
 
+@pytest.mark.parametrize("method, budget", [("full", None), ("chess", 100_000)])
+def test_batched_greedy_generation_equals_transformers_generate(tiny_model_dir, tiny_llm, method, budget):
+    """The whole decode loop (continuous batching of prompts of different lengths, each step's inputs prepared while
+    the previous step runs) gives HF transformers' greedy tokens, for Full KV and a selection method whose budget
+    covers the context."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32).eval()
+    outputs = tiny_llm.generate(PROMPTS, method, budget, max_new_tokens=24, ignore_eos=True, chat=False)
+    for out in outputs:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=24, do_sample=False,
+                               min_new_tokens=24, pad_token_id=0)[0, len(out.prompt_token_ids) :]
+        assert out.token_ids == want.tolist()
+
+
 def test_pages_are_returned_after_generation(tiny_llm):
     greedy(tiny_llm, PROMPTS)
     assert tiny_llm.engine.pool.in_use == 0

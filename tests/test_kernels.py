@@ -104,3 +104,20 @@ def test_fused_rope_store_matches_reference():
     triton_fused.rope_store(q, k, v, cos, sin, shared, positions, *pools[1])
     reference.rope_store(q, k, v, cos, sin, shared, positions, *pools[0])
     assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))
+
+
+@pytest.mark.parametrize("r, kv_heads, dim", [(1, 2, 16), (2, 3, 24)])
+def test_summary_dot_kernel_matches_reference(r, kv_heads, dim):
+    """CHESS's page scoring: summaries read through page ids of every layer (shared ids included), dotted with one
+    direction per sequence, layer and row; kv_heads * dim not a power of two in the second case."""
+    from semkv.kernels.triton_summary_dot import summary_dots
+
+    gen = torch.Generator().manual_seed(r)
+    sums = torch.randn(60, kv_heads, dim, generator=gen)
+    pages = torch.randint(0, 60, (3, 4, 37), generator=gen)  # [B, layers, w]
+    directions = torch.randn(3, r, 4, kv_heads, dim, generator=gen)
+    want = reference.summary_dots(sums, pages, directions)
+    direct = torch.einsum("bljhd,brlhd->bjr", sums[pages], directions)
+    assert torch.allclose(want, direct, atol=1e-4)
+    got = summary_dots(sums, pages, directions, block_w=16, block_hd=16, layers_per=3)
+    assert got.shape == (3, 37, r) and torch.allclose(got, want, atol=1e-4)

@@ -32,18 +32,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="full", help="comma-separated method names")
     p.add_argument("--budget", default="0.01", help="budget of the non-full methods (tokens or fraction)")
     p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
-    p.add_argument("--batches", default="1")
+    p.add_argument("--batches", default="1",
+                   help="batch sizes, e.g. 1,16; 'max': the largest batch Full KV fits at each context")
     p.add_argument("--contexts", default="4k,8k,16k,32k")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
     p.add_argument("--long-gen", type=int, default=0, help="TPOT over this many generated tokens (largest context)")
-    p.add_argument("--hf", default="", help="points 'BxCTX' (e.g. 1x4k,14x32k) to time HF transformers' eager decode")
+    p.add_argument("--hf", default="",
+                   help="points 'BxCTX' (e.g. 1x4k,maxx32k) to time HF transformers' eager decode ('max' as in --batches)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
     p.add_argument("--out", default="bench-results", help="output directory")
+
+
+def parse_batches(text: str) -> list[int | str]:
+    """'1,16,max' -> [1, 16, 'max'] ('max' resolves per context: `largest_full_batch`)."""
+    return [item.strip().lower() if item.strip().lower() == "max" else parse_sizes(item, "batches")[0]
+            for item in text.split(",")]
+
+
+def parse_hf_points(text: str) -> list[tuple[int | str, int]]:
+    """'16x32k,maxx32k' -> [(16, 32768), ('max', 32768)]."""
+    points = []
+    for point in filter(None, text.split(",")):
+        batch, sep, ctx = point.strip().lower().rpartition("x")
+        if not sep or not batch:
+            raise SemkvError(f"--hf point {point!r} must look like BxCTX (e.g. 16x32k or maxx32k)")
+        points.append((parse_batches(batch)[0], parse_sizes(ctx, "hf")[0]))
+    return points
 
 
 def method_params(items: list[str] | None) -> dict[str, dict]:
@@ -61,7 +80,7 @@ def method_params(items: list[str] | None) -> dict[str, dict]:
 def run(args: argparse.Namespace) -> int:
     from semkv.bench import report
     from semkv.bench.device import device_info
-    from semkv.bench.run import bench_decode, bench_long_generation, bench_ttft
+    from semkv.bench.run import bench_decode, bench_long_generation, bench_ttft, largest_full_batch
     from semkv.cli.main import parse_budget
     from semkv.methods import METHODS
 
@@ -69,9 +88,15 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SemkvError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
-    batches, contexts = parse_sizes(args.batches, "batches"), parse_sizes(args.contexts, "contexts")
+    batches, contexts = parse_batches(args.batches), parse_sizes(args.contexts, "contexts")
+    hf_points = parse_hf_points(args.hf)
     budget, params = parse_budget(args.budget), method_params(args.param)
     engine, label = build_engine(args)
+
+    def resolved(batch: int | str, context: int) -> int:
+        return largest_full_batch(engine, context, args.steps) if batch == "max" else batch
+
+    hf_points = [(resolved(b, c), c) for b, c in hf_points]
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs)
     print(json.dumps(info))
@@ -82,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     for name in methods:
         b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
         for context in contexts:
-            for batch in batches:
+            for batch in (resolved(b, context) for b in batches):
                 try:
                     row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
                                        tokenizer=tokenizer)
@@ -99,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
                                           tokenizer=tokenizer)
             results["long_generation"][name] = curve
-    if args.hf:
+    if hf_points:
         from semkv.bench.hf_baseline import hf_decode_tpot_ms
 
         shape = args.shape if args.model is None else None
@@ -108,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        for point in args.hf.split(","):
-            batch, _, ctx = point.partition("x")
-            batch, context = int(batch), parse_sizes(ctx, "hf")[0]
+        for batch, context in hf_points:
             try:
                 tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
                                          torch.bfloat16 if "cuda" in info["device"] else torch.float32)

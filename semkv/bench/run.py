@@ -16,6 +16,7 @@ import torch
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.errors import SemkvError
 from semkv.methods import KVMethod, get_method
 
 
@@ -54,6 +55,20 @@ def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> N
         seq.window_queries[layer] = torch.randn(64, cfg.num_heads, cfg.head_dim, generator=gen,
                                                 device=engine.device).to(engine.dtype)
     seq.num_computed = context
+
+
+def largest_full_batch(engine: Engine, context: int, steps: int, warmup: int = 4) -> int:
+    """The largest batch whose sequences of `context` tokens Full KV keeps in the engine's fixed KV pool through a
+    `bench_decode` run of `steps` steps (every layer holds every token)."""
+    if engine.pool.max_pages is None:
+        raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
+    tokens = context + warmup + steps + 1  # the warm-up and timed steps and the breakdown step append a slot each
+    per_seq = engine.config.num_layers * -(-tokens // engine.pool.page_size)
+    batch = len(engine.pool.free) // per_seq
+    if batch < 1:
+        raise SemkvError(f"one sequence of {context} tokens needs {per_seq} KV pages; the pool has "
+                         f"{len(engine.pool.free)} free")
+    return batch
 
 
 def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int) -> list[Sequence]:
@@ -177,12 +192,24 @@ def forward_s(engine: Engine, graphs) -> float:
 
 
 def plan_selection_s(engine: Engine, graphs) -> float:
-    """Device time of a method's `plan_selection` (inside the graph under replay), timed eagerly on the graph's
-    static buffers: an upper bound (launch gaps included)."""
+    """Device time of a method's `plan_selection` as it runs inside the decode graph: captured alone in a CUDA graph
+    over the decode graph's static buffers and replayed."""
     graphed = _graphed(graphs)
-    if graphed is None or graphed.plan is None:
+    if graphed is None or graphed.plan is None or graphed.graph is None:
         return 0.0
-    return _event_seconds(engine, lambda: graphed.method.plan_selection(graphed.batch, graphed.plan))
+
+    def select():
+        graphed.method.plan_selection(graphed.batch, graphed.plan)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        select()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        select()
+    return _event_seconds(engine, graph.replay)
 
 
 def needed_memory_gib(engine: Engine) -> float:

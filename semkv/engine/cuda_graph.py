@@ -105,16 +105,21 @@ class GraphRunner:
         self.steps: dict[int, GraphedStep] = {}
 
     def fits(self, seqs: list[Sequence]) -> bool:
-        widest = max(max(len(p) for p in s.kv.pages) for s in seqs)
-        return len(seqs) <= BUCKETS[-1] and widest <= self.max_pages
+        return len(seqs) <= BUCKETS[-1] and max(s.kv.widest for s in seqs) <= self.max_pages
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
-        inputs, plan = self.engine.prepare_step(seqs, self.method)
+        """`Engine.decode_step` through the graph of the batch's bucket."""
+        logits, step = self.forward_step(seqs)
+        self.engine.finish_step(seqs, step)
+        return logits
+
+    @torch.inference_mode()
+    def forward_step(self, seqs: list[Sequence], inputs=None):
+        """`Engine.forward_step` through the graph: logits [B, vocab] and the captured step (its statistics)."""
+        inputs, plan = self.engine.prepare_step(seqs, self.method, inputs)
         size = next(b for b in BUCKETS if b >= len(seqs))
         if size not in self.steps:
             self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture)
         graphed = self.steps[size]
-        logits = graphed.run(seqs, inputs, plan)
-        self.engine.finish_step(seqs, graphed.step)
-        return logits
+        return graphed.run(seqs, inputs, plan), graphed.step

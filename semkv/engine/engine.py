@@ -181,7 +181,7 @@ def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 class StepInputs:
     """What the host decided for one decode step, on the device: `packed` [B, 2 + layers] holds side by side the
     tokens, positions and slot counts after the append (the current token included); `write` [B, layers, kv_heads]
-    the slots the new tokens are written to."""
+    the slots the new tokens are written to (derived from the counts where every layer appends)."""
 
     packed: torch.Tensor
     write: torch.Tensor
@@ -211,10 +211,12 @@ class Engine:
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.timer = None  # set by benchmarks to time the selection and attention of eager steps
         self.step_plan_s = 0.0  # host time of the last step's `KVMethod.step_plan`
+        self._ahead: tuple[list[Sequence], StepInputs] | None = None  # the next step's inputs, prepared ahead
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
         shape = (config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
         if num_pages is None and device.type == "cuda":
+            torch.cuda.empty_cache()  # memory the caching allocator holds unused (e.g. weights cast after loading)
             free, total = torch.cuda.mem_get_info(device)
             page_bytes = 2 * page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
             num_pages = int((free - (1 - gpu_memory_utilization) * total - 2 * 2**30) // page_bytes)
@@ -300,41 +302,27 @@ class Engine:
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], method: KVMethod) -> torch.Tensor:
         """Feed each sequence's last sampled token; return next-token logits [B, vocab]."""
-        inputs, plan = self.prepare_step(seqs, method)
-        step = DecodeStep(self, self.step_batch(seqs, inputs, plan), method, inputs.write)
-        logits = self.model(inputs.tokens, step)
-        step.finish()
+        logits, step = self.forward_step(seqs, method)
         self.finish_step(seqs, step)
         return logits
 
-    def prepare_step(self, seqs: list[Sequence], method: KVMethod) -> tuple[StepInputs, dict | None]:
-        """Host-side work before a decode step: the method picks write slots (decode eviction), appended tokens get
-        pages, the method plans the step's selection (`step_plan`). The step's inputs reach the device in one copy
-        that does not wait for it."""
-        layers, heads = self.config.num_layers, self.config.num_kv_heads
-        before = [list(s.kv.num_slots) for s in seqs]
-        write = None
-        if type(method).begin_step is not KVMethod.begin_step:
-            positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
-            slots_before = torch.tensor(before, device=self.device)  # [B, layers]
-            write = method.begin_step(DecodeBatch(seqs, positions, slots_before, self.config))
-        if write is None:  # every layer appends
-            for seq in seqs:
-                seq.kv.append_slot()
-        else:
-            appends = (write == slots_before[:, :, None]).any(-1).tolist()
-            for b, seq in enumerate(seqs):
-                grown = {layer: n + 1 for layer, n in enumerate(before[b]) if appends[b][layer]}
-                for layer, n in grown.items():
-                    seq.kv.num_slots[layer] = n
-                seq.kv.ensure_all(grown)
-        host = torch.tensor([[s.last_token, s.num_computed, *s.kv.num_slots, *b] for s, b in zip(seqs, before)])
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(self.device, non_blocking=True)  # [B, 2 + 2 * layers]
-        if write is None:
-            write = packed[:, 2 + layers :, None].expand(-1, -1, heads)
-        inputs = StepInputs(packed[:, : 2 + layers], write)
+    @torch.inference_mode()
+    def forward_step(self, seqs: list[Sequence], method: KVMethod,
+                     inputs: StepInputs | None = None) -> tuple[torch.Tensor, DecodeStep]:
+        """The eager forward of a decode step (nothing read back yet): logits [B, vocab] and the step. `inputs`:
+        prepared ahead for these sequences (`step_inputs`)."""
+        inputs, plan = self.prepare_step(seqs, method, inputs)
+        step = DecodeStep(self, self.step_batch(seqs, inputs, plan), method, inputs.write)
+        logits = self.model(inputs.tokens, step)
+        step.finish()
+        return logits, step
+
+    def prepare_step(self, seqs: list[Sequence], method: KVMethod,
+                     inputs: StepInputs | None = None) -> tuple[StepInputs, dict | None]:
+        """Host-side work before a decode step: its inputs (`step_inputs`, unless prepared ahead), then the method's
+        plan of the step's selection (`step_plan`)."""
+        if inputs is None:
+            inputs = self.step_inputs(seqs, method)
         span = self.timer.start("selection") if self.timer else None
         started = time.perf_counter()
         plan = method.step_plan(DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, pool=self.pool))
@@ -343,20 +331,57 @@ class Engine:
             self.timer.stop(span)
         return inputs, plan
 
+    def step_inputs(self, seqs: list[Sequence], method: KVMethod, ahead: bool = False) -> StepInputs:
+        """The method picks write slots (decode eviction) or every layer appends; appended tokens get pages. The
+        inputs reach the device in one copy that does not wait for it. ahead: for the step after the one running
+        (its token is not known yet: the caller fills it in on the device; positions are one further)."""
+        write = None
+        if type(method).begin_step is not KVMethod.begin_step:
+            before = [list(s.kv.num_slots) for s in seqs]
+            positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
+            slots_before = torch.tensor(before, device=self.device)  # [B, layers]
+            write = method.begin_step(DecodeBatch(seqs, positions, slots_before, self.config))
+        if write is None:  # every layer appends
+            for seq in seqs:
+                if seq.slot_ready:
+                    seq.slot_ready = False
+                else:
+                    seq.kv.append_slot()
+                seq.slot_ready = ahead
+        else:
+            appends = (write == slots_before[:, :, None]).any(-1).tolist()
+            for b, seq in enumerate(seqs):
+                grown = {layer: n + 1 for layer, n in enumerate(before[b]) if appends[b][layer]}
+                for layer, n in grown.items():
+                    seq.kv.num_slots[layer] = n
+                seq.kv.ensure_all(grown)
+        packed = self.pool.staging.send([[0 if ahead else s.last_token, s.num_computed + ahead, *s.kv.num_slots]
+                                         for s in seqs])
+        if write is None:  # the slot before the count, in every layer and head
+            write = (packed[:, 2:] - 1)[:, :, None].expand(-1, -1, self.config.num_kv_heads)
+        return StepInputs(packed, write)
+
     def step_batch(self, seqs: list[Sequence], inputs: StepInputs, plan: dict | None) -> DecodeBatch:
         """The batch of a prepared eager step as `select` sees it (page tables stacked, shapes from the lengths)."""
         tables = _stack_tables([s.kv.table for s in seqs])
         return DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, tables,
                            max(max(s.kv.num_slots) for s in seqs), plan, self.pool)
 
-    def finish_step(self, seqs: list[Sequence], step: DecodeStep) -> None:
+    def finish_step(self, seqs: list[Sequence], step: DecodeStep,
+                    tokens: torch.Tensor | None = None) -> list[int] | None:
+        """Account a finished forward in one read from the device: the step's attention statistics and, given the
+        next tokens [B] on the device, those tokens (returned)."""
         n = len(seqs)
-        stats = torch.stack([step.attended_sum[:n] / self.config.num_layers, step.attended_max[:n].float()]).tolist()
+        rows = [step.attended_sum[:n].double() / self.config.num_layers, step.attended_max[:n].double()]
+        if tokens is not None:
+            rows.append(tokens.double())  # token ids are exact in float64
+        read = torch.stack(rows).tolist()
         for b, seq in enumerate(seqs):
             seq.num_computed += 1
-            seq.attended_total += stats[0][b]
-            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(stats[1][b]))
-            seq.stats.selection_s += (step.selection_s + self.step_plan_s) / len(seqs)
+            seq.attended_total += read[0][b]
+            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(read[1][b]))
+            seq.stats.selection_s += (step.selection_s + self.step_plan_s) / n
+        return [int(t) for t in read[2]] if tokens is not None else None
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
         """Continuous batching: admit waiting requests while the pool can hold them to the end, prefill each on
@@ -397,26 +422,45 @@ class Engine:
 
     def step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop,
              pick=_sample) -> None:
-        """One decode step of the running batch: the forward (graph replay when it fits), the next tokens, the
-        method's `end_step`, statistics and stop checks (what `run`, `generate` and the benchmarks time)."""
+        """One decode step of the running batch: the forward (graph replay when it fits), the method's
+        `observe_logits` and the next step's inputs while it runs, the next tokens, the method's `end_step`,
+        statistics and stop checks (what `run`, `generate` and the benchmarks time)."""
         started = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        inputs = ahead[1] if ahead is not None and len(ahead[0]) == len(running) and all(
+            a is s and s.slot_ready for a, s in zip(ahead[0], running)) else None
+        if inputs is not None:  # this step consumes the slots prepared for it
+            for seq in running:
+                seq.slot_ready = False
         if graphs is not None and graphs.fits(running):
-            logits = graphs.decode_step(running)
+            logits, step = graphs.forward_step(running, inputs)
         else:
-            logits = self.decode_step(running, method)
-        if pick is _sample and all(s.params.temperature <= 0 for s in running):  # greedy: one argmax, one sync
-            tokens = logits.argmax(-1).tolist()
-        else:
-            tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
-        batch = DecodeBatch(running, torch.tensor([s.num_computed for s in running]),
-                            torch.tensor([s.kv.num_slots for s in running]), self.config)
+            logits, step = self.forward_step(running, method, inputs)
+        greedy = pick is _sample and all(s.params.temperature <= 0 for s in running)
+        chosen = logits.argmax(-1) if greedy else None
+        if greedy and method.graph_safe and type(method).begin_step is KVMethod.begin_step:
+            # while the device runs this step, prepare the next one for the same batch (its tokens are this step's
+            # greedy tokens, filled in on the device); a request that finishes now leaves a spare slot behind, and
+            # the method's end_step must not move the cache (graph-safe methods do not)
+            upcoming = self.step_inputs(running, method, ahead=True)
+            upcoming.packed[:, 0] = chosen
+            self._ahead = (list(running), upcoming)
         span = self.timer.start("selection") if self.timer else None  # per-step bookkeeping of the method
-        method.end_step(batch, logits, tokens)
+        method.observe_logits(running, logits)
         if span:
             self.timer.stop(span)
+        tokens = self.finish_step(running, step, chosen)  # greedy: one read for everything
+        if tokens is None:
+            tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
+        if type(method).end_step is not KVMethod.end_step:
+            span = self.timer.start("selection") if self.timer else None
+            method.end_step(running, logits, tokens)
+            if span:
+                self.timer.stop(span)
         elapsed = time.perf_counter() - started
         for seq, token in zip(running, tokens):
-            seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, seq.kv.resident_slots())
+            resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step
+            seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, resident)
             seq.stats.decode_s += elapsed
             self._append(seq, token, is_stop)
 

@@ -13,6 +13,7 @@ import itertools
 
 import torch
 
+from semkv.engine.staging import HostStaging
 from semkv.errors import SemkvError
 
 
@@ -44,6 +45,7 @@ class KVPool:
         self.v = torch.empty_like(self.k)
         self.pos = torch.empty(0, page_size, num_kv_heads, dtype=torch.int32, device=device)
         self.free: list[int] = []
+        self.staging = HostStaging(device)  # page ids reach the tables through it
         self.in_use = 0
         self.peak_in_use = 0
         self._grow(num_pages)
@@ -96,13 +98,14 @@ class SeqKV:
     """One sequence's page tables (a device tensor [layers, capacity_pages]) and slot counts per layer.
 
     `version` changes, to a value no other table ever had, whenever pages are added, so holders of a copy of the
-    table (the CUDA-graph buffers) know when to copy it again."""
+    table (the CUDA-graph buffers) know when to copy it again; `widest` is the most pages any layer holds."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
         layers = pool.num_layers
         self.pages: list[list[int]] = [[] for _ in range(layers)]
         self.num_slots = [0] * layers
+        self.widest = 0
         self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
         self.version = next(_versions)
 
@@ -112,8 +115,10 @@ class SeqKV:
 
     def append_slot(self) -> None:
         """One more slot in every layer (a decode step that appends its token everywhere)."""
-        self.num_slots = [n + 1 for n in self.num_slots]
-        size = self.pool.page_size
+        size, before = self.pool.page_size, self.num_slots
+        self.num_slots = [n + 1 for n in before]
+        if all(n % size for n in before):  # every layer's last page has room (slots [0, n) exist)
+            return
         self.ensure_all({layer: n for layer, n in enumerate(self.num_slots) if n > len(self.pages[layer]) * size})
 
     def ensure_all(self, slots: dict[int, int]) -> None:
@@ -125,6 +130,7 @@ class SeqKV:
             if need > have:
                 pages = self.pool.allocate(need - have)
                 self.pages[layer].extend(pages)
+                self.widest = max(self.widest, need)
                 layers += [layer] * len(pages)
                 cols += range(have, need)
                 new += pages
@@ -135,10 +141,7 @@ class SeqKV:
                                 device=self.table.device)
             grown[:, : self.table.shape[1]] = self.table
             self.table = grown
-        host = torch.tensor([layers, cols, new], dtype=torch.long)
-        if self.table.is_cuda:
-            host = host.pin_memory()
-        index = host.to(self.table.device, non_blocking=True)  # [3, new pages]: layer, column, page id
+        index = self.pool.staging.send([layers, cols, new])  # [3, new pages]: layer, column, page id
         self.table[index[0], index[1]] = index[2]
         self.version = next(_versions)
 
@@ -200,6 +203,7 @@ class SeqKV:
         if extra:
             del self.pages[layer][need:]
             self.pool.release(extra)
+            self.widest = max(map(len, self.pages))
 
     def resident_slots(self) -> float:
         """Mean stored slots per layer (per KV head)."""
@@ -210,3 +214,4 @@ class SeqKV:
             self.pool.release(self.pages[layer])
             self.pages[layer] = []
             self.num_slots[layer] = 0
+        self.widest = 0

@@ -68,6 +68,7 @@ class Sequence:
         self.finish_reason = ""
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.num_computed = 0  # tokens whose K/V went through the model (prefill progress, then +1 per step)
+        self.slot_ready = False  # the next decode step's slot is appended already (prepared during the last step)
         self.window_queries: dict[int, torch.Tensor] = {}  # layer -> last prompt queries, for shared prefills
         self.attended_total = 0.0  # sum over decode steps of attended slots per head, averaged over layers
         self.trace: Trace | None = None  # set to record resident / attended positions (engine/trace.py)

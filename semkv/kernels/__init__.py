@@ -71,3 +71,12 @@ def paged_dot(q, k_pool, table, slots):
 
         return kernel.paged_dot(q, k_pool, table, slots)
     return reference.paged_dot(q, k_pool, table, slots)
+
+
+def summary_dots(sums, pages, directions):
+    """See `reference.summary_dots`."""
+    if use_triton(sums.device):
+        from semkv.kernels import triton_summary_dot
+
+        return triton_summary_dot.summary_dots(sums, pages, directions)
+    return reference.summary_dots(sums, pages, directions)

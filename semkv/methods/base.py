@@ -14,7 +14,8 @@ Decode (a batch, one token per sequence):
     step_plan(batch) / plan_selection(batch, plan) -> one `Selection` for every layer of the step (CHESS), decided
         from per-sequence state on the host and turned into slots by tensor operations (inside the CUDA graph)
     select(layer, batch, q)                -> `Selection` of slots each KV head attends to (None: all stored)
-    end_step(batch, logits, tokens)        -> update per-sequence state (entropy, sentence ends...).
+    observe_logits(seqs, logits)           -> device work on a step's logits while the forward runs (entropy).
+    end_step(seqs, logits, tokens)         -> update per-sequence state once the tokens are known (sentence ends...).
 
 The budget is the number of cached positions one KV head of one layer attends to (or keeps) in a decode step, sinks
 and recent window included: an int is tokens, a float in (0, 1] a fraction of the current context.
@@ -207,7 +208,13 @@ class KVMethod:
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         return None
 
-    def end_step(self, batch: DecodeBatch, logits: torch.Tensor, tokens: list[int]) -> None:
+    def observe_logits(self, seqs: list["Sequence"], logits: torch.Tensor) -> None:
+        """Right after a decode step's forward is queued, before its tokens are read back: the logits [B, vocab] are
+        not computed yet, so work queued on them overlaps the forward (reading a value back waits for it)."""
+        return None
+
+    def end_step(self, seqs: list["Sequence"], logits: torch.Tensor, tokens: list[int]) -> None:
+        """After a decode step: its logits [B, vocab] and the chosen next tokens of the batch's sequences."""
         return None
 
     # -- description ----------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ entropy_threshold, varentropy_threshold: override the calibrated thresholds (nat
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from semkv import kernels
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
 from semkv.methods import calibration
@@ -69,9 +71,57 @@ DEFAULT_THRESHOLDS = {"entropy": 3.84, "varentropy": 3.50}
 _selections = itertools.count(1)
 
 
+def budget_tokens(budget: int | float | None, n: torch.Tensor) -> torch.Tensor:
+    """`resolve_budget` for slot counts n [b] on the device."""
+    if budget is None:
+        return n
+    if isinstance(budget, float):
+        return torch.ceil(n.double() * budget).long().clamp(min=1)
+    return torch.full_like(n, budget)
+
+
+def safety(n: torch.Tensor, budget: torch.Tensor, start: torch.Tensor, size: int):
+    """Recent and sink tokens attended, and pages left for the selection, under the budget (all [b]), for n slots and
+    a window starting at page `start` (pages of `size` tokens)."""
+    recent = torch.minimum(n - start * size, budget)
+    sink = torch.minimum(start.clamp(max=1) * size, budget - recent)
+    return recent, sink, (budget - recent - sink) // size
+
+
+def plan_slots(n: torch.Tensor, start: torch.Tensor, pages: torch.Tensor, budget: int | float | None, size: int,
+               width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's slots from its plan: the sink tokens, the best k kept pages (the window may have grown since the
+    selection, so k may have shrunk) and the recent window, ascending, by index arithmetic over a fixed width (no
+    mask over the context, no sort of it). n [b] slots, start [b] window start, pages [b, P] kept pages best first
+    (-1 padding). Returns slots [b, width] and lengths [b]."""
+    recent, sink, k = safety(n, budget_tokens(budget, n), start, size)
+    kept = (torch.arange(pages.shape[1], device=n.device) < k[:, None]) & (pages >= 0)
+    chosen = torch.where(kept, pages, torch.iinfo(torch.long).max).sort(-1).values  # [b, P] ascending
+    n_kept = kept.sum(-1) * size  # [b] slots of the kept pages
+    j = torch.arange(width, device=n.device)[None]  # [1, W]
+    in_pages = j - sink[:, None]  # [b, W] offset into the kept pages' slots
+    page = torch.gather(chosen, 1, (in_pages // size).clamp(0, pages.shape[1] - 1))
+    in_recent = in_pages - n_kept[:, None]
+    slots = torch.where(j < sink[:, None], j, torch.where(in_recent < 0, page * size + in_pages % size,
+                                                         (n - recent)[:, None] + in_recent))
+    lengths = sink + n_kept + recent  # [b]
+    return torch.where(j < lengths[:, None], slots, 0), lengths
+
+
+@functools.cache
+def _compiled_plan_slots():
+    return torch.compile(plan_slots, dynamic=False, fullgraph=True)
+
+
+def plan_slots_function(device: torch.device):
+    """`plan_slots` as run on `device`: on CUDA compiled by torch.compile, which fuses its ~45 element-wise
+    operations into a few kernels (inside the decode graph they would otherwise cost ~2 us each)."""
+    return _compiled_plan_slots() if device.type == "cuda" else plan_slots
+
+
 @dataclass
 class ChessState:
-    ranked: torch.Tensor | None = None  # [kept pages] page ids of the last selection, best score first
+    ranked: torch.Tensor | None = None  # [width] page ids of the last selection, best score first, then -1
     selection_id: int = 0  # unique per selection, so a step plan can be reused while no sequence re-selected
     window_start: int = 0  # first page of the recent window (fixed between selections, so the window grows)
     summarized: int = 0  # tokens whose keys are folded into the page sums (brought up to date at a selection)
@@ -165,71 +215,81 @@ class Chess(KVMethod):
             self.summaries.build(seq.kv, layer)
         seq.method_state.summarized = seq.kv.num_slots[0]
 
-    def fold(self, seqs: list[Sequence], upto: list[int]) -> None:
-        """Bring the page sums of each sequence up to its first `upto` tokens, in every layer (the keys of tokens
-        generated since the last fold; only a selection reads the sums)."""
-        size = self.kv_page_size
-        for seq, end in zip(seqs, upto):
-            st: ChessState = seq.method_state
-            if end > st.summarized:
-                first, last = st.summarized // size, -(-end // size)  # KV pages holding the new tokens
-                table = seq.kv.table[:, first:last]  # [layers, pages]
-                filled = (end - torch.arange(first, last, device=table.device) * size).clamp(max=size)
-                self.summaries.rebuild(seq.kv.pool, table, filled.expand_as(table))
-                st.summarized = end
+    @staticmethod
+    def stacked_tables(seqs: list[Sequence], kv_pages: int) -> torch.Tensor:
+        """The first `kv_pages` columns of each sequence's page tables: [b, layers, kv_pages] (0, the scratch page,
+        past a table's end)."""
+        return torch.stack([s.kv.table[:, :kv_pages] if s.kv.table.shape[1] >= kv_pages else
+                            F.pad(s.kv.table, (0, kv_pages - s.kv.table.shape[1])) for s in seqs])
 
-    def page_sums(self, seqs: list[Sequence], summarized: torch.Tensor, pages: torch.Tensor):
-        """Eq. 1's numerators, layer by layer: for pages [b, m] of each sequence (the first `summarized` [b] tokens
-        summarised), a function of the layer giving the key sums of their KV pages [b, m * per_page, kv_heads, D]
-        (stale where nothing is summarised: mask with the counts), the tokens summarised in each KV page
-        [b, m * per_page] and in each page [b, m]."""
+    def fold(self, seqs: list[Sequence], upto: list[int], tables: torch.Tensor | None = None) -> None:
+        """Bring the page sums of each sequence up to its first `upto` tokens, in every layer (the keys of tokens
+        generated since the last fold; only a selection reads the sums), all sequences in one rebuild. tables:
+        `stacked_tables` covering the tokens, if the caller has them."""
+        size = self.kv_page_size
+        firsts = [seq.method_state.summarized // size for seq in seqs]  # first KV page holding new tokens
+        width = max(-(-end // size) - first for end, first in zip(upto, firsts))
+        if width <= 0 or all(end <= seq.method_state.summarized for seq, end in zip(seqs, upto)):
+            return
+        if tables is None:
+            tables = self.stacked_tables(seqs, max(firsts) + width)
+        device = tables.device
+        cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [b, width]
+        filled = (torch.tensor(upto, device=device)[:, None] - cols * size).clamp(0, size)  # 0: nothing written
+        pool = seqs[0].kv.pool
+        ids = torch.gather(tables, 2, cols.clamp(max=tables.shape[2] - 1)[:, None].expand(-1, tables.shape[1], -1))
+        ids = torch.where((cols < tables.shape[2])[:, None], ids, pool.scratch)  # past the tables: nothing to fold
+        self.summaries.rebuild(pool, ids, filled[:, None].expand_as(ids))
+        for seq, end in zip(seqs, upto):
+            seq.method_state.summarized = max(seq.method_state.summarized, end)
+
+    def page_sums(self, seqs: list[Sequence], summarized: torch.Tensor, pages: torch.Tensor, n_pages: int,
+                  tables: torch.Tensor | None = None):
+        """Eq. 1's numerators for pages [b, m] (all below `n_pages`) of each sequence, the first `summarized` [b]
+        tokens summarised: the physical ids of their KV pages [b, layers, m * per_page] (their sums are stale where
+        nothing is summarised: mask with the counts), the tokens summarised in each KV page [b, m * per_page] and in
+        each page [b, m]."""
         size, per_page = self.kv_page_size, self.page_size // self.kv_page_size
         b, m = pages.shape
         cols = (pages[..., None] * per_page + torch.arange(per_page, device=pages.device)).flatten(1)  # [b, m * pp]
-        width = int(cols.max()) + 1
-        tables = torch.stack([F.pad(s.kv.table[:, :width], (0, max(width - s.kv.table.shape[1], 0))) for s in seqs])
+        if tables is None:
+            tables = self.stacked_tables(seqs, n_pages * per_page)
         physical = torch.gather(tables, 2, cols[:, None].expand(-1, tables.shape[1], -1))  # [b, layers, m * pp]
         filled = (summarized[:, None] - cols * size).clamp(0, size)  # [b, m * pp]
-        return lambda layer: self.summaries.gather("sum", physical[:, layer]), filled, filled.view(b, m, -1).sum(-1)
+        return physical, filled, filled.view(b, m, -1).sum(-1)
 
     def mean_vector(self, seqs: list[Sequence], summarized: torch.Tensor, pages: torch.Tensor,
-                    chosen: torch.Tensor) -> torch.Tensor:
-        """The mean of the page vectors (Eq. 1) of the `chosen` [b, m] non-empty pages among `pages` [b, m]:
-        [b, layers, kv_heads, D]."""
-        layer_sums, filled, counts = self.page_sums(seqs, summarized, pages)
+                    chosen: torch.Tensor, n_pages: int, tables: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean of the page vectors (Eq. 1) of the `chosen` [b, m] non-empty pages among `pages` [b, m] (all
+        below `n_pages`): [b, layers, kv_heads, D]."""
+        physical, filled, counts = self.page_sums(seqs, summarized, pages, n_pages, tables)
         chosen = chosen & (counts > 0)
         weights = chosen / counts.clamp(min=1) / chosen.sum(1, keepdim=True).clamp(min=1)  # [b, m]
         weights = weights.repeat_interleave(self.page_size // self.kv_page_size, -1)  # [b, m * pp] per KV page
-        live = (filled > 0)[..., None, None]
-
-        def mean(layer: int) -> torch.Tensor:
-            return torch.einsum("bwhd,bw->bhd", torch.where(live, layer_sums(layer), 0.0), weights)
-
-        return torch.stack([mean(layer) for layer in range(seqs[0].kv.pool.num_layers)], 1)
+        live = (filled > 0)[..., None, None, None]  # stale sums (even NaN) of unfilled KV pages
+        pool, (b, layers, w) = seqs[0].kv.pool, physical.shape
+        step = max(1, (1 << 30) // (b * w * 4 * pool.num_kv_heads * pool.head_dim))  # layers per gather (< 1 GiB)
+        means = []
+        for lo in range(0, layers, step):
+            sums = self.summaries.gather("sum", physical[:, lo : lo + step].transpose(1, 2))  # [b, w, step, heads, D]
+            means.append(torch.einsum("bwlhd,bw->blhd", torch.where(live, sums, 0.0), weights))
+        return torch.cat(means, 1)
 
     def page_dots(self, seqs: list[Sequence], summarized: torch.Tensor, n_pages: int,
-                  directions: torch.Tensor) -> torch.Tensor:
+                  directions: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         """Dot products of the page vectors (Eq. 1) of pages [0, n_pages) with `directions` [b, r, layers, kv_heads,
-        D], one matrix product per layer over the gathered page sums (the vectors of all pages, layers flattened,
-        are never built): [b, r, n_pages]."""
-        b, r, layers = directions.shape[:3]
+        D]: the page sums of every layer are read in place through the page ids (`kernels.summary_dots`; the
+        vectors of all pages, layers flattened, are never built), then divided by the pages' counts: [b, r, n_pages]."""
+        b, r = directions.shape[:2]
         pages = torch.arange(n_pages, device=directions.device).expand(b, -1)
-        layer_sums, filled, counts = self.page_sums(seqs, summarized, pages)
-        by_layer = directions.permute(2, 0, 3, 4, 1).flatten(2, 3).contiguous()  # [layers, b, kv_heads * D, r]
-        dots = sum(torch.bmm(layer_sums(layer).flatten(2), by_layer[layer]) for layer in range(layers))  # [b, w, r]
+        physical, filled, counts = self.page_sums(seqs, summarized, pages, n_pages, tables)
+        dots = kernels.summary_dots(self.summaries.data["sum"], physical, directions)  # [b, w, r]
         dots = dots.masked_fill((filled == 0)[..., None], 0.0)  # stale sums (even NaN) of unfilled KV pages
         return dots.view(b, n_pages, -1, r).sum(2).transpose(1, 2) / counts.clamp(min=1)[:, None]
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def selection_width(self, max_slots: int) -> int:
         return min(resolve_budget(self.budget, max_slots), max_slots)
-
-    def safety(self, n: torch.Tensor, budget: torch.Tensor, start: torch.Tensor):
-        """Recent and sink tokens attended, and pages left for the selection, under the budget (all [b])."""
-        size = self.page_size
-        recent = torch.minimum(n - start * size, budget)
-        sink = torch.minimum(start.clamp(max=1) * size, budget - recent)
-        return recent, sink, (budget - recent - sink) // size
 
     def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor]:
         """Re-select where pending; the plan is each sequence's kept pages, best first, and its window start."""
@@ -248,74 +308,59 @@ class Chess(KVMethod):
     def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
         return {"pages": (self.selection_width(max_slots) // self.page_size + 1, -1), "window": (1, 0)}
 
-    def budget_tokens(self, n: torch.Tensor) -> torch.Tensor:
-        """`resolve_budget` for slot counts n [b] on the device."""
-        if self.budget is None:
-            return n
-        if isinstance(self.budget, float):
-            return torch.ceil(n.double() * self.budget).long().clamp(min=1)
-        return torch.full_like(n, self.budget)
-
     def plan_selection(self, batch: DecodeBatch, plan: dict[str, torch.Tensor]) -> Selection:
-        """One page set for every layer and head of the step: the sink tokens, the best k kept pages (the window
-        may have grown since the selection, so k may have shrunk) and the recent window, ascending, by index
-        arithmetic over a fixed width (no mask over the context, no sort of it)."""
-        size = self.page_size
+        """One page set for every layer and head of the step (`plan_slots`; compiled into a few kernels on CUDA)."""
         n = batch.num_slots[:, 0]  # [b] selection methods store every token in every layer
-        recent, sink, k = self.safety(n, self.budget_tokens(n), plan["window"][:, 0])
-        pages = plan["pages"]  # [b, P] best first, -1 padding
-        kept = (torch.arange(pages.shape[1], device=n.device) < k[:, None]) & (pages >= 0)
-        chosen = torch.where(kept, pages, torch.iinfo(torch.long).max).sort(-1).values  # [b, P] ascending
-        n_kept = kept.sum(-1) * size  # [b] slots of the kept pages
-        j = torch.arange(self.selection_width(batch.max_slots), device=n.device)[None]  # [1, W]
-        in_pages = j - sink[:, None]  # [b, W] offset into the kept pages' slots
-        page = torch.gather(chosen, 1, (in_pages // size).clamp(0, pages.shape[1] - 1))
-        in_recent = in_pages - n_kept[:, None]
-        slots = torch.where(j < sink[:, None], j, torch.where(in_recent < 0, page * size + in_pages % size,
-                                                             (n - recent)[:, None] + in_recent))
-        lengths = sink + n_kept + recent  # [b]
-        slots = torch.where(j < lengths[:, None], slots, 0)
+        slots, lengths = plan_slots_function(n.device)(n, plan["window"][:, 0], plan["pages"], self.budget,
+                                                       self.page_size, self.selection_width(batch.max_slots))
         return Selection(slots[:, None], lengths[:, None])
 
     def reselect(self, seqs: list[Sequence]) -> None:
+        """Algorithm 1 for the given sequences at once; nothing is read back from the device (the plan takes the kept
+        pages as a fixed-width tensor), so the host only queues the work."""
         size = self.page_size
         counts = [s.kv.num_slots[0] for s in seqs]  # the current token included: its keys are not written yet
-        self.fold(seqs, [c - 1 for c in counts])
         n_pages = [-(-c // size) for c in counts]
         starts = [max(p - self.window, 0) for p in n_pages]  # first page of the recent window
-        device = seqs[0].kv.table.device
+        width = max(n_pages)
+        tables = self.stacked_tables(seqs, width * (size // self.kv_page_size))
+        self.fold(seqs, [c - 1 for c in counts], tables)
+        device = tables.device
         n, start = torch.tensor(counts, device=device), torch.tensor(starts, device=device)
         summarized = n - 1
-        _, _, k = self.safety(n, self.budget_tokens(n), start)
-        window = (start[:, None] + torch.arange(self.window, device=device)).clamp(max=max(n_pages) - 1)
-        anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None])
-        page = torch.arange(max(n_pages), device=device)[None, :]
+        _, _, k = safety(n, budget_tokens(self.budget, n), start, size)
+        window = (start[:, None] + torch.arange(self.window, device=device)).clamp(max=width - 1)
+        anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None],
+                                  width, tables)
+        page = torch.arange(width, device=device)[None, :]
         candidates = (page >= 1) & (page < start[:, None])  # neither the sink page nor the window
         if self.center:  # (v - mean) . (anchor - mean)
-            mean = self.mean_vector(seqs, summarized, page.expand(len(seqs), -1), candidates)
-            dots = self.page_dots(seqs, summarized, max(n_pages), torch.stack([anchor, mean], 1))
+            mean = self.mean_vector(seqs, summarized, page.expand(len(seqs), -1), candidates, width, tables)
+            dots = self.page_dots(seqs, summarized, width, torch.stack([anchor, mean], 1), tables)
             scores = dots[:, 0] - dots[:, 1] + ((mean - anchor) * mean).sum((1, 2, 3))[:, None]
         else:
-            scores = self.page_dots(seqs, summarized, max(n_pages), anchor[:, None])[:, 0]  # Eq. 4
+            scores = self.page_dots(seqs, summarized, width, anchor[:, None], tables)[:, 0]  # Eq. 4
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
         keep = cascade(scores, candidates, self.chunk_pages, self.grid_chunks, rho, k)
-        ranked = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)  # [b, P]
-        for i, (seq, kept) in enumerate(zip(seqs, keep.sum(-1).tolist())):
+        most = min(self.selection_width(max(counts)) // size + 1, width)  # k <= budget // page_size everywhere
+        ranked = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)[:, :most]
+        ranked = torch.where(keep.gather(1, ranked), ranked, -1)  # [b, most] kept pages best first, then -1
+        for i, seq in enumerate(seqs):
             st: ChessState = seq.method_state
             seq.stats.extra["reselections"] += st.ranked is not None
-            st.ranked, st.selection_id, st.window_start = ranked[i, :kept], next(_selections), starts[i]
+            st.ranked, st.selection_id, st.window_start = ranked[i], next(_selections), starts[i]
             st.pages_since, st.pending = 0, False
 
-    def end_step(self, batch: DecodeBatch, logits: torch.Tensor, tokens: list[int]) -> None:
+    def observe_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Track uncertainty per page of generated tokens: the entropies stay on the device until a page ends."""
         if self.mode == "always":
-            for seq in batch.seqs:
+            for seq in seqs:
                 seq.method_state.pending = True
             return
-        entropies = token_entropy(logits) if self.mode == "dynamic" else None  # [b]
+        entropies = token_entropy(logits).unbind() if self.mode == "dynamic" else None  # [b] 0-d tensors
         ended = []
-        for b, seq in enumerate(batch.seqs):
+        for b, seq in enumerate(seqs):
             st: ChessState = seq.method_state
             st.page_tokens += 1
             if entropies is not None:

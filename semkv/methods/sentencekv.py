@@ -187,10 +187,10 @@ class SentenceKV(KVMethod):
         kv_heads = self.model.num_kv_heads
         return q.float().view(kv_heads, q.shape[0] // kv_heads, -1).mean(1)
 
-    def end_step(self, batch: DecodeBatch, logits: torch.Tensor, tokens: list[int]) -> None:
+    def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Start a new generated bucket after a sentence end (reset the mean query); offload the tokens that left
         the recent window once `offload_chunk` of them wait."""
-        for seq, token in zip(batch.seqs, tokens):
+        for seq, token in zip(seqs, tokens):
             st: SentenceState = seq.method_state
             if st.dense:
                 continue

@@ -1,0 +1,61 @@
+"""`semkv bench` on the CPU: the largest batch Full KV fits in a fixed pool, and a small grid run end to end with its
+tables and plots (speed numbers themselves come from GPU runs, not from tests)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from semkv.bench.cli import parse_batches, parse_hf_points
+from semkv.bench.run import bench_decode, largest_full_batch
+from semkv.cli.main import main
+from semkv.engine.engine import Engine
+from semkv.errors import SemkvError
+
+
+def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
+    model, cfg = tiny_llm.engine.model, tiny_llm.config
+    engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
+    context, steps = 100, 3
+    batch = largest_full_batch(engine, context, steps)
+    # per sequence: 3 layers x ceil((100 + 4 warm-up + 3 timed + 1 breakdown) / 16) = 21 pages; 399 free -> 19
+    assert batch == (engine.pool.num_pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 1) // 16))
+    row = bench_decode(engine, "full", None, batch, context, steps=steps)
+    assert row.batch == batch and row.attended_per_layer == pytest.approx(context + (4 + steps + 1 + 1) / 2)  # 101..108
+    assert engine.pool.in_use == 0  # the run gave its pages back
+    with pytest.raises(MemoryError):
+        bench_decode(engine, "full", None, batch + 1, context, steps=steps)
+    with pytest.raises(SemkvError, match="needs a KV pool of fixed size"):
+        largest_full_batch(tiny_llm.engine, context, steps)  # the CPU engine's pool grows on demand
+
+
+def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--methods", "full,chess",
+            "--budget", "48", "--param", "chess.page_size=16", "--batches", "1,2", "--contexts", "160",
+            "--steps", "2", "--out", str(out)]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["batch"]): r for r in results["decode"]}
+    assert set(rows) == {("full", 1), ("full", 2), ("chess", 1), ("chess", 2)}
+    for (method, batch), row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["tpot_ms"] > 0 and not row["graphs"]
+        # Full KV attends to the whole context; CHESS to its budget of 48 tokens
+        assert row["attended_per_layer"] > 160 if method == "full" else row["attended_per_layer"] <= 48
+        assert row["breakdown_ms"]["step"] > 0
+    assert rows[("chess", 2)]["breakdown_ms"]["selection"] > 0
+    table = (out / "results.md").read_text()
+    assert "| chess | 2 | 160 |" in table and "x Full KV" in table
+    assert (out / "decode.png").stat().st_size > 0
+    assert main(args[:-10] + ["--batches", "max", "--contexts", "160", "--out", str(out)]) == 2
+    assert "needs a KV pool of fixed size" in capsys.readouterr().err
+
+
+def test_batch_and_hf_point_arguments():
+    assert parse_batches("1, 16,max") == [1, 16, "max"]
+    assert parse_hf_points("16x32k,maxx32k,1x4096") == [(16, 32768), ("max", 32768), (1, 4096)]
+    for bad in ("16", "x32k", "maxx"):
+        with pytest.raises(SemkvError, match="BxCTX|not a number"):
+            parse_hf_points(bad)
+    with pytest.raises(SemkvError, match="'many' is not a number"):
+        parse_batches("1,many")
