@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from semkv.bench.cli import build_engine, method_params, parse_sizes
-from semkv.bench.run import largest_full_batch, never_stop, prefilled_batch, sync
+from semkv.bench.run import WARMUP_STEPS, largest_full_batch, never_stop, prefilled_batch, sync
 from semkv.cli.main import parse_budget
 from semkv.methods import get_method
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--batch", default="16", help="batch size, or max: the largest Full KV fits")
     parser.add_argument("--context", default="32k")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--out", type=Path, default=Path("profile"))
     args = parser.parse_args()

@@ -57,7 +57,10 @@ def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> N
     seq.num_computed = context
 
 
-def largest_full_batch(engine: Engine, context: int, steps: int, warmup: int = 4) -> int:
+WARMUP_STEPS = 4  # untimed decode steps before a timed run (CUDA-graph capture, compilation)
+
+
+def largest_full_batch(engine: Engine, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
     """The largest batch whose sequences of `context` tokens Full KV keeps in the engine's fixed KV pool through a
     `bench_decode` run of `steps` steps (every layer holds every token)."""
     if engine.pool.max_pages is None:
@@ -142,7 +145,7 @@ def never_stop(seq: Sequence) -> None:
 
 @torch.inference_mode()
 def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, steps: int = 32,
-                 warmup: int = 4, params: dict | None = None, tokenizer=None) -> DecodeResult:
+                 warmup: int = WARMUP_STEPS, params: dict | None = None, tokenizer=None) -> DecodeResult:
     method = get_method(name, budget, **(params or {}))
     method.bind(engine.config, tokenizer, engine.pool.page_size)
     if engine.device.type == "cuda":

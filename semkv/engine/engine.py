@@ -452,11 +452,10 @@ class Engine:
         tokens = self.finish_step(running, step, chosen)  # greedy: one read for everything
         if tokens is None:
             tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
-        if type(method).end_step is not KVMethod.end_step:
-            span = self.timer.start("selection") if self.timer else None
-            method.end_step(running, logits, tokens)
-            if span:
-                self.timer.stop(span)
+        span = self.timer.start("selection") if self.timer else None
+        method.end_step(running, logits, tokens)
+        if span:
+            self.timer.stop(span)
         elapsed = time.perf_counter() - started
         for seq, token in zip(running, tokens):
             resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step

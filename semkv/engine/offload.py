@@ -10,6 +10,12 @@ from __future__ import annotations
 import torch
 
 
+def grown_capacity(need: int, minimum: int) -> int:
+    """Room for a buffer that must hold `need` entries: an eighth more (at least `minimum`), so appends are amortised
+    and the slack stays bounded."""
+    return need + max(minimum, need // 8)
+
+
 class HostKVStore:
     def __init__(self, num_layers: int, device: torch.device):
         self.device = device
@@ -27,11 +33,11 @@ class HostKVStore:
         return self.count[layer]
 
     def _reserve(self, layer: int, k: torch.Tensor, need: int) -> None:
-        """Room for `need` tokens, grown by an eighth beyond the need (amortised appends, bounded slack)."""
+        """Room for `need` tokens (`grown_capacity`)."""
         have = 0 if self.k[layer] is None else self.k[layer].shape[1]
         if need <= have:
             return
-        capacity = need + max(256, need // 8)
+        capacity = grown_capacity(need, 256)
         heads, dim, n = k.shape[0], k.shape[2], self.count[layer]
         grown = [torch.empty(heads, capacity, *rest, dtype=dtype, pin_memory=self.pin)
                  for rest, dtype in (((dim,), k.dtype), ((dim,), k.dtype), ((), torch.int32))]

@@ -228,9 +228,9 @@ class Chess(KVMethod):
         `stacked_tables` covering the tokens, if the caller has them."""
         size = self.kv_page_size
         firsts = [seq.method_state.summarized // size for seq in seqs]  # first KV page holding new tokens
-        width = max(-(-end // size) - first for end, first in zip(upto, firsts))
-        if width <= 0 or all(end <= seq.method_state.summarized for seq, end in zip(seqs, upto)):
+        if all(end <= seq.method_state.summarized for seq, end in zip(seqs, upto)):
             return
+        width = max(-(-end // size) - first for end, first in zip(upto, firsts))
         if tables is None:
             tables = self.stacked_tables(seqs, max(firsts) + width)
         device = tables.device

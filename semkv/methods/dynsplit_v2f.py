@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from semkv.engine.offload import HostKVStore
+from semkv.engine.offload import HostKVStore, grown_capacity
 from semkv.engine.sequence import Sequence
 from semkv.methods.quest import page_upper_bound
 
@@ -101,7 +101,7 @@ class DynSplitState:
         table = self.summaries[layer]
         need = len(self.ends) + 1
         if table is None or table.shape[2] < need:
-            grown = blocks.new_zeros(*blocks.shape[:2], need + max(16, need // 8), blocks.shape[-1])  # amortised
+            grown = blocks.new_zeros(*blocks.shape[:2], grown_capacity(need, 16), blocks.shape[-1])
             if table is not None:
                 grown[:, :, : table.shape[2]] = table
             table = self.summaries[layer] = grown
