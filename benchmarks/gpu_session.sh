@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh long OUT      # TPOT over 6000 generated tokens after 32k; offload peak memory
 #   bash benchmarks/gpu_session.sh speed OUT     # targets 1-3: Full KV at B=1 4k-32k; Full KV, CHESS, TokenSelect
 #                                                # at 32k, B=16 and the largest batch Full KV fits (max), HF eager;
+#                                                # TokenSelect's Selection Cache bound (every lookup hits);
 #                                                # a CHESS profile at that batch
 # Llama-3.1-8B shape with random weights, bf16. TOK: a tokenizer folder for the methods that read token text.
 set -euo pipefail
@@ -25,12 +26,12 @@ attention)
   ;;
 grid)
   $bench --methods full,chess,tokenselect,quest --budget 0.01 --param chess.preset=aggressive \
-    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1,8,16,24,28 \
+    --param tokenselect.budget=2688 --batches 1,8,16,24,28 \
     --contexts 4k,8k,16k,32k --steps 24 --hf 1x4k,1x32k,16x32k --out "$out/grid" 2>&1 | tee "$out/grid.log"
   ;;
 long)
   $bench --methods full,chess,tokenselect --budget 0.01 --param chess.preset=aggressive \
-    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 1 --contexts 32k --steps 16 \
+    --param tokenselect.budget=2688 --batches 1 --contexts 32k --steps 16 \
     --long-gen 6000 --out "$out/long" 2>&1 | tee "$out/long.log"
   $bench --methods full,sentencekv,dynsplit --budget 0.1 --param sentencekv.offload=True \
     --param dynsplit.offload=True --tokenizer "${TOK:-.gpu/tok}" --batches 15 --contexts 32k --steps 8 \
@@ -41,8 +42,15 @@ speed)
   $bench --methods full --batches 1 --contexts 4k,8k,16k,32k --steps 64 --out "$out/speed_b1" 2>&1 \
     | tee "$out/speed_b1.log"
   $bench --methods full,chess,tokenselect --budget 0.01 --param chess.preset=aggressive \
-    --param tokenselect.budget=2688 --param tokenselect.theta=1.0 --batches 16,max --contexts 32k \
+    --param tokenselect.budget=2688 --batches 16,max --contexts 32k \
     --steps 64 --hf 16x32k,20x32k,maxx32k --out "$out/speed" 2>&1 | tee "$out/speed.log"
+  # TokenSelect's Selection Cache: random weights make consecutive queries unlike each other (no hits at theta 0.5
+  # or 0.9), so theta -1 (every lookup hits) gives the cache's bound; the paper's budget and 1% of the context
+  for cfg in "2688 -1" "328 0.9" "328 -1"; do
+    set -- $cfg
+    $bench --methods tokenselect --param tokenselect.budget=$1 --param tokenselect.theta=$2 --batches max \
+      --contexts 32k --steps 64 --out "$out/speed_ts$1_theta$2" 2>&1 | tee "$out/speed_ts$1_theta$2.log"
+  done
   # CHESS at the re-selection rate of its periodic mode (every 6 generated pages, Appendix C) instead of every page
   # (random weights keep the model uncertain, so the dynamic trigger fires at every page)
   $bench --methods chess --budget 0.01 --param chess.preset=aggressive --param chess.mode=periodic \

@@ -15,7 +15,8 @@ import sys
 import torch
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import reference, triton_decode, triton_fused, triton_prefill, triton_summary_dot
+from semkv.kernels import (reference, triton_decode, triton_fused, triton_prefill, triton_summary_dot,
+                           triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -110,6 +111,39 @@ def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, page
                  floor_ms=1e3 * ids.numel() * HK * D * 4 / bandwidth)]
 
 
+def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32768) -> list[dict]:
+    """TokenSelect's decode selection (paper budget 128 + 2048 + 512) for one layer at 32k: the kernels against the
+    reference on the same cache state. Votes are float sums in another order, so near-ties at the k-th place may
+    swap: the error is the share of top-k slots that differ (plus any mismatch of the cache state). Times: every row
+    misses (theta above 1), every row hits (theta -2), and the K bytes the scoring reads (the miss floor)."""
+    from triton.testing import do_bench
+
+    k_pool, _, tables = pool(context + 64, batch, gen)
+    q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    num_slots = context + torch.arange(batch, device="cuda")  # [B] different lengths
+    rows = torch.arange(1, batch + 1, device="cuda")
+    width = context + 64
+    sink, k, recent = 128, 2048, 512
+
+    def fresh():
+        return reference.SelectionCacheBuffers.allocate(batch + 1, 2, H * D, 1, k, torch.device("cuda"))
+
+    args = (k_pool, tables, num_slots, width, rows)
+    ref_cache, got_cache = fresh(), fresh()
+    want = reference.token_select(q, *args, ref_cache, 1, sink, recent, 0.9, "soft_vote", None)
+    got = triton_token_select.token_select(q, *args, got_cache, 1, sink, recent, 0.9, "soft_vote", None)
+    differ = sum(len(set(want[b, 0].tolist()) - set(got[b, 0].tolist())) for b in range(batch)) / (batch * k)
+    state_equal = all(torch.equal(getattr(ref_cache, n), getattr(got_cache, n)) for n in ("q", "valid", "counts"))
+    timing_cache = fresh()
+    miss_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, sink, recent, 1.5,
+                                                                "soft_vote", None))
+    hit_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, sink, recent, -2.0,
+                                                               "soft_vote", None))
+    key_bytes = float(num_slots.sum()) * HK * D * 2
+    return [dict(kernel="token_select", batch=batch, context=context, err=differ if state_equal else float("inf"),
+                 miss_ms=miss_ms, hit_ms=hit_ms, floor_ms=1e3 * key_bytes / bandwidth)]
+
+
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
     """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
     so they must agree exactly; device times of both captured in CUDA graphs."""
@@ -144,7 +178,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_plan_slots(gen))
+            + check_plan_slots(gen) + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -157,6 +191,10 @@ def main() -> int:
         elif r["kernel"] == "summary_dots":
             print(f"| summary_dots | B={r['batch']} pages={r['pages']} x 32 layers | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
+        elif r["kernel"] == "token_select":
+            print(f"| TokenSelect token_select (one layer) | B={r['batch']} ctx={r['context']} | {r['err']:.1e} "
+                  f"(top-k slots that differ) | miss {r['miss_ms']:.3f} / hit {r['hit_ms']:.3f} | - | "
+                  f"floor of a miss {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "plan_slots":
             print(f"| CHESS plan_slots (torch.compile) | B=32 | {'exact' if r['err'] == 0 else 'DIFFERS'} | "
                   f"{r['compiled_ms']:.4f} | {r['eager_ms']:.4f} | both in a CUDA graph |")

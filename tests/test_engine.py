@@ -118,7 +118,7 @@ def test_question_start_marks_the_question(tiny_llm):
 GRAPH_SAFE = {
     "full": dict(),
     "chess": dict(budget=64, page_size=16, window=1, chunk_pages=2, grid_chunks=2, mode="always"),
-    "tokenselect": dict(budget=24, n_sink=4, n_recent=4, theta=1.0),
+    "tokenselect": dict(budget=24, n_sink=4, n_recent=4, theta=0.5),  # Selection Cache rows on the device
 }
 
 
@@ -131,26 +131,28 @@ def test_static_buffer_decode_equals_eager(tiny_llm, name):
     from semkv.engine.sequence import SamplingParams, Sequence
     from semkv.methods import get_method
 
-    engine, method = tiny_llm.engine, get_method(name, **GRAPH_SAFE[name])
+    engine = tiny_llm.engine
+    eager_method, method = get_method(name, **GRAPH_SAFE[name]), get_method(name, **GRAPH_SAFE[name])
     assert method.graph_safe
-    method.bind(tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
+    for m in (eager_method, method):  # one instance per batch: methods may keep per-sequence device state
+        m.bind(tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
 
-    def prefilled(text):
+    def prefilled(text, m):
         ids = tiny_llm.tokenizer(text)["input_ids"]
         seq = Sequence(0, ids, SamplingParams(), SeqKV(engine.pool))
-        seq.method_state = method.new_state(seq)
-        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+        seq.method_state = m.new_state(seq)
+        seq.output_ids.append(int(engine.prefill(seq, m).argmax()))
         return seq
 
-    eager = [prefilled(p) for p in PROMPTS]
-    static = [prefilled(p) for p in PROMPTS]
+    eager = [prefilled(p, eager_method) for p in PROMPTS]
+    static = [prefilled(p, method) for p in PROMPTS]
     runner = GraphRunner(engine, method, max_pages=40)
     assert not runner.capture  # CPU: no capture, same code path
     for step in range(20):  # 20 steps cross KV page boundaries; the second request leaves after 8
         if step == 8:  # its pages go back to the pool and are handed out again at the next page boundary
             for batch in (eager, static):
                 batch.pop(1).kv.release()
-        want = engine.decode_step(eager, method)
+        want = engine.decode_step(eager, eager_method)
         got = runner.decode_step(static)  # the bucket of 4: full, then with a padding row where a request was
         assert (got - want).abs().max() < 1e-4
         for e, s, row in zip(eager, static, want):

@@ -15,7 +15,7 @@ from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.kernels import reference
 from semkv.methods import DecodeBatch, TokenSelect
-from semkv.methods.tokenselect import vote
+from semkv.kernels.reference import head_vote as vote
 
 PROMPT = "The passkey is 4821. Remember it. " + "Grass is green and the sky is blue. " * 14
 NEW = 8
@@ -88,6 +88,39 @@ def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_he
     monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("selection, sets", [("soft_vote", 1), ("soft_vote", 2), ("top_k", 1)])
+def test_token_select_kernel_equals_reference_in_interpreter(monkeypatch, selection, sets):
+    """Three steps of one layer for a batch (a row below the budget, a padding row, rows that hit, miss and hit
+    again): the kernels return the reference's slots and leave the Selection Cache in the same state."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_token_select", raising=False)
+    kernel = importlib.import_module("semkv.kernels.triton_token_select")
+    heads, kv_heads, dim, page_size, pages = 8, 2, 16, 4, 80
+    gen = torch.Generator().manual_seed(3)
+    k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
+    tables = torch.stack([torch.randperm(pages, generator=gen) for _ in range(4)])  # [4, pages]
+    n_sink, k, n_recent, layer, width = 3, 20, 5, 1, 200
+    caches = [reference.SelectionCacheBuffers.allocate(6, 2, heads * dim, sets, k, torch.device("cpu"))
+              for _ in range(2)]
+    rows = torch.tensor([2, 5, 3, 0])  # the last row is padding (cache row 0)
+    q = torch.randn(4, heads, dim, generator=gen)
+    for step in range(3):
+        num_slots = torch.tensor([150 + step, 190 + step, 20, 1])  # row 2 is below the budget of 28
+        if step == 1:  # row 1 diverges, row 0 repeats its query
+            q[1] = torch.randn(heads, dim, generator=gen)
+        got = kernel.token_select(q, k_pool, tables, num_slots, width, rows, caches[0], layer, n_sink, n_recent,
+                                  0.9, selection, kv_heads if sets > 1 else None, block_n=16, block_t=32,
+                                  num_warps=4, splits=3)  # splits: programs loop over several blocks
+        want = reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, n_sink,
+                                      n_recent, 0.9, selection, kv_heads if sets > 1 else None)
+        assert torch.equal(got[:3], want[:3])
+        for name in ("q", "top", "valid", "counts"):
+            assert torch.equal(getattr(caches[0], name)[1:], getattr(caches[1], name)[1:]), name
+    assert caches[0].counts[[2, 5, 3]].tolist() == [[2, 3], [1, 3], [0, 0]]  # hits, lookups
+    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_token_select")
+
+
 def test_batched_paged_dot_equals_row_by_row():
     q, k_pool, table, _ = random_pool(heads=12, kv_heads=3, page_size=8)
     tables = torch.stack([table, table.flip(0)])
@@ -107,34 +140,49 @@ def prefilled(llm, method, prompt=PROMPT):
     return seq
 
 
-def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(tiny_llm):
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(tiny_llm, path):
+    """Algorithm 1 on both paths: per sequence with the cache on the host (fractional budgets) and batched with the
+    cache on the device (`kernels.token_select`, what CUDA graphs capture)."""
+    engine, cfg = tiny_llm.engine, tiny_llm.config
     cached = TokenSelect(budget=40, theta=0.9)
     seq = prefilled(tiny_llm, cached)
-    cfg = tiny_llm.config
-
-    def batch_of(s):
-        return DecodeBatch([s], torch.tensor([s.num_computed]), torch.tensor([s.kv.num_slots]), cfg)
-
-    batch = batch_of(seq)
     gen = torch.Generator().manual_seed(0)
     q1, q2 = torch.randn(2, 1, cfg.num_heads, cfg.head_dim, generator=gen)
     q3 = q2 + 0.05 * torch.randn(q2.shape, generator=gen)  # cos(q2, q3) ~ 0.999
     fresh = TokenSelect(budget=40, theta=1.0)
     fresh_seq = prefilled(tiny_llm, fresh)
 
+    def batch_of(s):
+        return DecodeBatch([s], torch.tensor([s.num_computed]), torch.tensor([s.kv.num_slots]), cfg)
+
     def fresh_selection(q):
         fresh_seq.method_state = fresh.new_state(fresh_seq)
+        for _ in range(seq.kv.num_slots[1] - fresh_seq.kv.num_slots[1]):  # as many slots as `seq`
+            fresh_seq.kv.append_slot()
         return fresh.select_per_sequence(1, batch_of(fresh_seq), q).slots
 
-    first = cached.select(1, batch, q1).slots
+    def select(q):
+        if path == "host":
+            return cached.select_per_sequence(1, batch_of(seq), q).slots
+        batch = engine.step_batch([seq], *engine.prepare_step([seq], cached))  # appends the step's slot
+        slots = cached.select_batched(1, batch, q).slots
+        cached.end_step([seq], None, [])
+        return slots
+
+    def hits():
+        return seq.stats.extra["selection_cache_hits"]
+
+    kept = 40 - cached.split(40)[2]  # sinks and top-k (the recent slots move with each device step)
+    first = select(q1)
     assert torch.equal(first, fresh_selection(q1))
-    assert torch.equal(cached.select(1, batch, q1).slots, first)  # repeated query: a hit
-    assert seq.stats.extra["selection_cache_hits"] == 1
-    diverged = cached.select(1, batch, q2).slots  # cos(q1, q2) ~ 0: recomputed
-    assert seq.stats.extra["selection_cache_hits"] == 1
-    assert torch.equal(diverged, fresh_selection(q2)) and not torch.equal(diverged, first)
-    assert torch.equal(cached.select(1, batch, q3).slots, diverged)  # similar query: the cached selection
-    assert seq.stats.extra["selection_cache_hits"] == 2
+    assert torch.equal(select(q1)[..., :kept], first[..., :kept])  # repeated query: a hit
+    assert hits() == 1
+    diverged = select(q2)  # cos(q1, q2) ~ 0: recomputed
+    assert hits() == 1
+    assert torch.equal(diverged, fresh_selection(q2)) and not torch.equal(diverged[..., :kept], first[..., :kept])
+    assert torch.equal(select(q3)[..., :kept], diverged[..., :kept])  # similar query: the cached top-k
+    assert hits() == 2
     assert seq.stats.extra["selection_cache_hit_rate"] == 2 / 4
     for s in (seq, fresh_seq):
         s.kv.release()
@@ -234,3 +282,36 @@ def test_invalid_parameters_are_rejected(tiny_llm):
         TokenSelect(budget=0.5, extrapolate=True)
     with pytest.raises(SemkvError, match="below the model's context"):
         tiny_llm.generate(PROMPT, method=TokenSelect(budget=5000, extrapolate=True), chat=False)
+
+
+def test_selection_cache_rows_follow_the_batch(tiny_llm):
+    """Device cache rows: one per running sequence (row 0 is padding), kept while the sequence runs, freed when it
+    leaves, emptied for a newcomer; growing the buffers keeps their contents and bumps `graph_epoch` (captured
+    graphs point at the old ones)."""
+    engine = tiny_llm.engine
+    method = TokenSelect(budget=40)
+    method.bind(tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
+
+    def plan(seqs):
+        batch = DecodeBatch(seqs, torch.zeros(len(seqs)), torch.zeros(len(seqs), 1), tiny_llm.config, pool=engine.pool)
+        return method.step_plan(batch)
+
+    def rows(p):
+        return p["cache_row"][:, 0].tolist()
+
+    a, b, c = (Sequence(i, [1, 2], SamplingParams(), SeqKV(engine.pool)) for i in range(3))
+    first = plan([a, b])
+    assert plan([a, b]) is first  # the same batch: the same plan object (the graph copies nothing)
+    row_a, row_b = rows(first)
+    assert 0 not in (row_a, row_b) and row_a != row_b
+    method._cache.valid[row_a] = 1
+    method._cache.valid[row_b] = 1
+    second = plan([b, c])  # a left: c may take its row, emptied
+    assert rows(second)[0] == row_b and method._cache.valid[rows(second)[1]].sum() == 0
+    assert method._cache.valid[row_b].sum() == tiny_llm.config.num_layers
+    epoch, capacity = method.graph_epoch, method._cache.q.shape[0]
+    crowd = [b, c] + [Sequence(i, [1, 2], SamplingParams(), SeqKV(engine.pool)) for i in range(3, 3 + capacity)]
+    grown = rows(plan(crowd))
+    assert method.graph_epoch == epoch + 1 and method._cache.q.shape[0] > capacity
+    assert len(set(grown)) == len(crowd) and 0 not in grown and grown[0] == row_b
+    assert method._cache.valid[row_b].sum() == tiny_llm.config.num_layers  # contents moved with the buffers

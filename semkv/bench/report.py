@@ -9,7 +9,8 @@ def decode_line(row) -> str:
     return (f"{row.method:<12} B={row.batch:<3} ctx={row.context:<6} TPOT {row.tpot_ms:8.2f} ms "
             f"(mean {row.tpot_mean_ms:.2f}, forward {row.forward_ms:.2f})  {row.tokens_per_s:9.1f} tok/s  "
             f"selection {100 * row.selection_share:.2f}%  peak {row.peak_memory_gib:6.1f} GiB  "
-            f"attended {row.attended_per_layer:8.0f}")
+            f"attended {row.attended_per_layer:8.0f}"
+            + ("" if row.cache_hit_rate is None else f"  cache hits {100 * row.cache_hit_rate:.1f}%"))
 
 
 def floor_ms(row: dict, info: dict, kv_token_bytes: int) -> float:
@@ -19,6 +20,11 @@ def floor_ms(row: dict, info: dict, kv_token_bytes: int) -> float:
         return 0.0
     moved = info["weight_bytes"] + row["batch"] * row["attended_per_layer"] * kv_token_bytes
     return 1e3 * moved / (bandwidth * 1e9)
+
+
+def hit_rate(row: dict) -> str:
+    rate = row.get("cache_hit_rate")
+    return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
 def write(results: dict, out: Path) -> None:
@@ -31,7 +37,8 @@ def write(results: dict, out: Path) -> None:
     full = {(r["batch"], r["context"]): r for r in results["decode"] if r["method"] == "full"}
     lines += ["", "## Decode", "",
               "| method | batch | context | TPOT ms | tokens/s | x Full KV | floor ms | TPOT / floor | graph forward ms | "
-              "selection share | peak GiB | attended / layer | graphs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "selection share | peak GiB | attended / layer | cache hits | graphs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
         base = full.get((r["batch"], r["context"]))
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
@@ -40,7 +47,7 @@ def write(results: dict, out: Path) -> None:
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
                      f"| {speedup} | {floor:.2f} | {ratio} | {r.get('forward_ms', 0):.2f} | "
                      f"{100 * r.get('selection_share', 0):.2f}% | {r['peak_memory_gib']:.1f} | "
-                     f"{r['attended_per_layer']:.0f} | {r['graphs']} |")
+                     f"{r['attended_per_layer']:.0f} | {hit_rate(r)} | {r['graphs']} |")
     lines += ["", "## Step breakdown (one eager step, ms)", "",
               "| method | batch | context | step | selection | attention | rest | selection share |",
               "|---|---|---|---|---|---|---|---|"]

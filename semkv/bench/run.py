@@ -36,6 +36,7 @@ class DecodeResult:
     forward_ms: float = 0.0  # device time of one replay of the captured forward (0 without graphs)
     selection_share: float = 0.0  # selection time (host-side plan, per-layer selects, the plan's slots) / step time
     breakdown_ms: dict[str, float] = field(default_factory=dict)
+    cache_hit_rate: float | None = None  # TokenSelect's Selection Cache over the timed steps (None: no such cache)
 
 
 def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> None:
@@ -155,7 +156,9 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     graphs = engine.graph_runner(method, seqs)
     time_steps(engine, method, seqs, warmup, graphs)
     selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
+    lookups_before = cache_counts(seqs)
     times = sorted(time_steps(engine, method, seqs, steps, graphs))
+    hit_rate = cache_hit_rate(lookups_before, cache_counts(seqs))
     tpot, mean = times[len(times) // 2], sum(times) / len(times)
     selection = sum(s.stats.selection_s for s in seqs) - selection_before + steps * plan_selection_s(engine, graphs)
     share = selection / (seqs[0].stats.decode_s - decode_before)
@@ -166,7 +169,21 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     for seq in seqs:
         seq.kv.release()
     return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / mean, peak, engine.pool.peak_in_use,
-                        attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown)
+                        attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown, hit_rate)
+
+
+def cache_counts(seqs: list[Sequence]) -> tuple[int, int] | None:
+    """Selection Cache hits and lookups of a batch so far (None: the method keeps no such cache)."""
+    extras = [s.stats.extra for s in seqs if "selection_cache_lookups" in s.stats.extra]
+    if not extras:
+        return None
+    return sum(e["selection_cache_hits"] for e in extras), sum(e["selection_cache_lookups"] for e in extras)
+
+
+def cache_hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _graphed(graphs):

@@ -103,6 +103,7 @@ class GraphRunner:
         self.engine, self.method, self.max_pages = engine, method, max_pages
         self.capture = engine.device.type == "cuda"
         self.steps: dict[int, GraphedStep] = {}
+        self.epoch = method.graph_epoch  # see `KVMethod.graph_epoch`
 
     def fits(self, seqs: list[Sequence]) -> bool:
         return len(seqs) <= BUCKETS[-1] and max(s.kv.widest for s in seqs) <= self.max_pages
@@ -118,6 +119,9 @@ class GraphRunner:
     def forward_step(self, seqs: list[Sequence], inputs=None):
         """`Engine.forward_step` through the graph: logits [B, vocab] and the captured step (its statistics)."""
         inputs, plan = self.engine.prepare_step(seqs, self.method, inputs)
+        if self.epoch != self.method.graph_epoch:
+            self.steps.clear()
+            self.epoch = self.method.graph_epoch
         size = next(b for b in BUCKETS if b >= len(seqs))
         if size not in self.steps:
             self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture)

@@ -80,3 +80,16 @@ def summary_dots(sums, pages, directions):
 
         return triton_summary_dot.summary_dots(sums, pages, directions)
     return reference.summary_dots(sums, pages, directions)
+
+
+def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta, selection,
+                 kv_heads):
+    """See `reference.token_select`; the Triton path covers the soft vote and top-k with k >= 1 (the hard vote and
+    k = 0 run the reference)."""
+    if use_triton(q.device) and selection != "hard_vote" and cache.top.shape[-1] > 0:
+        from semkv.kernels import triton_token_select as kernel
+
+        return kernel.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent,
+                                   theta, selection, kv_heads)
+    return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta,
+                                  selection, kv_heads)

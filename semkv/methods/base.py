@@ -12,7 +12,8 @@ Prefill (one sequence, chunk by chunk, layer by layer):
 Decode (a batch, one token per sequence):
     begin_step(batch)                      -> slots the new tokens overwrite [B, layers, kv_heads] (None: append)
     step_plan(batch) / plan_selection(batch, plan) -> one `Selection` for every layer of the step (CHESS), decided
-        from per-sequence state on the host and turned into slots by tensor operations (inside the CUDA graph)
+        from per-sequence state on the host and turned into slots by tensor operations (inside the CUDA graph); a
+        plan may also only point `select` at per-sequence device state (TokenSelect's Selection Cache rows)
     select(layer, batch, q)                -> `Selection` of slots each KV head attends to (None: all stored)
     observe_logits(seqs, logits)           -> device work on a step's logits while the forward runs (entropy).
     end_step(seqs, logits, tokens)         -> update per-sequence state once the tokens are known (sentence ends...).
@@ -130,6 +131,8 @@ class KVMethod:
     # True when `select`/`begin_step` work from DecodeBatch tensors alone (no per-sequence Python state, no reads of
     # device values), so the decode step can be captured in a CUDA graph.
     graph_safe: ClassVar[bool] = False
+    # Bumped by a method that reallocates device buffers its captured steps point at: graphs are captured again.
+    graph_epoch: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         validate_budget(self.budget)
@@ -192,8 +195,7 @@ class KVMethod:
         """Per-sequence int64 tensors [B, width] decided on the host before the forward, from which
         `plan_selection` computes one selection for every layer of the step (per-step methods such as CHESS). It
         may use per-sequence state; it sees the batch without page tables. Under CUDA graphs the plan is copied into
-        static buffers (`plan_widths`), so such a method is `graph_safe` without its `select` being called.
-        None: ask `select` per layer."""
+        static buffers (`plan_widths`). None: no plan."""
         return None
 
     def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
@@ -201,9 +203,10 @@ class KVMethod:
         most `max_slots` slots; a plan narrower than its buffer is padded with the value."""
         return {}
 
-    def plan_selection(self, batch: DecodeBatch, plan: dict[str, torch.Tensor]) -> Selection:
-        """The step's selection from the plan and the batch tensors alone (captured in the CUDA graph)."""
-        raise NotImplementedError
+    def plan_selection(self, batch: DecodeBatch, plan: dict[str, torch.Tensor]) -> Selection | None:
+        """The step's selection from the plan and the batch tensors alone (captured in the CUDA graph). None: `select`
+        runs per layer and reads the plan from `batch.step_plan` (per-sequence device state, TokenSelect)."""
+        return None
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         return None

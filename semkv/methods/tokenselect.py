@@ -19,7 +19,10 @@ Readings of the paper (each a parameter where it matters):
   tokens just before the chunk. While the budget covers every earlier token the chunk attends to all of them, so
   prefill then equals Full KV exactly.
 - The Selection Cache (decode only, as Algorithm 1) keys on the query flattened over heads, per sequence and layer;
-  a hit reuses the top-k slots and refreshes the initial and recent ones. Hit counts go to `stats.extra`.
+  a hit reuses the top-k slots and refreshes the initial and recent ones. Hit counts go to `stats.extra`. With an
+  int budget in exact mode it lives on the device (`kernels.token_select`, one cache row per running sequence,
+  named by the step plan), so the whole decode step is captured in a CUDA graph and the scoring kernels skip the
+  rows that hit; fractional budgets and extrapolation keep it per sequence on the host.
 - Exact mode (default) scores post-RoPE keys with post-RoPE queries. `extrapolate=True` stores keys before RoPE,
   scores without positions, and rotates the attended keys by their rank (`KVMethod.rope_by_rank`), so the model sees
   positions below budget + prefill_chunk however long the input: keep that under the model's context.
@@ -33,41 +36,24 @@ n_recent: most recent tokens always attended, 512 (paper Sec. 6.1, `n_local`).
 selection: "soft_vote" (Eq. 7, the paper's method), "hard_vote" (Eq. 6: each head's top-k, counted; ties broken by
     the soft vote) or "top_k" (Eq. 5: top-k of the logits summed over heads), the ablations of Table 4.
 scope: "layer" (Eq. 7, one token set per layer) or "kv_head" (one set per KV group).
-theta: Selection Cache threshold on the cosine similarity of consecutive queries, 0.9 (paper Sec. 6.1); 1.0
-    practically disables the cache.
+theta: Selection Cache threshold on the cosine similarity of consecutive queries, 0.9 (paper Sec. 6.1), in
+    [-1, 1]; 1.0 practically disables the cache, -1 reuses each layer's first decode selection (every lookup hits:
+    the bound `semkv bench` measures the cache against).
 extrapolate: store keys before RoPE and rotate the attended ones by rank (the paper's length-extrapolation setting).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
 from semkv import kernels
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, per_kv_head, resolve_budget
+from semkv.kernels.reference import SelectionCacheBuffers, head_vote
+from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
-
-
-def vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
-    """scores [..., heads, n] (q_h . k of each candidate) -> indices of the k chosen candidates [..., S, k],
-    ascending. kv_heads None: one vote over all heads (S = 1); otherwise one per KV group (S = kv_heads)."""
-    def over_heads(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
-        return x.sum(-2, keepdim=True) if kv_heads is None else x.unflatten(-2, (kv_heads, -1)).sum(-2)
-
-    if selection == "top_k":
-        total = over_heads(scores)
-    else:
-        soft = over_heads(torch.softmax(scores, dim=-1))
-        if selection == "soft_vote":
-            total = soft
-        else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
-            hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
-            voters = scores.shape[-2] // soft.shape[-2]
-            total = over_heads(hits) + soft / (2 * voters)
-    return total.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
 @dataclass
@@ -78,6 +64,10 @@ class TokenSelect(KVMethod):
     scope: str = "layer"
     theta: float = 0.9
     extrapolate: bool = False
+    # the device Selection Cache, id(seq) -> (seq, its row in it), and (sequences, plan) of the last step
+    _cache: SelectionCacheBuffers | None = field(default=None, init=False, repr=False, compare=False)
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _plan: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     kind = "selection"
     name = "tokenselect"
@@ -87,7 +77,7 @@ class TokenSelect(KVMethod):
         super().__post_init__()
         check_range("n_sink", self.n_sink, 0, None, int)
         check_range("n_recent", self.n_recent, 1, None, int)
-        check_range("theta", self.theta, 0.0, 1.0)
+        check_range("theta", self.theta, -1.0, 1.0)
         check_range("extrapolate", self.extrapolate, types=bool)
         if self.selection not in SELECTIONS:
             raise SemkvError(f"selection={self.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
@@ -106,15 +96,16 @@ class TokenSelect(KVMethod):
 
     @property
     def graph_safe(self) -> bool:
-        """With an int budget, exact mode and the Selection Cache off (theta >= 1), every row of a step is selected
-        by tensor operations alone (`select_batched`), which CUDA graphs capture."""
-        return isinstance(self.budget, int) and not self.extrapolate and self.theta >= 1.0
+        """With an int budget in exact mode every row of a step is selected by tensor operations alone, the
+        Selection Cache included (`select_batched`), which CUDA graphs capture."""
+        return isinstance(self.budget, int) and not self.extrapolate
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
             raise SemkvError(f"budget={self.budget} must be below the model's context of "
                              f"{model.max_position_embeddings} tokens for extrapolation")
+        self._cache, self._rows, self._plan = None, {}, None
 
     def new_state(self, seq: Sequence) -> list:
         """Selection Cache per layer: (query [heads * D], top-k slots [S, k]) of the last selection, or None."""
@@ -133,7 +124,7 @@ class TokenSelect(KVMethod):
         candidates = torch.arange(lo, hi, device=q.device)
         scores = kernels.paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
         kv_heads = kv.pool.num_kv_heads if self.scope == "kv_head" else None
-        return vote(scores, k, self.selection, kv_heads) + lo
+        return head_vote(scores, k, self.selection, kv_heads) + lo
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
@@ -171,26 +162,70 @@ class TokenSelect(KVMethod):
         return Selection.from_mask(mask)
 
     def select_batched(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
-        """Every row at once, without reading device values: the initial slots, the voted top-k among
-        [initial, n - recent) and the recent ones where n > budget, else all n slots. q [B, heads, D]."""
+        """Every row at once, without reading device values (`kernels.token_select`, the Selection Cache on the
+        device): the initial slots, the voted top-k among [initial, n - recent) and the recent ones where
+        n > budget, else all n slots. q [B, heads, D]; the step plan holds each row's cache row."""
         budget, width = self.budget, batch.max_slots
         if budget >= width:
             return None
-        sink, k, recent = self.split(budget)
+        sink, _, recent = self.split(budget)
         n = batch.num_slots[:, layer]  # [B]
-        slot = torch.arange(width, device=q.device)
-        scores = kernels.paged_dot(q, batch.pool.k, batch.tables[:, layer], slot)  # [B, heads, width]
-        candidate = (slot >= sink) & (slot < (n - recent)[:, None])  # [B, width]
-        scores = scores.masked_fill(~candidate[:, None], float("-inf"))
         kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
-        top = vote(scores, k, self.selection, kv_heads)  # [B, S, k]
-        size, groups = top.shape[:2]
-        recent_slots = (n - recent)[:, None] + torch.arange(recent, device=q.device)  # [B, recent]
-        chosen = torch.cat([slot[:sink].expand(size, groups, -1), top,
-                            recent_slots[:, None].expand(-1, groups, -1)], dim=-1)  # [B, S, budget]
-        every = slot[:budget].expand(size, groups, -1)  # rows with n <= budget attend to all their slots
-        sparse = (n > budget)[:, None, None]
-        return Selection(torch.where(sparse, chosen, every), n.clamp(max=budget)[:, None].expand(-1, groups))
+        slots = kernels.token_select(q, batch.pool.k, batch.tables[:, layer], n, width,
+                                     batch.step_plan["cache_row"][:, 0], self._cache, layer, sink, recent,
+                                     self.theta, self.selection, kv_heads)  # [B, S, budget]
+        return Selection(slots, n.clamp(max=budget)[:, None].expand(-1, slots.shape[1]))
+
+    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
+        """Each sequence's row in the device Selection Cache ([B, 1]; the same object while the batch is the same
+        sequences). Rows of sequences that left the batch are freed; a new sequence gets an empty row. Growing the
+        cache moves it, so captured graphs are captured again (`graph_epoch`)."""
+        if not self.graph_safe:
+            return None
+        seqs = batch.seqs
+        if self._plan is not None and len(self._plan[0]) == len(seqs) and all(
+                a is b for a, b in zip(self._plan[0], seqs)):
+            return self._plan[1]
+        live = {id(s) for s in seqs}
+        for key in [key for key in self._rows if key not in live]:
+            del self._rows[key]
+        taken = {row for _, row in self._rows.values()}
+        free = (row for row in range(1, len(seqs) + len(taken) + 1) if row not in taken)  # row 0: padding
+        fresh = [(s, next(free)) for s in seqs if id(s) not in self._rows]
+        self._rows.update((id(s), (s, row)) for s, row in fresh)
+        self._ensure_rows(max(row for _, row in self._rows.values()) + 1, batch.pool.k.device)
+        for _, row in fresh:
+            self._cache.valid[row] = 0
+            self._cache.counts[row] = 0
+        plan = {"cache_row": torch.tensor([[self._rows[id(s)][1]] for s in seqs], device=batch.pool.k.device)}
+        self._plan = (list(seqs), plan)
+        return plan
+
+    def _ensure_rows(self, rows: int, device: torch.device) -> None:
+        old = self._cache
+        if old is not None and old.q.shape[0] >= rows:
+            return
+        model = self.model
+        sets = model.num_kv_heads if self.scope == "kv_head" else 1
+        self._cache = SelectionCacheBuffers.allocate(max(2 * rows, 8), model.num_layers,
+                                                     model.num_heads * model.head_dim, sets,
+                                                     self.split(self.budget)[1], device)
+        if old is not None:
+            for name in ("q", "top", "valid", "counts"):
+                getattr(self._cache, name)[: old.q.shape[0]] = getattr(old, name)
+        self.graph_epoch += 1
+
+    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
+        return {"cache_row": (1, 0)}
+
+    def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+        """Hit counts of the device Selection Cache into each sequence's statistics (one small read)."""
+        if self._plan is None or not self.graph_safe:
+            return
+        counts = self._cache.counts[self._plan[1]["cache_row"][:, 0]].tolist()
+        for seq, (hits, lookups) in zip(seqs, counts):
+            seq.stats.extra.update(selection_cache_hits=hits, selection_cache_lookups=lookups,
+                                   selection_cache_hit_rate=hits / max(lookups, 1))
 
     def cached_top(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
         """Algorithm 1: reuse the layer's last top-k while cos(q, cached q) >= theta, else select anew."""
