@@ -37,9 +37,9 @@ def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_
     norms = tl.sqrt(tl.sum(q * q, 0)) * tl.sqrt(tl.sum(cached * cached, 0))
     similar = tl.sum(q * cached, 0) / tl.maximum(norms, 1e-8) >= theta
     hit = sparse & (tl.load(valid_ptr + entry) != 0) & similar
-    refresh = sparse & (hit == 0)
+    refresh = sparse.to(tl.int32) - hit.to(tl.int32) > 0  # sparse and missed, kept boolean for the mask below
     tl.store(refresh_ptr + b, refresh.to(tl.int8))
-    tl.store(cq_ptr + entry * QS + e, q, mask=inside & refresh)
+    tl.store(cq_ptr + entry * QS + e, q, mask=inside & (e * 0 + refresh.to(tl.int32) > 0))  # a boolean vector
     tl.store(valid_ptr + entry, sparse.to(tl.int8))
     row = tl.load(rows_ptr + b).to(tl.int64)
     tl.store(counts_ptr + row * 2, tl.load(counts_ptr + row * 2) + hit.to(tl.int64))
