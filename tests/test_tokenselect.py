@@ -94,7 +94,8 @@ def test_token_select_kernel_equals_reference_in_interpreter(monkeypatch, select
     """Three steps of one layer for a batch (a row below the budget, a padding row, rows that hit, miss and hit
     again): the kernels return the reference's slots and leave the Selection Cache in the same state."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_token_select", raising=False)
+    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):  # it calls key_dots
+        monkeypatch.delitem(sys.modules, module, raising=False)
     kernel = importlib.import_module("semkv.kernels.triton_token_select")
     heads, kv_heads, dim, page_size, pages = 8, 2, 16, 4, 80
     gen = torch.Generator().manual_seed(3)
@@ -118,7 +119,8 @@ def test_token_select_kernel_equals_reference_in_interpreter(monkeypatch, select
         for name in ("q", "top", "valid", "counts"):
             assert torch.equal(getattr(caches[0], name)[1:], getattr(caches[1], name)[1:]), name
     assert caches[0].counts[[2, 5, 3]].tolist() == [[2, 3], [1, 3], [0, 0]]  # hits, lookups
-    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_token_select")
+    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
+        monkeypatch.delitem(sys.modules, module)
 
 
 def test_batched_paged_dot_equals_row_by_row():

@@ -15,6 +15,23 @@ import triton.language as tl
 
 
 @triton.jit
+def key_dots(q, k_ptr, table_ptr, slot, valid, kv_head, d, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
+             DIM: tl.constexpr, IEEE: tl.constexpr):
+    """q [GROUP_P, BLOCK_D] (one KV group's queries) against the keys of KV head `kv_head` at logical slots
+    `slot` [BLOCK_N] (where `valid`), read in place through the page table at `table_ptr`: float32
+    [GROUP_P, BLOCK_N], 0 where not valid. `d` is tl.arange(0, BLOCK_D). Shared with `triton_token_select`."""
+    page = tl.load(table_ptr + slot // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    row = page * PAGE_SIZE + slot % PAGE_SIZE
+    keys = tl.load(k_ptr + (row[:, None] * KV_HEADS + kv_head) * DIM + d[None, :],
+                   mask=valid[:, None] & (d[None, :] < DIM), other=0.0)  # [BLOCK_N, BLOCK_D]
+    if IEEE:
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(keys))  # fp32 accumulation
+    return scores
+
+
+@triton.jit
 def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n, MAX_PAGES,
                       PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr,
                       GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -30,14 +47,8 @@ def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n, MAX_PAGES,
     heads = kv_head * GROUP + g  # the query heads of this KV group
     q = tl.load(q_ptr + heads[:, None] * DIM + d[None, :], mask=(g[:, None] < GROUP) & (d[None, :] < DIM), other=0.0)
     slot = tl.load(slots_ptr + t, mask=t < n, other=0)
-    page = tl.load(table_ptr + slot // PAGE_SIZE, mask=t < n, other=0)
-    row = page * PAGE_SIZE + slot % PAGE_SIZE
-    keys = tl.load(k_ptr + (row[:, None] * KV_HEADS + kv_head) * DIM + d[None, :],
-                   mask=(t[:, None] < n) & (d[None, :] < DIM), other=0.0)  # [BLOCK_N, BLOCK_D]
-    if IEEE:
-        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(keys))  # [GROUP_P, BLOCK_N], fp32 accumulation
+    scores = key_dots(q, k_ptr, table_ptr, slot, t < n, kv_head, d, PAGE_SIZE, KV_HEADS, DIM,
+                      IEEE)  # [GROUP_P, BLOCK_N]
     tl.store(out_ptr + heads[:, None] * n + t[None, :], scores, mask=(g[:, None] < GROUP) & (t[None, :] < n))
 
 

@@ -4,7 +4,7 @@ next to nothing for the sequences whose cache hits.
 Same arguments and result as `reference.token_select` (selections "soft_vote" and "top_k"):
 1. `_cache_check`: one program per sequence compares the layer's query with the cached one (cosine), decides hit or
    refresh, stores the new query and counts hits and lookups.
-2. `_vote_scores`: the paged dot product (as `triton_paged_dot`) over the candidate slots of the rows to refresh,
+2. `_vote_scores`: the paged dot product (`triton_paged_dot.key_dots`) over the candidate slots of the rows to refresh,
    one program per (KV head, split, row) looping over every `splits`-th block of slots (a fixed, small grid, so
    rows that hit cost one early exit per program); it writes the per-head logits and, for the soft vote, each
    block's per-head maximum and sum of exponentials.
@@ -22,13 +22,15 @@ import triton
 import triton.language as tl
 
 from semkv.kernels.reference import SelectionCacheBuffers
+from semkv.kernels.triton_paged_dot import key_dots
 
 
 @triton.jit
 def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_ptr, layer, stride_n, LAYERS, theta,
                  BUDGET: tl.constexpr, QS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    entry = tl.load(rows_ptr + b).to(tl.int64) * LAYERS + layer
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    entry = row * LAYERS + layer
     sparse = tl.load(n_ptr + b * stride_n) > BUDGET
     e = tl.arange(0, BLOCK)
     inside = e < QS
@@ -41,7 +43,6 @@ def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_
     tl.store(refresh_ptr + b, refresh.to(tl.int8))
     tl.store(cq_ptr + entry * QS + e, q, mask=inside & (e * 0 + refresh.to(tl.int32) > 0))  # a boolean vector
     tl.store(valid_ptr + entry, sparse.to(tl.int8))
-    row = tl.load(rows_ptr + b).to(tl.int64)
     tl.store(counts_ptr + row * 2, tl.load(counts_ptr + row * 2) + hit.to(tl.int64))
     tl.store(counts_ptr + row * 2 + 1, tl.load(counts_ptr + row * 2 + 1) + sparse.to(tl.int64))
 
@@ -66,14 +67,8 @@ def _vote_scores(q_ptr, k_ptr, tables_ptr, n_ptr, refresh_ptr, scores_ptr, bmax_
         for block in range(split, tl.cdiv(hi, BLOCK_N), SPLITS):
             t = block * BLOCK_N + tl.arange(0, BLOCK_N)
             candidate = (t >= SINK) & (t < hi)
-            page = tl.load(tables_ptr + b * stride_tb + t // PAGE_SIZE, mask=candidate, other=0).to(tl.int64)
-            row = page * PAGE_SIZE + t % PAGE_SIZE
-            keys = tl.load(k_ptr + (row[:, None] * KV_HEADS + kv_head) * DIM + d[None, :],
-                           mask=candidate[:, None] & (d[None, :] < DIM), other=0.0)  # [BLOCK_N, BLOCK_D]
-            if IEEE:
-                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(keys))  # [GROUP_P, BLOCK_N], fp32 accumulation
+            s = key_dots(q, k_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d, PAGE_SIZE, KV_HEADS, DIM,
+                         IEEE)  # [GROUP_P, BLOCK_N]
             s = tl.where(candidate[None, :], s, float("-inf"))
             tl.store(scores_ptr + head_row[:, None] * W + t[None, :], s,
                      mask=(g[:, None] < GROUP) & (t < hi)[None, :])
