@@ -59,3 +59,19 @@ def test_batch_and_hf_point_arguments():
             parse_hf_points(bad)
     with pytest.raises(SemkvError, match="'many' is not a number"):
         parse_batches("1,many")
+
+
+def test_report_marks_a_selection_share_it_could_not_measure(tmp_path):
+    """A method that selects inside each layer of a captured graph gets '-' in the selection column, not the
+    near-zero host time; a measured share is printed as a percentage."""
+    from semkv.bench import report
+
+    row = dict(method="full", budget=None, batch=2, context=4096, tpot_ms=10.0, tokens_per_s=200.0,
+               peak_memory_gib=1.0, kv_pages_peak=10, attended_per_layer=4096, graphs=True, forward_ms=9.0,
+               selection_share=0.0123, breakdown_ms=dict(step=12.0, selection=0.5, attention=6.0, rest=5.5))
+    unmeasured = dict(row, method="tokenselect", selection_share=None, attended_per_layer=328)
+    report.write(dict(info={}, decode=[row, unmeasured], ttft=[], long_generation={}, hf=[]), tmp_path)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    full_line = next(line for line in lines if line.startswith("| full | 2 | 4096 | 10.00"))
+    tokenselect_line = next(line for line in lines if line.startswith("| tokenselect | 2 | 4096 | 10.00"))
+    assert "| 1.23% |" in full_line and "| 9.00 | - |" in tokenselect_line

@@ -112,13 +112,44 @@ def test_token_select_kernel_equals_reference_in_interpreter(monkeypatch, select
             q[1] = torch.randn(heads, dim, generator=gen)
         got = kernel.token_select(q, k_pool, tables, num_slots, width, rows, caches[0], layer, n_sink, n_recent,
                                   0.9, selection, kv_heads if sets > 1 else None, block_n=16, block_t=32,
-                                  num_warps=4, splits=3)  # splits: programs loop over several blocks
+                                  num_warps=4, splits=3, vote_splits=3, block_c=2)  # programs loop over blocks
         want = reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, n_sink,
                                       n_recent, 0.9, selection, kv_heads if sets > 1 else None)
         assert torch.equal(got[:3], want[:3])
         for name in ("q", "top", "valid", "counts"):
             assert torch.equal(getattr(caches[0], name)[1:], getattr(caches[1], name)[1:]), name
     assert caches[0].counts[[2, 5, 3]].tolist() == [[2, 3], [1, 3], [0, 0]]  # hits, lookups
+    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
+        monkeypatch.delitem(sys.modules, module)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("selection", ["soft_vote", "top_k"])
+def test_token_select_kernel_breaks_ties_to_lower_slots(monkeypatch, selection):
+    """Every candidate has the same key except six strong ones in the last chunks: the radix select spread over
+    chunks must take the strong slots and then the lowest equal slots, in slot order, whatever the chunk size."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    kernel = importlib.import_module("semkv.kernels.triton_token_select")
+    heads, kv_heads, dim, page_size, pages = 4, 2, 16, 4, 60
+    base = torch.randn(dim, generator=torch.Generator().manual_seed(5))
+    table = torch.randperm(pages, generator=torch.Generator().manual_seed(6))
+    keys = base.expand(pages * page_size, kv_heads, dim).clone()  # logical slot order
+    strong = torch.arange(150, 156)
+    keys[strong] = 2 * base
+    k_pool = torch.empty(pages, page_size, kv_heads, dim)
+    k_pool[table] = keys.view(pages, page_size, kv_heads, dim)
+    n_sink, k, n_recent, width = 3, 20, 5, 200
+    q = base.expand(1, heads, dim).clone()  # q . key > 0, larger for the strong keys
+    want = torch.cat([torch.arange(n_sink, n_sink + k - len(strong)), strong])
+    for block_t, block_c in ((16, 2), (32, 4), (64, 32)):  # block_c: earlier chunks read a tile at a time
+        cache = reference.SelectionCacheBuffers.allocate(2, 1, heads * dim, 1, k, torch.device("cpu"))
+        got = kernel.token_select(q, k_pool, table[None], torch.tensor([190]), width, torch.tensor([1]), cache, 0,
+                                  n_sink, n_recent, 0.9, selection, None, block_n=16, block_t=block_t, num_warps=4,
+                                  splits=3, vote_splits=3, block_c=block_c)
+        assert torch.equal(got[0, 0, n_sink:n_sink + k], want), block_t
+        assert torch.equal(cache.top[1, 0, 0], want), block_t
     for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
         monkeypatch.delitem(sys.modules, module)
 

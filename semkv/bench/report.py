@@ -5,10 +5,15 @@ import json
 from pathlib import Path
 
 
+def share(value: float | None) -> str:
+    """A selection share as a percentage; '-' where it was not measured (selection inside a captured graph)."""
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
 def decode_line(row) -> str:
     return (f"{row.method:<12} B={row.batch:<3} ctx={row.context:<6} TPOT {row.tpot_ms:8.2f} ms "
             f"(mean {row.tpot_mean_ms:.2f}, forward {row.forward_ms:.2f})  {row.tokens_per_s:9.1f} tok/s  "
-            f"selection {100 * row.selection_share:.2f}%  peak {row.peak_memory_gib:6.1f} GiB  "
+            f"selection {share(row.selection_share)}  peak {row.peak_memory_gib:6.1f} GiB  "
             f"attended {row.attended_per_layer:8.0f}"
             + ("" if row.cache_hit_rate is None else f"  cache hits {100 * row.cache_hit_rate:.1f}%"))
 
@@ -46,17 +51,20 @@ def write(results: dict, out: Path) -> None:
         ratio = f"{r['tpot_ms'] / floor:.2f}" if floor else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
                      f"| {speedup} | {floor:.2f} | {ratio} | {r.get('forward_ms', 0):.2f} | "
-                     f"{100 * r.get('selection_share', 0):.2f}% | {r['peak_memory_gib']:.1f} | "
+                     f"{share(r.get('selection_share', 0))} | {r['peak_memory_gib']:.1f} | "
                      f"{r['attended_per_layer']:.0f} | {hit_rate(r)} | {r['graphs']} |")
-    lines += ["", "## Step breakdown (one eager step, ms)", "",
+    lines += ["", "graph forward: median device time of the timed steps' graph replays. selection share '-': the "
+              "method selects inside each layer of the captured graph, which host timing cannot see; the eager step "
+              "below times it.",
+              "", "## Step breakdown (one eager step, ms)", "",
               "| method | batch | context | step | selection | attention | rest | selection share |",
               "|---|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
         b = r["breakdown_ms"]
-        share = 100 * b.get("selection", 0) / b["step"] if b.get("step") else 0
+        eager_share = b.get("selection", 0) / b["step"] if b.get("step") else 0
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {b.get('step', 0):.2f} | "
                      f"{b.get('selection', 0):.2f} | {b.get('attention', 0):.2f} | {b.get('rest', 0):.2f} | "
-                     f"{share:.2f}% |")
+                     f"{share(eager_share)} |")
     if results["ttft"]:
         lines += ["", "## Time to first token (batch 1, real prefill)", "", "| method | context | TTFT s |",
                   "|---|---|---|"]

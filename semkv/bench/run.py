@@ -33,8 +33,10 @@ class DecodeResult:
     attended_per_layer: float
     graphs: bool
     tpot_mean_ms: float = 0.0
-    forward_ms: float = 0.0  # device time of one replay of the captured forward (0 without graphs)
-    selection_share: float = 0.0  # selection time (host-side plan, per-layer selects, the plan's slots) / step time
+    forward_ms: float = 0.0  # median device time of the timed steps' graph replays, inputs copied in (0 eager)
+    # selection time (host-side plan, per-layer selects, the plan's slots) / step time; None where the method selects
+    # inside each layer of a captured graph, which host timing cannot see (the eager step breakdown shows it)
+    selection_share: float | None = 0.0
     breakdown_ms: dict[str, float] = field(default_factory=dict)
     cache_hit_rate: float | None = None  # TokenSelect's Selection Cache over the timed steps (None: no such cache)
 
@@ -157,12 +159,18 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     time_steps(engine, method, seqs, warmup, graphs)
     selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
     lookups_before = cache_counts(seqs)
+    if graphs is not None:
+        graphs.replay_events = []
     times = sorted(time_steps(engine, method, seqs, steps, graphs))
+    forward = median_event_seconds(graphs.replay_events) if graphs is not None else 0.0
+    if graphs is not None:
+        graphs.replay_events = None
     hit_rate = cache_hit_rate(lookups_before, cache_counts(seqs))
     tpot, mean = times[len(times) // 2], sum(times) / len(times)
     selection = sum(s.stats.selection_s for s in seqs) - selection_before + steps * plan_selection_s(engine, graphs)
     share = selection / (seqs[0].stats.decode_s - decode_before)
-    forward = forward_s(engine, graphs)
+    if forward and type(method).select is not KVMethod.select:
+        share = None
     breakdown = step_breakdown(engine, method, seqs)
     attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
     peak = needed_memory_gib(engine)
@@ -205,10 +213,10 @@ def _event_seconds(engine: Engine, work, repeat: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def forward_s(engine: Engine, graphs) -> float:
-    """Device time of one replay of the captured forward (replaying writes the same K/V to the same slots again)."""
-    graphed = _graphed(graphs)
-    return 0.0 if graphed is None or graphed.graph is None else _event_seconds(engine, graphed.graph.replay)
+def median_event_seconds(events: list) -> float:
+    """Median of (start, end) CUDA event pairs in seconds (0 for none: eager steps off CUDA)."""
+    times = sorted(start.elapsed_time(end) / 1e3 for start, end in events)
+    return times[len(times) // 2] if times else 0.0
 
 
 def plan_selection_s(engine: Engine, graphs) -> float:

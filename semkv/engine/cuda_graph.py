@@ -104,6 +104,7 @@ class GraphRunner:
         self.capture = engine.device.type == "cuda"
         self.steps: dict[int, GraphedStep] = {}
         self.epoch = method.graph_epoch  # see `KVMethod.graph_epoch`
+        self.replay_events: list | None = None  # a list: each step's (start, end) CUDA events (benches set it)
 
     def fits(self, seqs: list[Sequence]) -> bool:
         return len(seqs) <= BUCKETS[-1] and max(s.kv.widest for s in seqs) <= self.max_pages
@@ -126,4 +127,11 @@ class GraphRunner:
         if size not in self.steps:
             self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture)
         graphed = self.steps[size]
-        return graphed.run(seqs, inputs, plan), graphed.step
+        if self.replay_events is None or not self.capture:
+            return graphed.run(seqs, inputs, plan), graphed.step
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = graphed.run(seqs, inputs, plan)
+        end.record()
+        self.replay_events.append((start, end))
+        return logits, graphed.step

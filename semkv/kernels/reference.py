@@ -105,7 +105,7 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     cache (a hit: the entry is valid and cos(q, cached q) >= theta) and on a miss votes anew among the candidates
     [n_sink, num_slots - n_recent) and stores query and top-k. Returns slots [B, S, budget] ascending: the sinks,
     the top-k and the recent slots of a sparse row, 0..budget-1 for the others (the caller masks by length).
-    Updates `cache` in place; `kernels/triton_token_select.py` does the same in four kernels that skip hit rows."""
+    Updates `cache` in place; `kernels/triton_token_select.py` does the same in kernels that skip hit rows."""
     batch, n_heads, _ = q.shape
     k = cache.top.shape[-1]
     budget = n_sink + k + n_recent

@@ -1,19 +1,26 @@
-"""TokenSelect's decode selection with its Selection Cache in four kernels that capture in a CUDA graph and cost
-next to nothing for the sequences whose cache hits.
+"""TokenSelect's decode selection with its Selection Cache in kernels over fixed grids that capture in a CUDA graph
+and cost next to nothing for the sequences whose cache hits.
 
 Same arguments and result as `reference.token_select` (selections "soft_vote" and "top_k"):
 1. `_cache_check`: one program per sequence compares the layer's query with the cached one (cosine), decides hit or
-   refresh, stores the new query and counts hits and lookups.
+   refresh, stores the new query, counts hits and lookups and clears the row's radix histograms.
 2. `_vote_scores`: the paged dot product (`triton_paged_dot.key_dots`) over the candidate slots of the rows to refresh,
    one program per (KV head, split, row) looping over every `splits`-th block of slots (a fixed, small grid, so
-   rows that hit cost one early exit per program); it writes the per-head logits and, for the soft vote, each
-   block's per-head maximum and sum of exponentials.
-3. `_vote`: one program per (row, vote set, split) combines the blocks' statistics into each head's softmax
-   normaliser and writes the vote of the candidates in its blocks.
-4. `_select`: one program per (row, vote set) finds the k-th largest vote exactly by a radix select over the votes'
-   bits (eight passes of four bits), writes the k winners in slot order (ties to the lower slot) into the cache,
-   then the step's slots (sinks, top-k, recent) of every row, hit or not.
-Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run on CPU tensors for tests.
+   rows that hit cost one early exit per program); it writes the per-head logits and, for the soft vote, the
+   split's per-head maximum and sum of exponentials (online, as in flash attention).
+3. `_vote`: one program per (row, vote set, split) combines the splits' statistics into each head's softmax
+   normaliser, writes the vote of the candidates in its blocks and adds their top bytes to the row's first radix
+   histogram.
+4. `_radix_pass` (three launches): the exact k-th largest vote by a radix select over the votes' bits, a byte a pass,
+   one program per (row, vote set, chunk of slots): each program derives the prefix chosen so far from the row's
+   earlier histograms and adds the next byte of its matching votes to the next one. The last pass also keeps each
+   chunk's own counts, from which every chunk knows where its winners go.
+5. `_select`: one program per (row, vote set, chunk) writes its chunk's winners in slot order (ties to the lower
+   slot) into the cache and the step's slots, and its share of the sinks, the cached top-k of rows that hit and the
+   recent slots.
+The integers that change from step to step and only enter scalar arithmetic (strides, the layer, the chunk count) are
+not specialised; the width keeps Triton's divisibility specialisation for vector loads, so eager steps of any width
+compile at most two variants of a kernel. Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run on CPU tensors for tests.
 """
 from __future__ import annotations
 
@@ -24,10 +31,15 @@ import triton.language as tl
 from semkv.kernels.reference import SelectionCacheBuffers
 from semkv.kernels.triton_paged_dot import key_dots
 
+RADIX_BITS = 8  # a byte a pass: four passes over the 32-bit ordered votes
+RADIX_BINS = 1 << RADIX_BITS
+RADIX_PASSES = 32 // RADIX_BITS
 
-@triton.jit
-def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_ptr, layer, stride_n, LAYERS, theta,
-                 BUDGET: tl.constexpr, QS: tl.constexpr, BLOCK: tl.constexpr):
+
+@triton.jit(do_not_specialize=["layer", "stride_n"])
+def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_ptr, hist_ptr, layer, stride_n,
+                 LAYERS, theta, BUDGET: tl.constexpr, QS: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr,
+                 HIST_P: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     entry = row * LAYERS + layer
@@ -45,10 +57,12 @@ def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_
     tl.store(valid_ptr + entry, sparse.to(tl.int8))
     tl.store(counts_ptr + row * 2, tl.load(counts_ptr + row * 2) + hit.to(tl.int64))
     tl.store(counts_ptr + row * 2 + 1, tl.load(counts_ptr + row * 2 + 1) + sparse.to(tl.int64))
+    h = tl.arange(0, HIST_P)
+    tl.store(hist_ptr + b * HIST + h, tl.zeros([HIST_P], tl.int32), mask=h < HIST)
 
 
-@triton.jit
-def _vote_scores(q_ptr, k_ptr, tables_ptr, n_ptr, refresh_ptr, scores_ptr, bmax_ptr, bsum_ptr, W, NB, stride_tb,
+@triton.jit(do_not_specialize=["stride_tb", "stride_n"])
+def _vote_scores(q_ptr, k_pool_ptr, tables_ptr, n_ptr, refresh_ptr, scores_ptr, smax_ptr, ssum_ptr, W, stride_tb,
                  stride_n, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, GROUP_P: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFT: tl.constexpr,
@@ -64,19 +78,24 @@ def _vote_scores(q_ptr, k_ptr, tables_ptr, n_ptr, refresh_ptr, scores_ptr, bmax_
         head_row = b * KV_HEADS * GROUP + heads
         q = tl.load(q_ptr + head_row[:, None] * DIM + d[None, :], mask=(g[:, None] < GROUP) & (d[None, :] < DIM),
                     other=0.0)
+        peak = tl.full([GROUP_P], float("-inf"), tl.float32)  # the split's running maximum and sum of exp(s - peak)
+        total = tl.zeros([GROUP_P], tl.float32)
         for block in range(split, tl.cdiv(hi, BLOCK_N), SPLITS):
             t = block * BLOCK_N + tl.arange(0, BLOCK_N)
             candidate = (t >= SINK) & (t < hi)
-            s = key_dots(q, k_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d, PAGE_SIZE, KV_HEADS, DIM,
-                         IEEE)  # [GROUP_P, BLOCK_N]
+            s = key_dots(q, k_pool_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d, PAGE_SIZE, KV_HEADS,
+                         DIM, IEEE)  # [GROUP_P, BLOCK_N]
             s = tl.where(candidate[None, :], s, float("-inf"))
             tl.store(scores_ptr + head_row[:, None] * W + t[None, :], s,
                      mask=(g[:, None] < GROUP) & (t < hi)[None, :])
             if SOFT:
-                top = tl.max(s, 1)
-                shift = tl.where(top == float("-inf"), 0.0, top)
-                tl.store(bmax_ptr + head_row * NB + block, top, mask=g < GROUP)
-                tl.store(bsum_ptr + head_row * NB + block, tl.sum(tl.exp(s - shift[:, None]), 1), mask=g < GROUP)
+                new_peak = tl.maximum(peak, tl.max(s, 1))
+                shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+                total = total * tl.exp(peak - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
+                peak = new_peak
+        if SOFT:
+            tl.store(smax_ptr + head_row * SPLITS + split, peak, mask=g < GROUP)
+            tl.store(ssum_ptr + head_row * SPLITS + split, total, mask=g < GROUP)
 
 
 @triton.jit
@@ -88,10 +107,27 @@ def _ordered_key(vote):
 
 
 @triton.jit
-def _vote(scores_ptr, bmax_ptr, bsum_ptr, n_ptr, refresh_ptr, vote_ptr, W, NB, stride_n, HEADS: tl.constexpr,
+def _radix_prefix(hist_row, K, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """The top PASSES * BITS bits of the k-th largest key, from the row's first PASSES histograms, and how many of
+    the keys with exactly that prefix still belong to the top k."""
+    bins = tl.arange(0, 1 << BITS)
+    prefix = tl.full([], 0, tl.int64)
+    need = tl.full([], K, tl.int32)
+    for p in tl.static_range(PASSES):
+        counts = tl.load(hist_row + p * (1 << BITS) + bins)
+        above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys on the prefix with a larger digit
+        pick = (above < need) & (above + counts >= need)
+        chosen = tl.max(tl.where(pick, bins, -1), 0)
+        need -= tl.sum(tl.where(bins == chosen, above, 0), 0)
+        prefix = (prefix << BITS) + chosen
+    return prefix, need
+
+
+@triton.jit(do_not_specialize=["stride_n"])
+def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, refresh_ptr, vote_ptr, hist_ptr, W, stride_n, HEADS: tl.constexpr,
           PER_SET: tl.constexpr, HP: tl.constexpr, SETS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
-          SOFT: tl.constexpr):
+          SCORE_SPLITS: tl.constexpr, SCORE_SPLITS_P: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
+          SOFT: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     split = tl.program_id(2)  # this program votes on blocks split, split + SPLITS, ...
@@ -100,23 +136,16 @@ def _vote(scores_ptr, bmax_ptr, bsum_ptr, n_ptr, refresh_ptr, vote_ptr, W, NB, s
         h = tl.arange(0, HP)
         heads = b * HEADS + s * PER_SET + h  # rows of this vote set's heads in scores
         in_set = h < PER_SET
-        if SOFT:  # each head's softmax normaliser from the blocks' maxima and sums
-            nb = tl.cdiv(hi, BLOCK_N)
-            peak = tl.full([HP], float("-inf"), tl.float32)
-            for j0 in range(0, nb, BLOCK_J):
-                j = j0 + tl.arange(0, BLOCK_J)
-                m = tl.load(bmax_ptr + heads[:, None] * NB + j[None, :], mask=in_set[:, None] & (j < nb)[None, :],
-                            other=float("-inf"))
-                peak = tl.maximum(peak, tl.max(m, 1))
-            peak = tl.where(in_set, peak, 0.0)
-            total = tl.zeros([HP], tl.float32)
-            for j0 in range(0, nb, BLOCK_J):
-                j = j0 + tl.arange(0, BLOCK_J)
-                ok = in_set[:, None] & (j < nb)[None, :]
-                m = tl.load(bmax_ptr + heads[:, None] * NB + j[None, :], mask=ok, other=float("-inf"))
-                z = tl.load(bsum_ptr + heads[:, None] * NB + j[None, :], mask=ok, other=0.0)
-                total += tl.sum(tl.where(ok, z * tl.exp(m - peak[:, None]), 0.0), 1)
+        if SOFT:  # each head's softmax normaliser from the scoring splits' maxima and sums
+            j = tl.arange(0, SCORE_SPLITS_P)
+            ok = in_set[:, None] & (j < SCORE_SPLITS)[None, :]
+            m = tl.load(smax_ptr + heads[:, None] * SCORE_SPLITS + j[None, :], mask=ok, other=float("-inf"))
+            z = tl.load(ssum_ptr + heads[:, None] * SCORE_SPLITS + j[None, :], mask=ok, other=0.0)
+            peak = tl.where(in_set, tl.max(m, 1), 0.0)
+            total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - peak[:, None])), 1)
             scale = tl.where(in_set, 1.0 / total, 0.0)
+        bins = tl.arange(0, 1 << BITS)
+        counts = tl.zeros([1 << BITS], tl.int32)  # top bytes of this program's candidate votes
         for block in range(split, tl.cdiv(hi, BLOCK_V), SPLITS):
             t = block * BLOCK_V + tl.arange(0, BLOCK_V)
             candidate = (t >= SINK) & (t < hi)
@@ -127,77 +156,95 @@ def _vote(scores_ptr, bmax_ptr, bsum_ptr, n_ptr, refresh_ptr, vote_ptr, W, NB, s
             else:
                 vote = tl.sum(tl.where(inside, logits, 0.0), 0)
             tl.store(vote_ptr + (b * SETS + s) * W + t, vote, mask=candidate)
+            digit = (_ordered_key(vote) >> (32 - BITS)).to(tl.int32)
+            counts += tl.histogram(digit, 1 << BITS, mask=candidate)
+        tl.atomic_add(hist_ptr + (b * SETS + s) * PASSES * (1 << BITS) + bins, counts, mask=counts != 0)
 
 
-@triton.jit
-def _select(vote_ptr, n_ptr, rows_ptr, refresh_ptr, top_ptr, out_ptr, W, stride_n, layer, LAYERS,
-            SETS: tl.constexpr, SINK: tl.constexpr, K: tl.constexpr, RECENT: tl.constexpr, BLOCK_T: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_n", "CHUNKS"])
+def _radix_pass(vote_ptr, n_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, W, stride_n, CHUNKS,
+                SETS: tl.constexpr, SINK: tl.constexpr, K: tl.constexpr, RECENT: tl.constexpr, BLOCK_T: tl.constexpr,
+                BITS: tl.constexpr, PASSES: tl.constexpr, PASS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
+    c = tl.program_id(2)
+    hi = tl.load(n_ptr + b * stride_n) - RECENT
+    if tl.load(refresh_ptr + b) != 0:
+        row = b * SETS + s
+        hist_row = hist_ptr + row * PASSES * (1 << BITS)
+        prefix, need = _radix_prefix(hist_row, K, PASS, BITS)
+        t = c * BLOCK_T + tl.arange(0, BLOCK_T)
+        candidate = (t >= SINK) & (t < hi)
+        key = _ordered_key(tl.load(vote_ptr + row * W + t, mask=candidate, other=0.0))
+        match = candidate & ((key >> (32 - PASS * BITS)) == prefix)
+        digit = ((key >> (32 - (PASS + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
+        counts = tl.histogram(digit, 1 << BITS, mask=match)
+        bins = tl.arange(0, 1 << BITS)
+        tl.atomic_add(hist_row + PASS * (1 << BITS) + bins, counts, mask=counts != 0)
+        if PASS == PASSES - 1:  # the chunk's own counts: keys above the prefix, and on it by last digit
+            above = tl.sum((candidate & ((key >> BITS) > prefix)).to(tl.int32), 0)
+            tl.store(chunk_above_ptr + row * CHUNKS + c, above)
+            tl.store(chunk_hist_ptr + (row * CHUNKS + c) * (1 << BITS) + bins, counts)
+
+
+@triton.jit(do_not_specialize=["stride_n", "layer", "CHUNKS"])
+def _select(vote_ptr, n_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, top_ptr, out_ptr, W,
+            stride_n, layer, LAYERS, CHUNKS, SETS: tl.constexpr, SINK: tl.constexpr, K: tl.constexpr,
+            RECENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
+            PASSES: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    c = tl.program_id(2)
     budget = SINK + K + RECENT
     n = tl.load(n_ptr + b * stride_n)
-    out_row = out_ptr + (b * SETS + s) * budget
+    row = b * SETS + s
+    out_row = out_ptr + row * budget
+    i = c * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's slots and its positions in the output's parts
     if n <= budget:  # every stored slot; the caller's lengths cut the list at n
-        for t0 in range(0, budget, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tl.store(out_row + t, t.to(tl.int64), mask=t < budget)
+        tl.store(out_row + i, i.to(tl.int64), mask=i < budget)
     else:
         hi = n - RECENT
         top_row = top_ptr + ((tl.load(rows_ptr + b).to(tl.int64) * LAYERS + layer) * SETS + s) * K
-        start = (SINK // BLOCK_T) * BLOCK_T
         if tl.load(refresh_ptr + b) != 0:
-            vote_row = vote_ptr + (b * SETS + s) * W
-            # radix select: the k-th largest key, four bits a pass from the top; `need` counts how many of the
-            # keys equal to the prefix so far still belong to the top k
-            digits = tl.arange(0, 32)  # 16 digits; keys off the prefix go to bin 16, never counted
-            prefix = tl.full([], 0, tl.int64)
-            need = tl.full([], K, tl.int32)
-            for p in tl.static_range(8):
-                counts = tl.zeros([32], tl.int32)
-                for t0 in range(start, hi, BLOCK_T):
-                    t = t0 + tl.arange(0, BLOCK_T)
-                    candidate = (t >= SINK) & (t < hi)
-                    key = _ordered_key(tl.load(vote_row + t, mask=candidate, other=0.0))
-                    match = candidate & ((key >> (32 - 4 * p)) == prefix)
-                    digit = tl.where(match, (key >> (28 - 4 * p)) & 15, 16).to(tl.int32)
-                    counts += tl.histogram(digit, 32)
-                counts = tl.where(digits < 16, counts, 0)
-                above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys with a larger digit
-                pick = (above < need) & (above + counts >= need)
-                chosen = tl.max(tl.where(pick, digits, -1), 0)
-                need -= tl.sum(tl.where(digits == chosen, above, 0), 0)
-                prefix = prefix * 16 + chosen
+            prefix, need = _radix_prefix(hist_ptr + row * PASSES * (1 << BITS), K, PASSES, BITS)
+            # where this chunk's winners start: the winners of the chunks before it (BLOCK_C at a time), the keys
+            # equal to the k-th largest going to the lowest slots
+            bins = tl.arange(0, 1 << BITS)
+            last = prefix & ((1 << BITS) - 1)
             written = tl.full([], 0, tl.int32)
             equal_seen = tl.full([], 0, tl.int32)
-            for t0 in range(start, hi, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                candidate = (t >= SINK) & (t < hi)
-                key = tl.where(candidate, _ordered_key(tl.load(vote_row + t, mask=candidate, other=0.0)), -1)
-                equal = (key == prefix).to(tl.int32)
-                take = (key > prefix) | ((equal != 0) & (equal_seen + tl.cumsum(equal, 0) <= need))
-                at = written + tl.cumsum(take.to(tl.int32), 0) - 1
-                tl.store(top_row + at, t.to(tl.int64), mask=take)
-                tl.store(out_row + SINK + at, t.to(tl.int64), mask=take)
-                written += tl.sum(take.to(tl.int32), 0)
+            for c0 in range(0, c, BLOCK_C):
+                chunks = c0 + tl.arange(0, BLOCK_C)
+                before = chunks < c
+                per_digit = tl.load(chunk_hist_ptr + (row * CHUNKS + chunks[:, None]) * (1 << BITS) + bins[None, :],
+                                    mask=before[:, None], other=0)  # [BLOCK_C, bins]
+                above = tl.load(chunk_above_ptr + row * CHUNKS + chunks, mask=before, other=0) + \
+                    tl.sum(tl.where(bins[None, :] > last, per_digit, 0), 1)
+                equal = tl.sum(tl.where(bins[None, :] == last, per_digit, 0), 1)
+                equal_before = equal_seen + tl.cumsum(equal, 0) - equal
+                written += tl.sum(above + tl.minimum(tl.maximum(need - equal_before, 0), equal), 0)
                 equal_seen += tl.sum(equal, 0)
+            candidate = (i >= SINK) & (i < hi)
+            key = tl.where(candidate, _ordered_key(tl.load(vote_ptr + row * W + i, mask=candidate, other=0.0)), -1)
+            is_equal = (key == prefix).to(tl.int32)
+            take = (key > prefix) | ((is_equal != 0) & (equal_seen + tl.cumsum(is_equal, 0) <= need))
+            at = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(top_row + at, i.to(tl.int64), mask=take)
+            tl.store(out_row + SINK + at, i.to(tl.int64), mask=take)
         else:
-            for i0 in range(0, K, BLOCK_T):
-                i = i0 + tl.arange(0, BLOCK_T)
-                tl.store(out_row + SINK + i, tl.load(top_row + i, mask=i < K, other=0), mask=i < K)
-        for i0 in range(0, SINK, BLOCK_T):
-            i = i0 + tl.arange(0, BLOCK_T)
-            tl.store(out_row + i, i.to(tl.int64), mask=i < SINK)
-        for i0 in range(0, RECENT, BLOCK_T):
-            i = i0 + tl.arange(0, BLOCK_T)
-            tl.store(out_row + SINK + K + i, (hi + i).to(tl.int64), mask=i < RECENT)
+            tl.store(out_row + SINK + i, tl.load(top_row + i, mask=i < K, other=0), mask=i < K)
+        tl.store(out_row + i, i.to(tl.int64), mask=i < SINK)
+        tl.store(out_row + SINK + K + i, (hi + i).to(tl.int64), mask=i < RECENT)
 
 
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, n_sink: int, n_recent: int,
                  theta: float, selection: str, kv_heads: int | None, block_n: int = 64, block_t: int = 2048,
-                 num_warps: int = 16, splits: int = 32) -> torch.Tensor:
+                 num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32) -> torch.Tensor:
     """See `reference.token_select` (selection "soft_vote" or "top_k"). k_pool [pages, page_size, kv_heads, D]
-    contiguous; tables and num_slots may be strided views (one layer of the step's tensors)."""
+    contiguous; tables and num_slots may be strided views (one layer of the step's tensors). block_t: slots per
+    program of the radix passes and the output; splits, vote_splits: programs per row and KV head of the scoring
+    kernel, per row and vote set of the vote kernel; block_c: earlier chunks an output program reads at a time."""
     batch, n_heads, dim = q.shape
     _, page_size, pool_kv_heads, _ = k_pool.shape
     sets, k = cache.top.shape[2], cache.top.shape[3]
@@ -205,32 +252,46 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     layers = cache.q.shape[1]
     q = q.contiguous()
     rows = rows.contiguous()
-    refresh = torch.empty(batch, dtype=torch.int8, device=q.device)
-    _cache_check[(batch,)](q, num_slots, rows, cache.q, cache.valid, cache.counts, refresh, layer,
+    device = q.device
+    refresh = torch.empty(batch, dtype=torch.int8, device=device)
+    hist = torch.empty(batch, sets, RADIX_PASSES, RADIX_BINS, dtype=torch.int32, device=device)  # cleared by the check
+    hist_size = sets * RADIX_PASSES * RADIX_BINS
+    _cache_check[(batch,)](q, num_slots, rows, cache.q, cache.valid, cache.counts, refresh, hist, layer,
                            num_slots.stride(0), layers, theta, BUDGET=budget, QS=n_heads * dim,
-                           BLOCK=triton.next_power_of_2(n_heads * dim))
-    blocks = triton.cdiv(width, block_n)
-    scores = torch.empty(batch, n_heads, width, dtype=torch.float32, device=q.device)  # [B, heads, width]
-    block_max = torch.empty(batch, n_heads, blocks, dtype=torch.float32, device=q.device)
-    block_sum = torch.empty_like(block_max)
+                           BLOCK=triton.next_power_of_2(n_heads * dim), HIST=hist_size,
+                           HIST_P=triton.next_power_of_2(hist_size))
+    score_splits = min(splits, triton.cdiv(width, block_n))
+    scores = torch.empty(batch, n_heads, width, dtype=torch.float32, device=device)  # [B, heads, width]
+    split_max = torch.empty(batch, n_heads, score_splits, dtype=torch.float32, device=device)
+    split_sum = torch.empty_like(split_max)
     group = n_heads // pool_kv_heads
     soft = selection == "soft_vote"
-    _vote_scores[(pool_kv_heads, min(splits, blocks), batch)](
-        q.to(k_pool.dtype), k_pool, tables, num_slots, refresh, scores, block_max, block_sum, width, blocks,
+    _vote_scores[(pool_kv_heads, score_splits, batch)](
+        q.to(k_pool.dtype), k_pool, tables, num_slots, refresh, scores, split_max, split_sum, width,
         tables.stride(0), num_slots.stride(0), SINK=n_sink, RECENT=n_recent, PAGE_SIZE=page_size,
         KV_HEADS=pool_kv_heads, GROUP=group, DIM=dim, GROUP_P=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=min(splits, blocks), SOFT=soft,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=score_splits, SOFT=soft,
         IEEE=q.dtype == torch.float32)
-    votes = torch.empty(batch, sets, width, dtype=torch.float32, device=q.device)  # [B, S, width]
-    out = torch.empty(batch, sets, budget, dtype=torch.long, device=q.device)  # [B, S, budget]
+    votes = torch.empty(batch, sets, width, dtype=torch.float32, device=device)  # [B, S, width]
     per_set = n_heads // sets
     hp = triton.next_power_of_2(per_set)
     block_v = max(4096 // hp, 16)
-    vote_splits = min(splits, triton.cdiv(width, block_v))
+    vote_splits = min(vote_splits, triton.cdiv(width, block_v))
+    radix = dict(BITS=RADIX_BITS, PASSES=RADIX_PASSES)
     _vote[(batch, sets, vote_splits)](
-        scores, block_max, block_sum, num_slots, refresh, votes, width, blocks, num_slots.stride(0), HEADS=n_heads,
-        PER_SET=per_set, HP=hp, SETS=sets, SINK=n_sink, RECENT=n_recent, BLOCK_N=block_n, BLOCK_J=64,
-        BLOCK_V=block_v, SPLITS=vote_splits, SOFT=soft)
-    _select[(batch, sets)](votes, num_slots, rows, refresh, cache.top, out, width, num_slots.stride(0), layer, layers,
-                           SETS=sets, SINK=n_sink, K=k, RECENT=n_recent, BLOCK_T=block_t, num_warps=num_warps)
+        scores, split_max, split_sum, num_slots, refresh, votes, hist, width, num_slots.stride(0), HEADS=n_heads,
+        PER_SET=per_set, HP=hp, SETS=sets, SINK=n_sink, RECENT=n_recent, SCORE_SPLITS=score_splits,
+        SCORE_SPLITS_P=triton.next_power_of_2(score_splits), BLOCK_V=block_v, SPLITS=vote_splits, SOFT=soft, **radix)
+    chunks = triton.cdiv(width, block_t)
+    chunk_hist = torch.empty(batch, sets, chunks, RADIX_BINS, dtype=torch.int32, device=device)
+    chunk_above = torch.empty(batch, sets, chunks, dtype=torch.int32, device=device)
+    for radix_pass in range(1, RADIX_PASSES):
+        _radix_pass[(batch, sets, chunks)](
+            votes, num_slots, refresh, hist, chunk_hist, chunk_above, width, num_slots.stride(0), chunks, SETS=sets,
+            SINK=n_sink, K=k, RECENT=n_recent, BLOCK_T=block_t, PASS=radix_pass, num_warps=num_warps, **radix)
+    out = torch.empty(batch, sets, budget, dtype=torch.long, device=device)  # [B, S, budget]
+    _select[(batch, sets, triton.cdiv(max(width, budget), block_t))](
+        votes, num_slots, rows, refresh, hist, chunk_hist, chunk_above, cache.top, out, width, num_slots.stride(0),
+        layer, layers, chunks, SETS=sets, SINK=n_sink, K=k, RECENT=n_recent, BLOCK_T=block_t, BLOCK_C=block_c,
+        num_warps=num_warps, **radix)
     return out
