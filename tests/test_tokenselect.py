@@ -21,6 +21,21 @@ PROMPT = "The passkey is 4821. Remember it. " + "Grass is green and the sky is b
 NEW = 8
 
 
+@pytest.fixture
+def interpreted():
+    """Import a Triton kernel module under TRITON_INTERPRET=1 (read when its kernels are decorated, so the module and
+    `triton_paged_dot`, whose `key_dots` the TokenSelect kernels call, are imported afresh); afterwards sys.modules
+    holds what it held before."""
+    names = ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot")
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        yield importlib.import_module
+    for name in names:
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
+
+
 def random_pool(heads=8, kv_heads=2, dim=16, page_size=4, pages=40, seed=0):
     """Random queries [heads, D], a key pool with a shuffled page table, and the keys in slot order [n, kv_heads, D]."""
     gen = torch.Generator().manual_seed(seed)
@@ -74,10 +89,8 @@ def test_paged_dot_reference_reads_the_right_keys():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("heads, kv_heads, dim, page_size", [(28, 4, 128, 16), (9, 3, 64, 1)])
-def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_heads, dim, page_size):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated, so (re)import the module
-    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot", raising=False)
-    kernel = importlib.import_module("semkv.kernels.triton_paged_dot")
+def test_triton_kernel_equals_reference_in_interpreter(interpreted, heads, kv_heads, dim, page_size):
+    kernel = interpreted("semkv.kernels.triton_paged_dot")
     q, k_pool, table, keys = random_pool(heads, kv_heads, dim, page_size, pages=300 // page_size + 1)
     slots = torch.randperm(keys.shape[0])[:150]
     torch.testing.assert_close(kernel.paged_dot(q, k_pool, table, slots), reference.paged_dot(q, k_pool, table, slots))
@@ -85,18 +98,14 @@ def test_triton_kernel_equals_reference_in_interpreter(monkeypatch, heads, kv_he
     q2 = torch.stack([q, -q])
     got = kernel.paged_dot(q2, k_pool, tables, slots)
     torch.testing.assert_close(got, reference.paged_dot(q2, k_pool, tables, slots))
-    monkeypatch.delitem(sys.modules, "semkv.kernels.triton_paged_dot")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("selection, sets", [("soft_vote", 1), ("soft_vote", 2), ("top_k", 1)])
-def test_token_select_kernel_equals_reference_in_interpreter(monkeypatch, selection, sets):
+def test_token_select_kernel_equals_reference_in_interpreter(interpreted, selection, sets):
     """Three steps of one layer for a batch (a row below the budget, a padding row, rows that hit, miss and hit
     again): the kernels return the reference's slots and leave the Selection Cache in the same state."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):  # it calls key_dots
-        monkeypatch.delitem(sys.modules, module, raising=False)
-    kernel = importlib.import_module("semkv.kernels.triton_token_select")
+    kernel = interpreted("semkv.kernels.triton_token_select")
     heads, kv_heads, dim, page_size, pages = 8, 2, 16, 4, 80
     gen = torch.Generator().manual_seed(3)
     k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
@@ -119,19 +128,14 @@ def test_token_select_kernel_equals_reference_in_interpreter(monkeypatch, select
         for name in ("q", "top", "valid", "counts"):
             assert torch.equal(getattr(caches[0], name)[1:], getattr(caches[1], name)[1:]), name
     assert caches[0].counts[[2, 5, 3]].tolist() == [[2, 3], [1, 3], [0, 0]]  # hits, lookups
-    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
-        monkeypatch.delitem(sys.modules, module)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("selection", ["soft_vote", "top_k"])
-def test_token_select_kernel_breaks_ties_to_lower_slots(monkeypatch, selection):
+def test_token_select_kernel_breaks_ties_to_lower_slots(interpreted, selection):
     """Every candidate has the same key except six strong ones in the last chunks: the radix select spread over
     chunks must take the strong slots and then the lowest equal slots, in slot order, whatever the chunk size."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
-        monkeypatch.delitem(sys.modules, module, raising=False)
-    kernel = importlib.import_module("semkv.kernels.triton_token_select")
+    kernel = interpreted("semkv.kernels.triton_token_select")
     heads, kv_heads, dim, page_size, pages = 4, 2, 16, 4, 60
     base = torch.randn(dim, generator=torch.Generator().manual_seed(5))
     table = torch.randperm(pages, generator=torch.Generator().manual_seed(6))
@@ -150,8 +154,6 @@ def test_token_select_kernel_breaks_ties_to_lower_slots(monkeypatch, selection):
                                   splits=3, vote_splits=3, block_c=block_c)
         assert torch.equal(got[0, 0, n_sink:n_sink + k], want), block_t
         assert torch.equal(cache.top[1, 0, 0], want), block_t
-    for module in ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot"):
-        monkeypatch.delitem(sys.modules, module)
 
 
 def test_batched_paged_dot_equals_row_by_row():

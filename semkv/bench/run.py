@@ -202,15 +202,15 @@ def _event_seconds(engine: Engine, work, repeat: int = 10) -> float:
     """Median device time of `work()` (CUDA events), 0 off CUDA."""
     if engine.device.type != "cuda":
         return 0.0
-    times = []
+    events = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         work()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+        events.append((start, end))
+    return median_event_seconds(events)
 
 
 def median_event_seconds(events: list) -> float:
