@@ -5,19 +5,22 @@ is graph-safe), with the table of the costliest operations by device time and by
         --batch 16 --context 32k --steps 40 --out OUT
 
 40 steps cover a CHESS re-selection (every generated page of 32 tokens where the model is uncertain: always with
-random weights). Model: `--shape` with random weights, as `semkv bench`.
+random weights). Model: `--shape` with random weights, as `semkv bench`, or `--model PATH` with `--text-file` for a
+real prefill of text (real queries and logits: CHESS's uncertainty trigger and TokenSelect's Selection Cache as on real
+text). The wall time of every profiled step is printed too, so a slow step (a re-selection) stands out.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from semkv.bench.cli import build_engine, method_params, parse_sizes
-from semkv.bench.run import WARMUP_STEPS, largest_full_batch, never_stop, prefilled_batch, sync
+from semkv.bench.run import WARMUP_STEPS, TextContexts, largest_full_batch, never_stop, prefilled_batch, sync
 from semkv.cli.main import parse_budget
 from semkv.methods import get_method
 
@@ -47,19 +50,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
     parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--model", default=None, help="a local model instead of a shape")
+    parser.add_argument("--text-file", action="append", default=None, help="with --model: prefill from this text")
     parser.add_argument("--out", type=Path, default=Path("profile"))
     args = parser.parse_args()
-    engine_args = argparse.Namespace(device="auto", dtype="auto", model=None, shape=args.shape, page_size=16,
+    engine_args = argparse.Namespace(device="auto", dtype="auto", model=args.model, shape=args.shape, page_size=16,
                                      no_graphs=False, gpu_memory_utilization=0.9)
-    engine, label = build_engine(engine_args)
+    engine, label, tokenizer = build_engine(engine_args)
+    text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
     params = method_params(args.param).get(args.method, {})
     budget = params.pop("budget", None if args.method == "full" else parse_budget(args.budget))
     method = get_method(args.method, budget, **params)
-    method.bind(engine.config, None, engine.pool.page_size)
+    method.bind(engine.config, tokenizer, engine.pool.page_size)
     context = parse_sizes(args.context, "context")[0]
     args.batch = largest_full_batch(engine, context, args.steps, args.warmup) if args.batch == "max" else int(args.batch)
     with torch.inference_mode():
-        seqs = prefilled_batch(engine, method, args.batch, context, args.warmup + args.steps + 8)
+        seqs = prefilled_batch(engine, method, args.batch, context, args.warmup + args.steps + 8, text)
         graphs = engine.graph_runner(method, seqs)
         labelled(engine, ("prepare_step", "finish_step"), "engine")
         labelled(method, ("step_plan", "reselect", "fold", "page_dots", "mean_vector", "end_step", "select"),
@@ -68,10 +74,13 @@ def main() -> None:
             engine.step(seqs, method, graphs, never_stop)
         sync(engine.device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+        step_ms = []
         with profile(activities=activities) as prof:
             for _ in range(args.steps):
+                started = time.perf_counter()
                 engine.step(seqs, method, graphs, never_stop)
-            sync(engine.device)
+                sync(engine.device)
+                step_ms.append(round(1e3 * (time.perf_counter() - started), 2))
     args.out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(args.out / f"{args.method}_trace.json"))
     events = prof.key_averages()
@@ -81,7 +90,8 @@ def main() -> None:
     for key, table in tables.items():
         print(f"## {args.method} B={args.batch} ctx={context}: {args.steps} steps, sorted by {key}\n{table}")
     summary = dict(model=label, method=args.method, budget=budget, batch=args.batch, context=context,
-                   steps=args.steps, graphs=graphs is not None)
+                   steps=args.steps, graphs=graphs is not None, step_ms=step_ms)
+    print(json.dumps(summary))
     (args.out / f"{args.method}_profile.md").write_text(json.dumps(summary) + "\n\n" + "\n\n".join(tables.values()))
 
 

@@ -1,16 +1,19 @@
-"""`semkv bench` on the CPU: the largest batch Full KV fits in a fixed pool, and a small grid run end to end with its
-tables and plots (speed numbers themselves come from GPU runs, not from tests)."""
+"""`semkv bench` on the CPU: the largest batch Full KV fits in a fixed pool, a small grid run end to end with its
+tables and plots, and batches prefilled for real from text (speed numbers themselves come from GPU runs, not from
+tests)."""
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from semkv.bench.cli import parse_batches, parse_hf_points
-from semkv.bench.run import bench_decode, largest_full_batch
+from semkv.bench.run import TextContexts, bench_decode, largest_full_batch, prefilled_batch
 from semkv.cli.main import main
 from semkv.engine.engine import Engine
 from semkv.errors import SemkvError
+from semkv.methods import get_method
 
 
 def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
@@ -18,10 +21,10 @@ def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
     engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
     context, steps = 100, 3
     batch = largest_full_batch(engine, context, steps)
-    # per sequence: 3 layers x ceil((100 + 4 warm-up + 3 timed + 1 breakdown) / 16) = 21 pages; 399 free -> 19
-    assert batch == (engine.pool.num_pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 1) // 16))
+    # per sequence: 3 layers x ceil((100 + 4 warm-up + 3 timed + 2 breakdown) / 16) = 21 pages; 399 free -> 19
+    assert batch == (engine.pool.num_pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 2) // 16))
     row = bench_decode(engine, "full", None, batch, context, steps=steps)
-    assert row.batch == batch and row.attended_per_layer == pytest.approx(context + (4 + steps + 1 + 1) / 2)  # 101..108
+    assert row.batch == batch and row.attended_per_layer == pytest.approx(context + (4 + steps + 2 + 1) / 2)  # 101..109
     assert engine.pool.in_use == 0  # the run gave its pages back
     with pytest.raises(MemoryError):
         bench_decode(engine, "full", None, batch + 1, context, steps=steps)
@@ -75,3 +78,49 @@ def test_report_marks_a_selection_share_it_could_not_measure(tmp_path):
     full_line = next(line for line in lines if line.startswith("| full | 2 | 4096 | 10.00"))
     tokenselect_line = next(line for line in lines if line.startswith("| tokenselect | 2 | 4096 | 10.00"))
     assert "| 1.23% |" in full_line and "| 9.00 | - |" in tokenselect_line
+
+
+def test_text_windows_start_spread_over_the_text_and_wrap_around():
+    text = TextContexts(list(range(50)))
+    assert [text.window(i, 3, 20)[0] for i in range(3)] == [0, 16, 33]
+    assert text.window(2, 3, 20) == list(range(33, 50)) + [0, 1, 2]
+    assert text.window(0, 1, 120) == list(range(50)) * 2 + list(range(20))  # a text shorter than the context repeats
+
+
+def test_a_text_batch_is_prefilled_for_real(tiny_model_dir, tiny_llm, essay_text, tmp_path):
+    """Each sequence holds its window of the text with the model's own K/V, so its first token is HF transformers'
+    greedy next token for that window; with TokenSelect the decode steps then look up the Selection Cache."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32).eval()
+    engine = Engine(tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype)
+    method = get_method("tokenselect", 64)
+    method.bind(tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
+    text = TextContexts.from_files([str(write_text(tmp_path, essay_text))], tiny_llm.tokenizer)
+    with torch.inference_mode():
+        seqs = prefilled_batch(engine, method, 3, 150, 4, text)
+    for i, seq in enumerate(seqs):
+        assert seq.prompt_ids == text.window(i, 3, 150) and seq.num_computed == 150
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq.prompt_ids])).logits[0, -1]
+        assert seq.output_ids == [int(logits.argmax())]
+        seq.kv.release()
+    row = bench_decode(engine, "tokenselect", 64, 3, 150, steps=3, text=text)
+    assert row.cache_hit_rate is not None and row.attended_per_layer <= 64
+    assert engine.pool.in_use == 0
+
+
+def write_text(folder, text: str):
+    path = folder / "essays.txt"
+    path.write_text(text)
+    return path
+
+
+def test_text_contexts_need_a_local_model_and_readable_text(tiny_model_dir, tmp_path, capsys):
+    args = ["bench", "--device", "cpu", "--contexts", "160", "--steps", "2", "--out", str(tmp_path / "out")]
+    assert main(args + ["--shape", "smollm2-135m", "--text-file", "a.txt"]) == 2
+    assert "--text-file needs --model" in capsys.readouterr().err
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes([0xFF, 0xFE, 0x00, 0x80]) * 8)
+    assert main(args + ["--model", str(tiny_model_dir("llama")), "--text-file", str(binary)]) == 2
+    assert f"--text-file {str(binary)!r}: cannot read it as UTF-8 text" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import torch
 
 import semkv
 from semkv.engine.engine import plan_chunks
+from semkv.engine.kv_cache import KVPool, SeqKV, append_slots
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 12,
@@ -127,7 +128,6 @@ def test_static_buffer_decode_equals_eager(tiny_llm, name):
     """The CUDA-graph step of each graph-safe method (run eagerly here: same static buffers, padding rows on the
     scratch page, selections from the step's tensors alone) gives the logits of the plain decode step."""
     from semkv.engine.cuda_graph import GraphRunner
-    from semkv.engine.kv_cache import SeqKV
     from semkv.engine.sequence import SamplingParams, Sequence
     from semkv.methods import get_method
 
@@ -175,3 +175,39 @@ def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
     assert small.engine.pool.peak_in_use <= small.engine.pool.num_pages
     with pytest.raises(MemoryError, match="needs .* KV pages"):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=4).generate(PROMPTS[0], chat=False)
+
+
+def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():
+    """`append_slots` over a batch (one allocation, one copy of the new page ids) leaves every sequence with the
+    pages, tables and slot counts that appending one sequence at a time gives, across page boundaries reached at
+    different steps and a table that has to widen; a batch that does not fit raises before taking any page."""
+    def grown(batched: bool) -> list[SeqKV]:
+        pool = KVPool(3, 2, 4, 4, torch.float32, torch.device("cpu"))
+        kvs = [SeqKV(pool) for _ in range(3)]
+        for kv, n in zip(kvs, (4, 8, 30)):
+            for layer in range(3):
+                kv.ensure_slots(layer, n)
+                kv.num_slots[layer] = n
+        for _ in range(7):
+            if batched:
+                append_slots(kvs)
+            else:
+                for kv in kvs:
+                    kv.append_slot()
+        return kvs
+
+    for batched_kv, single_kv in zip(grown(True), grown(False)):
+        assert batched_kv.pages == single_kv.pages and batched_kv.num_slots == single_kv.num_slots
+        assert torch.equal(batched_kv.table, single_kv.table)
+        width = len(batched_kv.pages[0])
+        assert batched_kv.table[:, :width].tolist() == batched_kv.pages
+    assert grown(True)[2].table.shape[1] > 8  # 37 slots of 4 take 10 pages: the 8-wide table widened
+
+    pool = KVPool(1, 2, 4, 4, torch.float32, torch.device("cpu"), num_pages=6, max_pages=6)  # 5 pages to give
+    kvs = [SeqKV(pool) for _ in range(3)]
+    for kv in kvs:
+        kv.ensure_slots(0, 4)
+        kv.num_slots[0] = 4
+    with pytest.raises(MemoryError):
+        append_slots(kvs)  # three new pages, two left
+    assert pool.in_use == 3 and [len(kv.pages[0]) for kv in kvs] == [1, 1, 1]

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="points 'BxCTX' (e.g. 1x4k,maxx32k) to time HF transformers' eager decode ('max' as in --batches)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
+    p.add_argument("--text-file", action="append", default=None, metavar="FILE",
+                   help="with --model: prefill every sequence for real with a window of these texts (repeatable), so "
+                        "decode runs on the model's real queries (TokenSelect's cache hit rate as on real text)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
@@ -80,7 +83,7 @@ def method_params(items: list[str] | None) -> dict[str, dict]:
 def run(args: argparse.Namespace) -> int:
     from semkv.bench import report
     from semkv.bench.device import device_info
-    from semkv.bench.run import bench_decode, bench_long_generation, bench_ttft, largest_full_batch
+    from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch
     from semkv.cli.main import parse_budget
     from semkv.methods import METHODS
 
@@ -91,14 +94,19 @@ def run(args: argparse.Namespace) -> int:
     batches, contexts = parse_batches(args.batches), parse_sizes(args.contexts, "contexts")
     hf_points = parse_hf_points(args.hf)
     budget, params = parse_budget(args.budget), method_params(args.param)
-    engine, label = build_engine(args)
+    if args.text_file and not args.model:
+        raise SemkvError("--text-file needs --model: a random-weight shape has no real queries to measure")
+    engine, label, model_tokenizer = build_engine(args)
 
     def resolved(batch: int | str, context: int) -> int:
         return largest_full_batch(engine, context, args.steps) if batch == "max" else batch
 
     hf_points = [(resolved(b, c), c) for b, c in hf_points]
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer
+    text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
+    info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs,
+                                             contexts="random K/V" if text is None else
+                                             f"real prefill of {', '.join(args.text_file)} ({len(text.ids)} tokens)")
     print(json.dumps(info))
     results: dict = dict(info=info, decode=[], ttft=[], long_generation={}, hf=[])
     cfg = engine.config
@@ -110,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             for batch in (resolved(b, context) for b in batches):
                 try:
                     row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
-                                       tokenizer=tokenizer)
+                                       tokenizer=tokenizer, text=text)
                 except MemoryError as exc:
                     print(f"{name} B={batch} ctx={context}: skipped ({exc})")
                     continue
@@ -118,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
                 print(report.decode_line(row))
         if args.ttft:
             for context in contexts:
-                ttft = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer)
+                ttft = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer, text=text)
                 results["ttft"].append(dict(method=name, context=context, ttft_s=ttft))
         if args.long_gen:
             curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
-                                          tokenizer=tokenizer)
+                                          tokenizer=tokenizer, text=text)
             results["long_generation"][name] = curve
     if hf_points:
         from semkv.bench.hf_baseline import hf_decode_tpot_ms
@@ -164,12 +172,13 @@ def build_engine(args: argparse.Namespace):
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    tokenizer = None
     if args.model:
         loaded = load_model(args.model, device, dtype)
-        model, config, label = loaded.model, loaded.config, loaded.source
+        model, config, label, tokenizer = loaded.model, loaded.config, loaded.source, loaded.tokenizer
     else:
         model = random_model(args.shape, device, dtype)
         config, label = model.config, f"{args.shape} (random weights)"
     engine = Engine(model, config, device, dtype, page_size=args.page_size, cuda_graphs=not args.no_graphs,
                     gpu_memory_utilization=args.gpu_memory_utilization)
-    return engine, label
+    return engine, label, tokenizer

@@ -3,15 +3,20 @@ and TPOT over a long generation, on a model of a real shape with random weights 
 
 Decode measurements start from a cache filled with random K/V (`fill_random`: speed does not depend on the values),
 to which each method's prefill-time work is applied (eviction with random window queries, summaries); TTFT runs a
-real prefill. Methods that read token text (sentences, delimiters) take a tokenizer (`--tokenizer`) whose vocabulary
-interprets the benchmark's synthetic token ids. Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up).
+real prefill. With a local model and texts (`TextContexts`) every sequence is instead prefilled for real with a window
+of the texts, so the decode steps see the model's real queries: what a method whose work depends on them (TokenSelect's
+Selection Cache, CHESS's re-selection trigger) does on real text. Methods that read token text (sentences,
+delimiters) take a tokenizer (`--tokenizer`, by default a local model's own) whose vocabulary interprets the
+benchmark's token ids. Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
@@ -60,6 +65,31 @@ def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> N
     seq.num_computed = context
 
 
+@dataclass
+class TextContexts:
+    """Real contexts: sequence i of a batch of B prefills `context` tokens of the texts' token stream, starting i/B of
+    the way through it (the stream repeats where a window runs past its end)."""
+    ids: list[int]  # the texts' tokens, concatenated
+
+    @classmethod
+    def from_files(cls, paths: list[str], tokenizer) -> "TextContexts":
+        texts = []
+        for path in paths:
+            try:
+                texts.append(Path(path).read_text(encoding="utf-8-sig"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SemkvError(f"--text-file {path!r}: cannot read it as UTF-8 text ({exc})") from None
+        ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SemkvError(f"--text-file {', '.join(paths)}: no tokens (the files are empty)")
+        return cls(ids)
+
+    def window(self, index: int, batch: int, context: int) -> list[int]:
+        start = index * len(self.ids) // batch
+        repeats = -(-(start + context) // len(self.ids))
+        return (self.ids * repeats)[start:start + context]
+
+
 WARMUP_STEPS = 4  # untimed decode steps before a timed run (CUDA-graph capture, compilation)
 
 
@@ -68,7 +98,7 @@ def largest_full_batch(engine: Engine, context: int, steps: int, warmup: int = W
     `bench_decode` run of `steps` steps (every layer holds every token)."""
     if engine.pool.max_pages is None:
         raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
-    tokens = context + warmup + steps + 1  # the warm-up and timed steps and the breakdown step append a slot each
+    tokens = context + warmup + steps + 2  # the warm-up and timed steps and the two breakdown steps append a slot each
     per_seq = engine.config.num_layers * -(-tokens // engine.pool.page_size)
     batch = len(engine.pool.free) // per_seq
     if batch < 1:
@@ -77,13 +107,22 @@ def largest_full_batch(engine: Engine, context: int, steps: int, warmup: int = W
     return batch
 
 
-def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int) -> list[Sequence]:
+def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int,
+                    text: TextContexts | None = None) -> list[Sequence]:
+    """`batch` sequences of `context` tokens with the method's prefill work done and a first output token: random K/V
+    under synthetic token ids, or a real prefill of windows of `text` (then the first token is the model's greedy
+    one)."""
     seqs = []
     try:
-        for i in range(batch):
-            ids = [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
+        for i in tqdm(range(batch), desc="prefill batch", unit="seq", disable=text is None or batch == 1, leave=False):
+            ids = (text.window(i, batch, context) if text is not None
+                   else [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)])
             seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
             seqs.append(seq)
+            if text is not None:
+                seq.method_state = method.new_state(seq)
+                seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+                continue
             fill_random(engine, seq, context, seed=i)
             engine.apply_prefill(seq, method)
             seq.output_ids.append(ids[-1])
@@ -148,13 +187,14 @@ def never_stop(seq: Sequence) -> None:
 
 @torch.inference_mode()
 def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, steps: int = 32,
-                 warmup: int = WARMUP_STEPS, params: dict | None = None, tokenizer=None) -> DecodeResult:
+                 warmup: int = WARMUP_STEPS, params: dict | None = None, tokenizer=None,
+                 text: TextContexts | None = None) -> DecodeResult:
     method = get_method(name, budget, **(params or {}))
     method.bind(engine.config, tokenizer, engine.pool.page_size)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.pool.peak_in_use = engine.pool.in_use
-    seqs = prefilled_batch(engine, method, batch, context, warmup + steps + 8)
+    seqs = prefilled_batch(engine, method, batch, context, warmup + steps + 8, text)
     graphs = engine.graph_runner(method, seqs)
     time_steps(engine, method, seqs, warmup, graphs)
     selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
@@ -253,7 +293,9 @@ def needed_memory_gib(engine: Engine) -> float:
 
 def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> dict[str, float]:
     """One eager step with its selection (the method's work before, inside and after the forward) and attention
-    regions timed (ms); `rest` is everything else."""
+    regions timed (ms); `rest` is everything else. An untimed eager step first compiles what eager steps launch
+    (graph replays did not)."""
+    engine.step(seqs, method, None, never_stop)
     timer = EventTimer(engine.device)
     engine.timer = timer
     try:
@@ -268,11 +310,13 @@ def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> di
 
 
 @torch.inference_mode()
-def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | None = None, tokenizer=None) -> float:
+def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | None = None, tokenizer=None,
+               text: TextContexts | None = None) -> float:
     """Seconds from prompt to first token (a real prefill) for one request."""
     method = get_method(name, budget, **(params or {}))
     method.bind(engine.config, tokenizer, engine.pool.page_size)
-    ids = [1 + t % (engine.config.vocab_size - 2) for t in range(context)]
+    ids = (text.window(0, 1, context) if text is not None
+           else [1 + t % (engine.config.vocab_size - 2) for t in range(context)])
     seq = Sequence(0, ids, SamplingParams(max_new_tokens=1), SeqKV(engine.pool))
     seq.method_state = method.new_state(seq)
     sync(engine.device)
@@ -286,11 +330,12 @@ def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | N
 
 @torch.inference_mode()
 def bench_long_generation(engine: Engine, name: str, budget, context: int, new_tokens: int, every: int = 100,
-                          params: dict | None = None, tokenizer=None) -> list[tuple[int, float]]:
+                          params: dict | None = None, tokenizer=None,
+                          text: TextContexts | None = None) -> list[tuple[int, float]]:
     """(generated tokens, TPOT ms) every `every` steps over a long generation at batch 1."""
     method = get_method(name, budget, **(params or {}))
     method.bind(engine.config, tokenizer, engine.pool.page_size)
-    seqs = prefilled_batch(engine, method, 1, context, new_tokens + 8)
+    seqs = prefilled_batch(engine, method, 1, context, new_tokens + 8, text)
     graphs = engine.graph_runner(method, seqs)
     curve = []
     for done in range(0, new_tokens, every):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from semkv.engine.kv_cache import stack_tables
 from semkv.engine.sequence import Sequence
 from semkv.methods.base import DecodeBatch, KVMethod
 
@@ -75,12 +76,15 @@ class GraphedStep:
             self.tables[n : self.rows] = self.engine.pool.scratch
             self.table_versions[n : self.rows] = [None] * (self.rows - n)
         self.rows = n
-        for b, seq in enumerate(seqs):
-            if self.table_versions[b] != seq.kv.version:
-                width = min(seq.kv.table.shape[1], self.max_pages)
-                self.tables[b, :, :width] = seq.kv.table[:, :width]
-                self.tables[b, :, width:] = self.engine.pool.scratch
-                self.table_versions[b] = seq.kv.version
+        stale = [b for b, seq in enumerate(seqs) if self.table_versions[b] != seq.kv.version]
+        if stale:  # one copy for every row whose table changed (at a page boundary: all of them)
+            width = min(max(seqs[b].kv.table.shape[1] for b in stale), self.max_pages)
+            rows = (slice(stale[0], stale[-1] + 1) if stale[-1] - stale[0] + 1 == len(stale)
+                    else torch.tensor(stale, device=self.tables.device))
+            self.tables[rows, :, :width] = stack_tables([seqs[b].kv.table[:, :width] for b in stale])
+            self.tables[rows, :, width:] = self.engine.pool.scratch
+            for b in stale:
+                self.table_versions[b] = seqs[b].kv.version
         if self.plan is not None and (plan is not self.last_plan or n != self.plan_rows):
             for name, (_, fill) in self.plan_fill.items():
                 given = plan[name]

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.engine.cuda_graph import GraphRunner
-from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
 from semkv.engine.trace import attended_positions
@@ -170,11 +170,6 @@ class DecodeStep:
 
 def _sample(seq: Sequence, logits: torch.Tensor) -> int:
     return sample(logits, seq.params, seq.generator)
-
-
-def _stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
-    width = max(t.shape[1] for t in tables)
-    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
 
 
 @dataclass
@@ -342,19 +337,18 @@ class Engine:
             slots_before = torch.tensor(before, device=self.device)  # [B, layers]
             write = method.begin_step(DecodeBatch(seqs, positions, slots_before, self.config))
         if write is None:  # every layer appends
+            append_slots([seq.kv for seq in seqs if not seq.slot_ready])
             for seq in seqs:
-                if seq.slot_ready:
-                    seq.slot_ready = False
-                else:
-                    seq.kv.append_slot()
                 seq.slot_ready = ahead
         else:
             appends = (write == slots_before[:, :, None]).any(-1).tolist()
+            requests = []
             for b, seq in enumerate(seqs):
                 grown = {layer: n + 1 for layer, n in enumerate(before[b]) if appends[b][layer]}
                 for layer, n in grown.items():
                     seq.kv.num_slots[layer] = n
-                seq.kv.ensure_all(grown)
+                requests.append((seq.kv, grown))
+            ensure_many(requests)
         packed = self.pool.staging.send([[0 if ahead else s.last_token, s.num_computed + ahead, *s.kv.num_slots]
                                          for s in seqs])
         if write is None:  # the slot before the count, in every layer and head
@@ -363,7 +357,7 @@ class Engine:
 
     def step_batch(self, seqs: list[Sequence], inputs: StepInputs, plan: dict | None) -> DecodeBatch:
         """The batch of a prepared eager step as `select` sees it (page tables stacked, shapes from the lengths)."""
-        tables = _stack_tables([s.kv.table for s in seqs])
+        tables = stack_tables([s.kv.table for s in seqs])
         return DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, tables,
                            max(max(s.kv.num_slots) for s in seqs), plan, self.pool)
 

@@ -10,6 +10,7 @@ slots to rows of the flattened pool.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -94,6 +95,46 @@ class KVPool:
 _versions = itertools.count(1)
 
 
+def stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    """Page tables [layers, width_i] -> [B, layers, max width], narrower ones padded with page 0 (the scratch page)."""
+    width = max(t.shape[1] for t in tables)
+    return torch.stack([t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]))
+                        for t in tables])
+
+
+def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
+    """`SeqKV.ensure_all` for several sequences of one pool: one allocation, one host-to-device copy of every new
+    page id (that does not wait for the device) and one table write per sequence that grew. At a page boundary of a
+    decode step every sequence of the batch grows in every layer, so the host work of a boundary step does not grow
+    with the batch by a copy and an allocation per sequence."""
+    if not requests:
+        return
+    pool = requests[0][0].pool
+    pages = iter(pool.allocate(sum(kv.missing_pages(slots) for kv, slots in requests)))
+    grown = [(kv, kv._take(slots, pages)) for kv, slots in requests]
+    grown = [(kv, entries) for kv, entries in grown if entries]
+    if not grown:
+        return
+    index = pool.staging.send([list(column) for column in zip(*(e for _, entries in grown for e in entries))])
+    start = 0
+    for kv, entries in grown:  # [3, n] per sequence: layer, column, page id
+        part = index[:, start : start + len(entries)]
+        kv.table[part[0], part[1]] = part[2]
+        start += len(entries)
+
+
+def append_slots(kvs: list["SeqKV"]) -> None:
+    """One more slot in every layer of each sequence (a decode step that appends its token everywhere); the
+    sequences whose last pages are full get new ones together (`ensure_many`)."""
+    requests = []
+    for kv in kvs:
+        size, before = kv.pool.page_size, kv.num_slots
+        kv.num_slots = [n + 1 for n in before]
+        if not all(n % size for n in before):  # some layer's last page is full (slots [0, n) exist)
+            requests.append((kv, {layer: n for layer, n in enumerate(kv.num_slots) if n > len(kv.pages[layer]) * size}))
+    ensure_many(requests)
+
+
 class SeqKV:
     """One sequence's page tables (a device tensor [layers, capacity_pages]) and slot counts per layer.
 
@@ -115,35 +156,38 @@ class SeqKV:
 
     def append_slot(self) -> None:
         """One more slot in every layer (a decode step that appends its token everywhere)."""
-        size, before = self.pool.page_size, self.num_slots
-        self.num_slots = [n + 1 for n in before]
-        if all(n % size for n in before):  # every layer's last page has room (slots [0, n) exist)
-            return
-        self.ensure_all({layer: n for layer, n in enumerate(self.num_slots) if n > len(self.pages[layer]) * size})
+        append_slots([self])
 
     def ensure_all(self, slots: dict[int, int]) -> None:
         """Allocate pages so that slots [0, slots[layer]) exist in each given layer; the new page ids reach the
         device table in one host-to-device copy that does not wait for the device."""
-        layers, cols, new = [], [], []
+        ensure_many([(self, slots)])
+
+    def _take(self, slots: dict[int, int], pages: Iterator[int]) -> list[tuple[int, int, int]]:
+        """Give the layers that lack pages for `slots` the next ids of `pages`, on the host (the table grows where
+        it is too narrow); returns the (layer, column, page id) entries the device table still needs."""
+        entries = []
         for layer, n in slots.items():
             have, need = len(self.pages[layer]), -(-n // self.pool.page_size)
-            if need > have:
-                pages = self.pool.allocate(need - have)
-                self.pages[layer].extend(pages)
-                self.widest = max(self.widest, need)
-                layers += [layer] * len(pages)
-                cols += range(have, need)
-                new += pages
-        if not new:
-            return
-        if max(cols) >= self.table.shape[1]:
-            grown = torch.zeros(self.table.shape[0], max(max(cols) + 1, 2 * self.table.shape[1]), dtype=torch.long,
-                                device=self.table.device)
-            grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
-        index = self.pool.staging.send([layers, cols, new])  # [3, new pages]: layer, column, page id
-        self.table[index[0], index[1]] = index[2]
-        self.version = next(_versions)
+            for col in range(have, need):
+                page = next(pages)
+                self.pages[layer].append(page)
+                entries.append((layer, col, page))
+            self.widest = max(self.widest, need)
+        if entries:
+            widest = max(col for _, col, _ in entries) + 1
+            if widest > self.table.shape[1]:
+                grown = torch.zeros(self.table.shape[0], max(widest, 2 * self.table.shape[1]), dtype=torch.long,
+                                    device=self.table.device)
+                grown[:, : self.table.shape[1]] = self.table
+                self.table = grown
+            self.version = next(_versions)
+        return entries
+
+    def missing_pages(self, slots: dict[int, int]) -> int:
+        """Pages `ensure_all(slots)` would allocate."""
+        size = self.pool.page_size
+        return sum(max(-(-n // size) - len(self.pages[layer]), 0) for layer, n in slots.items())
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Logical slots (any shape) of `layer` -> physical rows of the flattened pool."""
