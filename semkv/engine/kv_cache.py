@@ -10,7 +10,6 @@ slots to rows of the flattened pool.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import torch
 
@@ -103,24 +102,39 @@ def stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 
 
 def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
-    """`SeqKV.ensure_all` for several sequences of one pool: one allocation, one host-to-device copy of every new
-    page id (that does not wait for the device) and one table write per sequence that grew. At a page boundary of a
-    decode step every sequence of the batch grows in every layer, so the host work of a boundary step does not grow
-    with the batch by a copy and an allocation per sequence."""
+    """`SeqKV.ensure_all` for several sequences of one pool: one allocation (all or nothing), one host-to-device copy
+    of every new page id (that does not wait for the device) and one table write per sequence that grew. At a page
+    boundary of a decode step every sequence of the batch grows in every layer; the host work per page is a few list
+    operations, so that it stays below the device time of a step."""
     if not requests:
         return
     pool = requests[0][0].pool
-    pages = iter(pool.allocate(sum(kv.missing_pages(slots) for kv, slots in requests)))
-    grown = [(kv, kv._take(slots, pages)) for kv, slots in requests]
-    grown = [(kv, entries) for kv, entries in grown if entries]
-    if not grown:
+    size = pool.page_size
+    plans, total = [], 0  # (kv, [(layer, pages held, pages needed)])
+    for kv, slots in requests:
+        grow = [(layer, len(kv.pages[layer]), -(-n // size)) for layer, n in slots.items()]
+        grow = [g for g in grow if g[2] > g[1]]
+        if grow:
+            plans.append((kv, grow))
+            total += sum(need - have for _, have, need in grow)
+    if not plans:
         return
-    index = pool.staging.send([list(column) for column in zip(*(e for _, entries in grown for e in entries))])
+    pages = pool.allocate(total)
+    layers, cols, ends, taken = [], [], [], 0
+    for kv, grow in plans:
+        for layer, have, need in grow:
+            kv.pages[layer] += pages[taken : taken + need - have]
+            taken += need - have
+            layers += [layer] * (need - have)
+            cols += range(have, need)
+        kv.widen(max(need for _, _, need in grow))
+        ends.append(taken)
+    index = pool.staging.send([layers, cols, pages])  # [3, total]: layer, column, page id
     start = 0
-    for kv, entries in grown:  # [3, n] per sequence: layer, column, page id
-        part = index[:, start : start + len(entries)]
+    for (kv, _), end in zip(plans, ends):
+        part = index[:, start:end]
         kv.table[part[0], part[1]] = part[2]
-        start += len(entries)
+        start = end
 
 
 def append_slots(kvs: list["SeqKV"]) -> None:
@@ -163,31 +177,16 @@ class SeqKV:
         device table in one host-to-device copy that does not wait for the device."""
         ensure_many([(self, slots)])
 
-    def _take(self, slots: dict[int, int], pages: Iterator[int]) -> list[tuple[int, int, int]]:
-        """Give the layers that lack pages for `slots` the next ids of `pages`, on the host (the table grows where
-        it is too narrow); returns the (layer, column, page id) entries the device table still needs."""
-        entries = []
-        for layer, n in slots.items():
-            have, need = len(self.pages[layer]), -(-n // self.pool.page_size)
-            for col in range(have, need):
-                page = next(pages)
-                self.pages[layer].append(page)
-                entries.append((layer, col, page))
-            self.widest = max(self.widest, need)
-        if entries:
-            widest = max(col for _, col, _ in entries) + 1
-            if widest > self.table.shape[1]:
-                grown = torch.zeros(self.table.shape[0], max(widest, 2 * self.table.shape[1]), dtype=torch.long,
-                                    device=self.table.device)
-                grown[:, : self.table.shape[1]] = self.table
-                self.table = grown
-            self.version = next(_versions)
-        return entries
-
-    def missing_pages(self, slots: dict[int, int]) -> int:
-        """Pages `ensure_all(slots)` would allocate."""
-        size = self.pool.page_size
-        return sum(max(-(-n // size) - len(self.pages[layer]), 0) for layer, n in slots.items())
+    def widen(self, pages: int) -> None:
+        """Record that a layer now holds `pages` pages: the table grows (doubling) where it is too narrow, and the
+        version changes."""
+        self.widest = max(self.widest, pages)
+        if pages > self.table.shape[1]:
+            grown = torch.zeros(self.table.shape[0], max(pages, 2 * self.table.shape[1]), dtype=torch.long,
+                                device=self.table.device)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        self.version = next(_versions)
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Logical slots (any shape) of `layer` -> physical rows of the flattened pool."""
