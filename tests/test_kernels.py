@@ -54,6 +54,23 @@ def test_decode_kernel_matches_reference(splits):
         assert (got - want).abs().max() < 1e-5
 
 
+def test_decode_launch_settings_bound_split_length_and_fill_the_device():
+    from semkv.kernels.triton_decode import launch_settings, num_splits_for
+
+    # every stored slot: wide blocks; an index list: 64-row blocks on two warps (CPU: no shared-memory cut)
+    assert launch_settings(128, 2, False, torch.device("cpu")) == (128, 4, 3)
+    assert launch_settings(128, 2, True, torch.device("cpu")) == (64, 2, 4)
+    for max_len, batch_heads, block_n in [(32768, 200, 128), (32768, 8, 128), (4096, 8, 128), (32768, 128, 128),
+                                          (2688, 200, 64), (2688, 128, 64), (100, 8, 64)]:
+        splits = num_splits_for(max_len, batch_heads, 132, block_n)
+        longest = -(-max_len // splits)
+        assert longest <= max(4096, 2 * block_n)  # no split longer than 4096 slots unless it is two blocks
+        assert splits == 1 or longest >= 2 * block_n - 1  # none shorter than two blocks
+        assert splits * batch_heads >= min(2 * 132, batch_heads * -(-max_len // (2 * block_n)))  # two per SM
+    assert num_splits_for(32768, 200, 132, 128) == 8  # a large batch: the split length decides
+    assert num_splits_for(32768, 8, 132, 128) == 33  # one sequence: the SM count decides
+
+
 @pytest.mark.parametrize("start, chunk", [(0, 20), (37, 21), (50, 3)])
 def test_prefill_kernel_matches_reference(start, chunk):
     from semkv.kernels.triton_prefill import prefill_attention

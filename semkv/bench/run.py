@@ -267,13 +267,15 @@ def plan_selection_s(engine: Engine, graphs) -> float:
         return 0.0
 
     def select():
-        graphed.method.plan_selection(graphed.batch, graphed.plan)
+        return graphed.method.plan_selection(graphed.batch, graphed.plan)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        select()  # warm-up outside the capture
+        planned = select()  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
+    if planned is None:  # the method selects inside each layer (TokenSelect): nothing runs before the forward
+        return 0.0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         select()

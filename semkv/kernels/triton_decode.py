@@ -5,8 +5,16 @@ Same contract as `reference.decode_attention`. A program handles one (sequence, 
 and all query heads of the KV group at once, so each K/V row is read once per group (GQA); partial results of the
 splits are merged by a second small kernel with their log-sum-exp. Page-granular selections (Quest, CHESS) are
 expanded to slot lists by `Selection`, so whole pages stay contiguous reads.
+
+Launch settings (`launch_settings`, `num_splits_for`) come from `benchmarks/decode_kernel_sweep.py` on an H200 with
+the Llama-3.1-8B and Qwen2.5-0.5B shapes at 32k: scattered token rows (index lists) run best on two warps with a
+four-stage pipeline over 64-row blocks (TokenSelect's 2688 tokens: 1.68x -> 1.15x the byte floor at Llama's shape,
+25 x 32k); every stored slot (whole pages) on four warps with three stages over 128-row blocks, in splits of at most
+4096 slots (Full KV at 25 x 32k: 794 -> 749 us a layer; at Qwen's 64 x 32k 1.25x -> 1.0x the floor).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -84,17 +92,37 @@ def _combine(Out, Lse, O, stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     tl.store(O + b * stride_fb + h * stride_fh + d, o.to(O.dtype.element_ty))
 
 
-def num_splits_for(max_len: int, batch_heads: int, sm_count: int = 132, block_n: int = 64) -> int:
-    """Enough splits to give every SM a few programs, none shorter than two blocks."""
+@functools.cache
+def device_limits(index: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory bytes one program may use) of CUDA device `index`."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def launch_settings(dim: int, element_size: int, gathered: bool, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of `_partial` for index lists (gathered) or every stored slot, with the
+    pipeline cut to the stages whose K and V tiles fit the device's shared memory."""
+    block_n, warps, stages = (64, 2, 4) if gathered else (128, 4, 3)
+    if device.type == "cuda":
+        per_stage = 2 * block_n * dim * element_size
+        stages = max(1, min(stages, device_limits(device.index or 0)[1] // per_stage))
+    return block_n, warps, stages
+
+
+def num_splits_for(max_len: int, batch_heads: int, sm_count: int = 132, block_n: int = 64,
+                   longest_split: int = 4096) -> int:
+    """Enough splits to give every SM two programs and keep every split within `longest_split` slots (large batches
+    end in a short tail of programs), none shorter than two blocks."""
     by_work = max(1, -(-max_len // (2 * block_n)))
     by_sms = max(1, -(-2 * sm_count // max(batch_heads, 1)))
-    return min(by_work, by_sms, 128)
+    return min(by_work, max(by_sms, -(-max_len // longest_split)), 128)
 
 
-def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_splits=None, block_n=64, max_len=0):
+def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_splits=None, block_n=None, max_len=0):
     """q [B, heads, D]; k_pool/v_pool [pages, page_size, kv_heads, D]; tables [B, max_pages]; slots [B, S, n] or None
     (all stored slots); lengths [B, S]; max_len: upper bound of lengths when slots is None (0: read it from the
-    device, which a CUDA graph cannot do). Returns [B, heads, D] in q's dtype."""
+    device, which a CUDA graph cannot do); num_splits, block_n: override `launch_settings` / `num_splits_for`.
+    Returns [B, heads, D] in q's dtype."""
     batch, n_heads, dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     group = n_heads // kv_heads
@@ -102,7 +130,11 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
         max_len = slots.shape[-1]
     elif not max_len:
         max_len = int(lengths.max())
-    splits = num_splits or num_splits_for(max_len, batch * kv_heads, block_n=block_n)
+    gathered = slots is not None
+    chosen_block, warps, stages = launch_settings(dim, k_pool.element_size(), gathered, q.device)
+    block_n = block_n or chosen_block
+    sm_count = device_limits(q.device.index or 0)[0] if q.device.type == "cuda" else 132
+    splits = num_splits or num_splits_for(max_len, batch * kv_heads, sm_count, block_n)
     split_len = -(-max(max_len, 1) // splits)
     split_len = -(-split_len // block_n) * block_n
     out = torch.empty(batch, n_heads, splits, dim, device=q.device, dtype=torch.float32)
@@ -116,7 +148,7 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         scale, split_len,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, PAGE=page,
-        HAS_SLOTS=slots is not None, PER_HEAD=lengths.shape[1] > 1,
+        HAS_SLOTS=gathered, PER_HEAD=lengths.shape[1] > 1, num_warps=warps, num_stages=stages,
     )
     final = torch.empty_like(q)
     _combine[(batch, n_heads)](

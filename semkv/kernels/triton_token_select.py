@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from semkv.kernels.reference import SelectionCacheBuffers
+from semkv.kernels.triton_decode import device_limits
 from semkv.kernels.triton_paged_dot import key_dots
 
 RADIX_BITS = 8  # a byte a pass: four passes over the 32-bit ordered votes
@@ -239,12 +240,16 @@ def _select(vote_ptr, n_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, ch
 
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, n_sink: int, n_recent: int,
-                 theta: float, selection: str, kv_heads: int | None, block_n: int = 64, block_t: int = 2048,
-                 num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32) -> torch.Tensor:
+                 theta: float, selection: str, kv_heads: int | None, block_n: int = 128, block_t: int = 2048,
+                 num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32,
+                 score_warps: int = 4, score_stages: int = 2) -> torch.Tensor:
     """See `reference.token_select` (selection "soft_vote" or "top_k"). k_pool [pages, page_size, kv_heads, D]
     contiguous; tables and num_slots may be strided views (one layer of the step's tensors). block_t: slots per
     program of the radix passes and the output; splits, vote_splits: programs per row and KV head of the scoring
-    kernel, per row and vote set of the vote kernel; block_c: earlier chunks an output program reads at a time."""
+    kernel, per row and vote set of the vote kernel; block_c: earlier chunks an output program reads at a time.
+    block_n, score_warps, score_stages: the scoring kernel's keys per block, warps and pipeline stages (stages cut to
+    the device's shared memory), from `benchmarks/decode_kernel_sweep.py` on an H200: 1.46x -> 1.1x its byte floor
+    at Qwen2.5-0.5B's shape, 1.05x -> 0.98x at Llama-3.1-8B's."""
     batch, n_heads, dim = q.shape
     _, page_size, pool_kv_heads, _ = k_pool.shape
     sets, k = cache.top.shape[2], cache.top.shape[3]
@@ -266,12 +271,15 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     split_sum = torch.empty_like(split_max)
     group = n_heads // pool_kv_heads
     soft = selection == "soft_vote"
+    if device.type == "cuda":
+        score_stages = max(1, min(score_stages, device_limits(device.index or 0)[1] //
+                                  (block_n * triton.next_power_of_2(dim) * k_pool.element_size())))
     _vote_scores[(pool_kv_heads, score_splits, batch)](
         q.to(k_pool.dtype), k_pool, tables, num_slots, refresh, scores, split_max, split_sum, width,
         tables.stride(0), num_slots.stride(0), SINK=n_sink, RECENT=n_recent, PAGE_SIZE=page_size,
         KV_HEADS=pool_kv_heads, GROUP=group, DIM=dim, GROUP_P=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=score_splits, SOFT=soft,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32, num_warps=score_warps, num_stages=score_stages)
     votes = torch.empty(batch, sets, width, dtype=torch.float32, device=device)  # [B, S, width]
     per_set = n_heads // sets
     hp = triton.next_power_of_2(per_set)

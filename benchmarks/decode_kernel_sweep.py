@@ -1,0 +1,186 @@
+"""Launch settings of the decode kernels that read the paged cache, swept against their byte floors on random paged
+caches of two real shapes: decode attention (`kernels.triton_decode._partial`, over per-head slot lists and over
+every slot) and TokenSelect's scoring of every candidate key on a Selection Cache miss
+(`kernels.triton_token_select._vote_scores`).
+
+TokenSelect's decode step attends to ~2688 tokens per KV head scattered over a 32k context, so the kernel gathers one
+K row and one V row (head_dim x 2 bytes each) per selected token. This script times, per case and setting (splits,
+BLOCK_N, warps, pipeline stages), the partial kernel + the split merge inside a CUDA graph (as the engine replays
+them), and divides by the bytes they must read (K and V of every attended token, the slot lists) over the bandwidth
+of a large device copy measured in the same run. Every setting's output is checked against the torch reference
+first. Rows: Triton's defaults (the settings before the sweep), the engine's `launch_settings` / `num_splits_for`,
+and the fastest settings.
+
+    python benchmarks/decode_kernel_sweep.py                          # CUDA, every case (~4 minutes on an H200)
+    python benchmarks/decode_kernel_sweep.py --only full --best 200   # cases whose name has "full", every row
+    python benchmarks/decode_kernel_sweep.py --only scoring           # TokenSelect's scoring kernel alone
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.testing
+
+from semkv.bench.device import measured_bandwidth
+from semkv.kernels import reference, triton_decode, triton_token_select
+
+CASES = {  # name: batch, query heads, KV heads, head_dim, context, selected tokens per KV head (0: every slot)
+    "llama3-8b 25x32k, 2688 selected": (25, 32, 8, 128, 32768, 2688),
+    "llama3-8b 25x32k, 328 selected": (25, 32, 8, 128, 32768, 328),
+    "llama3-8b 25x32k, full": (25, 32, 8, 128, 32768, 0),
+    "llama3-8b 1x32k, full": (1, 32, 8, 128, 32768, 0),
+    "llama3-8b 1x4k, full": (1, 32, 8, 128, 4096, 0),
+    "qwen2.5-0.5b 64x32k, 2688 selected": (64, 14, 2, 64, 32768, 2688),
+    "qwen2.5-0.5b 64x32k, full": (64, 14, 2, 64, 32768, 0),
+}
+RULES = {  # name: (warps, stages) with BLOCK_N 64 and the old split rule (two programs per SM)
+    "before (Triton's defaults)": (4, 3),
+    "2 warps, 4 stages": (2, 4),
+}
+
+
+def random_case(batch, heads, kv_heads, dim, context, selected, page=16, seed=0):
+    """A shuffled paged pool holding `context` tokens per sequence, and `selected` sorted random slots per KV head
+    (slots None and lengths [B, 1] = context when selected is 0)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages_per_seq = context // page
+    k = torch.randn(batch * pages_per_seq, page, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.randperm(batch * pages_per_seq, generator=gen, device="cuda").view(batch, pages_per_seq)
+    tables = tables.to(torch.int32)
+    q = torch.randn(batch, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    if not selected:
+        return q, k, v, tables, None, torch.full((batch, 1), context, device="cuda", dtype=torch.int32)
+    scores = torch.rand(batch, kv_heads, context, generator=gen, device="cuda")
+    slots = scores.topk(selected, dim=-1).indices.sort(dim=-1).values.to(torch.int32)  # [B, kv_heads, n]
+    lengths = torch.full((batch, kv_heads), selected, device="cuda", dtype=torch.int32)
+    return q, k, v, tables, slots, lengths
+
+
+def launch(q, k, v, tables, slots, lengths, scale, n, splits, block_n, warps, stages):
+    """`triton_decode.decode_attention` with every launch setting explicit; n: the longest list."""
+    batch, heads, dim = q.shape
+    _, page, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    split_len = -(-n // splits)
+    split_len = -(-split_len // block_n) * block_n
+    out = torch.empty(batch, heads, splits, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    kf, vf = k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    slot_arg = slots if slots is not None else lengths
+    triton_decode._partial[(batch, kv_heads, splits)](
+        q, kf, vf, tables, slot_arg, lengths, out, lse,
+        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), tables.stride(0), slot_arg.stride(0),
+        slot_arg.stride(1) if slots is not None else 0, lengths.stride(0), lengths.stride(1), out.stride(0),
+        out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), scale, split_len,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, PAGE=page,
+        HAS_SLOTS=slots is not None, PER_HEAD=lengths.shape[1] > 1, num_warps=warps, num_stages=stages,
+    )
+    final = torch.empty_like(q)
+    triton_decode._combine[(batch, heads)](
+        out, lse, final, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        final.stride(0), final.stride(1), SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=dim,
+    )
+    return final
+
+
+def time_us(run) -> float:
+    return 1e3 * triton.testing.do_bench_cudagraph(run, rep=20)
+
+
+def print_rows(title, timed, floor_us, named, best=8):
+    print(f"\n{title}")
+    print(f"{'us':>8} {'x floor':>8} {'splits':>7} {'block_n':>8} {'warps':>6} {'stages':>7}")
+    for label, key in named + [("best", key) for key in sorted(timed, key=timed.get)[:best]]:
+        if key in timed:
+            print(f"{timed[key]:>8.1f} {timed[key] / floor_us:>8.2f} {key[0]:>7} {key[1]:>8} {key[2]:>6} "
+                  f"{key[3]:>7}  {label}")
+
+
+def sweep_scoring(bandwidth, sink=128, recent=512):
+    """`_vote_scores` with every row refreshing (a Selection Cache miss): keys of every candidate slot, logits out."""
+    for name, (batch, heads, kv_heads, dim, context, _) in CASES.items():
+        if "selected" not in name or "328" in name:
+            continue
+        q, k, _, tables, _, _ = random_case(batch, heads, kv_heads, dim, context, 0)
+        n = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        refresh = torch.ones(batch, dtype=torch.int8, device="cuda")
+        group = heads // kv_heads
+        candidates = context - sink - recent
+        moved = batch * candidates * (kv_heads * dim * 2 + heads * 4)  # keys in, float32 logits out
+        floor_us = 1e6 * moved / bandwidth
+        scores = torch.empty(batch, heads, context, device="cuda", dtype=torch.float32)
+        expected, timed = None, {}
+        for splits, block_n, warps, stages in itertools.product((32, 64), (64, 128), (2, 4), (2, 3)):
+            smax = torch.empty(batch, heads, splits, device="cuda", dtype=torch.float32)
+            ssum = torch.empty_like(smax)
+
+            def run():
+                triton_token_select._vote_scores[(kv_heads, splits, batch)](
+                    q, k, tables, n, refresh, scores, smax, ssum, context, tables.stride(0), n.stride(0),
+                    SINK=sink, RECENT=recent, PAGE_SIZE=k.shape[1], KV_HEADS=kv_heads, GROUP=group, DIM=dim,
+                    GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+                    BLOCK_N=block_n, SPLITS=splits, SOFT=True, IEEE=False, num_warps=warps, num_stages=stages)
+            try:
+                run()
+            except triton.runtime.errors.OutOfResources:
+                continue
+            if expected is None:
+                expected = scores[:, :, sink:context - recent].clone()
+            torch.testing.assert_close(scores[:, :, sink:context - recent], expected)
+            timed[splits, block_n, warps, stages] = time_us(run)
+        print_rows(f"{name.split(',')[0]}, scoring every key on a miss: floor {floor_us:.1f} us "
+                   f"({moved / 1e6:.0f} MB)", timed, floor_us, [("before (Triton's defaults)", (32, 64, 4, 3)),
+                                                                   ("engine", (32, 128, 4, 2))])
+        del q, k, tables, scores, expected
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    parser.add_argument("--best", type=int, default=8, help="print this many of the fastest settings")
+    args = parser.parse_args()
+    bandwidth = measured_bandwidth(torch.device("cuda"))
+    print(f"bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for name, (batch, heads, kv_heads, dim, context, selected) in CASES.items():
+        if args.only not in name:
+            continue
+        q, k, v, tables, slots, lengths = random_case(batch, heads, kv_heads, dim, context, selected)
+        n = selected or context
+        scale = dim**-0.5
+        expected = reference.decode_attention(q, k, v, tables, slots, lengths, scale)
+        moved = batch * kv_heads * n * (2 * dim * 2 + (4 if selected else 0))
+        floor_us = 1e6 * moved / bandwidth
+        default_splits = triton_decode.num_splits_for(n, batch * kv_heads, block_n=64, longest_split=1 << 30)  # before
+        timed = {}
+        for splits, block_n, warps, stages in itertools.product(
+                sorted({default_splits, 1, 2, 4, 8, 16, 32, 64, 128}), (64, 128), (2, 4), (2, 3, 4)):
+            if splits > -(-n // block_n):
+                continue
+            run = lambda: launch(q, k, v, tables, slots, lengths, scale, n, splits, block_n, warps,  # noqa: E731
+                                 stages)
+            try:
+                torch.testing.assert_close(run(), expected, rtol=2e-2, atol=2e-2)
+            except triton.runtime.errors.OutOfResources:
+                continue
+            timed[splits, block_n, warps, stages] = time_us(run)
+        rules = [(rule, (default_splits, 64, *setting)) for rule, setting in RULES.items()]
+        gathered = slots is not None
+        block_n, warps, stages = triton_decode.launch_settings(dim, 2, gathered, q.device)
+        splits = triton_decode.num_splits_for(n, batch * kv_heads, triton_decode.device_limits(0)[0], block_n)
+        engine = (splits, block_n, warps, stages)
+        timed[engine] = time_us(lambda: triton_decode.decode_attention(q, k, v, tables, slots, lengths, scale,
+                                                                       max_len=n))
+        rules.append(("engine (launch_settings)", engine))
+        print_rows(f"{name}: floor {floor_us:.1f} us ({moved / 1e6:.0f} MB), default splits {default_splits}", timed,
+                   floor_us, rules, args.best)
+        del q, k, v, tables, slots, expected
+    if args.only in ("", "scoring"):
+        sweep_scoring(bandwidth)
+
+
+if __name__ == "__main__":
+    main()
