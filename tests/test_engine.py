@@ -211,3 +211,17 @@ def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would(
     with pytest.raises(MemoryError):
         append_slots(kvs)  # three new pages, two left
     assert pool.in_use == 3 and [len(kv.pages[0]) for kv in kvs] == [1, 1, 1]
+
+
+def test_a_cache_grown_during_generation_takes_writes_after_it():
+    """Pool and page tables that grew inside torch.inference_mode (as generation runs) stay writable outside it."""
+    pool = KVPool(1, 2, 4, 4, torch.float32, torch.device("cpu"), num_pages=2)
+    with torch.inference_mode():
+        kv = SeqKV(pool)
+        kv.ensure_slots(0, 40)  # 10 pages: the pool grows and the 8-wide table widens
+    slots = torch.arange(40)
+    k, v = torch.randn(2, 40, 2, 4).unbind()
+    kv.write(0, slots, k, v, slots)
+    rows = kv.physical(0, slots)
+    assert torch.equal(pool.flat()[0][rows], k) and torch.equal(pool.flat()[1][rows], v)
+    kv.table[0, 0] = kv.table[0, 1]  # a method's own table edit

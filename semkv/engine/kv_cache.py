@@ -18,9 +18,11 @@ from semkv.errors import SemkvError
 
 
 def _extended(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with `rows` zero rows appended, allocated once (a fixed pool is one allocation, no temporary copy)."""
-    out = x.new_zeros((x.shape[0] + rows, *x.shape[1:]))
-    out[: x.shape[0]] = x
+    """x with `rows` zero rows appended, allocated once (a fixed pool is one allocation, no temporary copy). A normal
+    tensor even when it grows inside `torch.inference_mode` (generation), so that writes outside it still work."""
+    with torch.inference_mode(False):
+        out = x.new_zeros((x.shape[0] + rows, *x.shape[1:]))
+        out[: x.shape[0]] = x
     return out
 
 
@@ -161,7 +163,8 @@ class SeqKV:
         self.pages: list[list[int]] = [[] for _ in range(layers)]
         self.num_slots = [0] * layers
         self.widest = 0
-        self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
+        with torch.inference_mode(False):  # a normal tensor even when made during generation (see `_extended`)
+            self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
         self.version = next(_versions)
 
     def ensure_slots(self, layer: int, n: int) -> None:
@@ -182,9 +185,10 @@ class SeqKV:
         version changes."""
         self.widest = max(self.widest, pages)
         if pages > self.table.shape[1]:
-            grown = torch.zeros(self.table.shape[0], max(pages, 2 * self.table.shape[1]), dtype=torch.long,
-                                device=self.table.device)
-            grown[:, : self.table.shape[1]] = self.table
+            with torch.inference_mode(False):  # a normal tensor even when it grows during generation
+                grown = torch.zeros(self.table.shape[0], max(pages, 2 * self.table.shape[1]), dtype=torch.long,
+                                    device=self.table.device)
+                grown[:, : self.table.shape[1]] = self.table
             self.table = grown
         self.version = next(_versions)
 
