@@ -15,8 +15,8 @@ import sys
 import torch
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (reference, triton_decode, triton_fused, triton_prefill, triton_summary_dot,
-                           triton_token_select)
+from semkv.kernels import (reference, triton_decode, triton_fused, triton_page_select, triton_prefill,
+                           triton_summary_dot, triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -111,6 +111,35 @@ def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, page
                  floor_ms=1e3 * ids.numel() * HK * D * 4 / bandwidth)]
 
 
+def check_page_bound(gen, bandwidth: float, batch: int = 16, pages: int = 2050) -> list[dict]:
+    """Quest's page scoring for one layer at 32k context: bf16 min / max summaries (as Quest keeps them) of `pages`
+    KV pages per sequence, rows of different lengths."""
+    from triton.testing import do_bench
+
+    a, b = torch.randn(2, batch * pages + 1, HK, D, device="cuda", generator=gen)
+    kmin, kmax = torch.minimum(a, b).bfloat16(), torch.maximum(a, b).bfloat16()
+    tables = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages) + 1
+    num_slots = PAGE * pages - torch.arange(batch, device="cuda") * 5
+    q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (q, kmin, kmax, tables, num_slots, PAGE, "mean")
+    want, got = reference.page_bound(*args), triton_page_select.page_bound(*args)
+    finite = want.isfinite()
+    same_inf = torch.equal(want[~finite], got[~finite])
+    top = want.topk(2048 // PAGE + 1, dim=-1).indices  # a budget of 2048 tokens, 2040 of them on a row's own grid
+    budget = torch.full_like(num_slots, 2048)
+    slot_args = (top, budget, num_slots, PAGE)
+    exact = all(torch.equal(a, b) for a, b in zip(reference.page_slots(*slot_args),
+                                                   triton_page_select.page_slots(*slot_args)))
+    return [dict(kernel="page_bound", batch=batch, pages=pages,
+                 err=rel_err(got[finite], want[finite]) if same_inf else float("inf"),
+                 triton_ms=do_bench(lambda: triton_page_select.page_bound(*args)),
+                 reference_ms=do_bench(lambda: reference.page_bound(*args)),
+                 floor_ms=1e3 * 2 * tables.numel() * HK * D * 2 / bandwidth),
+            dict(kernel="page_slots", batch=batch, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_page_select.page_slots(*slot_args)),
+                 reference_ms=do_bench(lambda: reference.page_slots(*slot_args)))]
+
+
 def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32768) -> list[dict]:
     """TokenSelect's decode selection (paper budget 128 + 2048 + 512) for one layer at 32k: the kernels against the
     reference on the same cache state. Votes are float sums in another order, so near-ties at the k-th place may
@@ -178,7 +207,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_plan_slots(gen) + check_token_select(gen, bandwidth))
+            + check_page_bound(gen, bandwidth) + check_plan_slots(gen) + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -191,6 +220,12 @@ def main() -> int:
         elif r["kernel"] == "summary_dots":
             print(f"| summary_dots | B={r['batch']} pages={r['pages']} x 32 layers | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
+        elif r["kernel"] == "page_bound":
+            print(f"| Quest page_bound (one layer) | B={r['batch']} pages={r['pages']} | {r['err']:.1e} | "
+                  f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
+        elif r["kernel"] == "page_slots":
+            print(f"| Quest page_slots (one layer) | B={r['batch']} k=129 pages | "
+                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
         elif r["kernel"] == "token_select":
             print(f"| TokenSelect token_select (one layer) | B={r['batch']} ctx={r['context']} | {r['err']:.1e} "
                   f"(top-k slots that differ) | miss {r['miss_ms']:.3f} / hit {r['hit_ms']:.3f} | - | "

@@ -67,7 +67,7 @@ class Run:
                 kv.ensure_slots(layer, kv.num_slots[layer])
             kv.write(layer, slots[None], self.k[layer, t][None], self.k[layer, t][None], torch.tensor([t]))
         batch = DecodeBatch([seq], torch.tensor([t]), torch.tensor([kv.num_slots]), CONFIG, kv.table[None],
-                            max(kv.num_slots))
+                            max(kv.num_slots), pool=kv.pool)
         selections = [self.method.select(layer, batch, self.q[layer, t][None]) for layer in range(LAYERS)]
         seq.num_computed += 1
         return selections
@@ -276,3 +276,28 @@ def test_a_batch_of_a_short_and_a_long_prompt_equals_one_by_one(tiny_llm, name):
         kw["method_params"] = dict(block_size=4, n_init=4)
     batched = [o.token_ids for o in tiny_llm.generate(prompts, **kw)]
     assert batched == [tiny_llm.generate([p], **kw)[0].token_ids for p in prompts]
+
+
+def test_page_summaries_of_a_bf16_cache_are_its_exact_min_and_max():
+    """Quest's min / max summaries live in the pool's dtype (they are stored keys, so nothing rounds), built at
+    prefill and folded forward token by token during decoding; sums stay float32."""
+    from semkv.methods.page_summaries import PageSummaries
+
+    pool = KVPool(1, KV_HEADS, DIM, PAGE, torch.bfloat16, torch.device("cpu"))
+    kv = SeqKV(pool)
+    keys = torch.randn(2 * PAGE + 3, KV_HEADS, DIM).bfloat16()
+    kv.ensure_slots(0, keys.shape[0])
+    slots = torch.arange(keys.shape[0])
+    kv.write(0, slots, keys, keys, slots)
+    summaries = PageSummaries(("min", "max", "sum"))
+    kv.num_slots[0] = PAGE + 2  # prefill: one full page and two slots of the next
+    summaries.build(kv, 0)
+    for n in range(PAGE + 2, keys.shape[0]):  # decode: one slot at a time, the third page starts fresh
+        summaries.add_tokens(pool, kv.table[0][None], torch.full((1, KV_HEADS), n))
+    for page in range(3):
+        block = keys[page * PAGE : (page + 1) * PAGE]
+        physical = kv.table[0, page]
+        assert summaries.data["min"].dtype == torch.bfloat16 and summaries.data["sum"].dtype == torch.float32
+        assert torch.equal(summaries.data["min"][physical], block.amin(0))
+        assert torch.equal(summaries.data["max"][physical], block.amax(0))
+        assert torch.allclose(summaries.data["sum"][physical], block.float().sum(0), atol=1e-4)

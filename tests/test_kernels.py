@@ -123,6 +123,59 @@ def test_fused_rope_store_matches_reference():
     assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))
 
 
+@pytest.mark.parametrize("group_reduce, kv_heads, group, dim, dtype", [("mean", 2, 3, 16, torch.float32),
+                                                                     ("max", 3, 2, 24, torch.bfloat16)])
+def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim, dtype):
+    """Quest's page scoring: min / max summaries read through each row's page table (a shared page included), rows
+    of different lengths (+inf at the last page, -inf past it); dim not a power of two, and queries and summaries in
+    bf16 (as decoding a bf16 cache has them), in the second case."""
+    from semkv.kernels.triton_page_select import page_bound
+
+    gen = torch.Generator().manual_seed(dim)
+    a, b = torch.randn(2, 50, kv_heads, dim, generator=gen)
+    kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    tables = torch.randint(1, 50, (3, 45), generator=gen)
+    tables[1, 3] = tables[0, 7]
+    num_slots = torch.tensor([700, 33, 16 * 45])  # 44 pages, 3 pages, every page
+    q = torch.randn(3, kv_heads * group, dim, generator=gen).to(dtype)
+    want = reference.page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce)
+    page = 1 + 7 if group_reduce == "mean" else 1
+    q_heads = q[0, :group]  # the first KV head's query heads, by hand on one page
+    kmin_page, kmax_page = kmin[tables[0, page], 0].float(), kmax[tables[0, page], 0].float()
+    by_hand = torch.maximum(q_heads.float() * kmin_page, q_heads.float() * kmax_page).sum(-1)
+    assert torch.allclose(want[0, 0, page], by_hand.mean() if group_reduce == "mean" else by_hand.max(), atol=1e-5)
+    assert want[1, :, 2].isinf().all() and (want[1, :, 2] > 0).all() and (want[1, :, 3:] == float("-inf")).all()
+    got = page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce, block_w=16)
+    assert got.shape == (3, kv_heads, 45) and torch.allclose(got, want, atol=1e-4)
+
+
+def test_page_slots_kernel_matches_reference():
+    """Quest's slots from its top pages: rows with a sparse budget (kept pages sorted, the partial last page cut by
+    the length), a budget that covers the row (every page) and a budget under one page (one page kept)."""
+    from semkv.kernels.triton_page_select import page_slots
+
+    gen = torch.Generator().manual_seed(0)
+    num_slots = torch.tensor([150, 40, 300, 95])
+    budget = torch.tensor([64, 64, 10, 200])  # sparse, covers the row, under a page, covers the row
+    scores = torch.rand(4, 3, 19, generator=gen)
+    pages = torch.arange(19)
+    n_pages = -(-num_slots // 16)
+    scores = torch.where(pages < n_pages[:, None, None], scores, -1.0)
+    scores[torch.arange(4), :, n_pages - 1] = 2.0  # the current token's page first
+    top = scores.topk(7, dim=-1).indices  # [B, kv_heads, k] best first
+    slots, lengths = reference.page_slots(top, budget, num_slots, 16)
+    assert lengths[:, 0].tolist() == [4 * 16 - 10, 40, 16 - 4, 95]
+    for b in range(4):
+        for h in range(3):
+            keep = int(lengths[b, h])
+            chosen = slots[b, h, :keep].tolist()
+            assert chosen == sorted(chosen) and chosen[-1] == int(num_slots[b]) - 1
+            kept = {s // 16 for s in chosen}
+            assert kept == set(top[b, h, : len(kept)].tolist())
+    got_slots, got_lengths = page_slots(top, budget, num_slots, 16)
+    assert torch.equal(got_slots, slots) and torch.equal(got_lengths, lengths)
+
+
 @pytest.mark.parametrize("r, kv_heads, dim", [(1, 2, 16), (2, 3, 24)])
 def test_summary_dot_kernel_matches_reference(r, kv_heads, dim):
     """CHESS's page scoring: summaries read through page ids of every layer (shared ids included), dotted with one

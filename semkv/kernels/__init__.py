@@ -82,6 +82,24 @@ def summary_dots(sums, pages, directions):
     return reference.summary_dots(sums, pages, directions)
 
 
+def page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce):
+    """See `reference.page_bound`."""
+    if use_triton(q.device):
+        from semkv.kernels import triton_page_select
+
+        return triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce)
+    return reference.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce)
+
+
+def page_slots(top, budget, num_slots, page_size):
+    """See `reference.page_slots`."""
+    if use_triton(top.device):
+        from semkv.kernels import triton_page_select
+
+        return triton_page_select.page_slots(top, budget, num_slots, page_size)
+    return reference.page_slots(top, budget, num_slots, page_size)
+
+
 def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta, selection,
                  kv_heads):
     """See `reference.token_select`; the Triton path covers the soft vote and top-k with k >= 1 (the hard vote and

@@ -52,6 +52,52 @@ def summary_dots(sums: torch.Tensor, pages: torch.Tensor, directions: torch.Tens
     return out
 
 
+def min_max_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_reduce: str) -> torch.Tensor:
+    """Quest's bound of a block's best attention logit: q [B, heads, D], kmin / kmax [B, n, kv_heads, D] ->
+    [B, kv_heads, n], sum_d max(q_hd * kmax_d, q_hd * kmin_d) reduced over the query heads h of each KV group by
+    "mean" or "max". Since kmax >= kmin this is q+ . kmax + q- . kmin (the positive / negative parts of q): two
+    matrix products."""
+    batch, heads, dim = q.shape
+    kv_heads = kmin.shape[2]
+    grouped = q.float().view(batch, kv_heads, heads // kv_heads, dim)
+    bound = (torch.einsum("bhgd,bphd->bhgp", grouped.clamp(min=0), kmax.float())
+             + torch.einsum("bhgd,bphd->bhgp", grouped.clamp(max=0), kmin.float()))  # [B, kv_heads, group, n]
+    return bound.mean(2) if group_reduce == "mean" else bound.amax(2)
+
+
+def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor,
+               page_size: int, group_reduce: str) -> torch.Tensor:
+    """`min_max_bound` of every page of each sequence, read through its page table, for Quest's page scoring.
+
+    q [B, heads, D]; kmin / kmax [pool_pages, kv_heads, D], the summaries of each physical page; tables
+    [B, W] physical page ids; num_slots [B] stored slots. Returns float32 [B, kv_heads, W] with +inf at each row's
+    last page (the current token's) and -inf past it. This reference gathers the summaries first;
+    `kernels/triton_page_select.py` reads them in place on the GPU."""
+    bound = min_max_bound(q, kmin[tables], kmax[tables], group_reduce)  # [B, kv_heads, W]
+    page = torch.arange(tables.shape[1], device=q.device)
+    last = (-(-num_slots // page_size) - 1)[:, None, None]
+    return bound.masked_fill(page > last, float("-inf")).masked_fill(page == last, float("inf"))
+
+
+def page_slots(top: torch.Tensor, budget: torch.Tensor, num_slots: torch.Tensor,
+               page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's attended slots from its top pages: top [B, kv_heads, k] page indices (a top-k of `page_bound`, best
+    first, the row's last page among them); budget / num_slots [B] each row's budget in tokens and stored slots.
+    A row keeps its first budget // page_size pages (at least one), or all its pages when the budget covers its
+    slots. Returns slots [B, kv_heads, k * page_size], the kept pages' slots ascending and then padding (page 0's),
+    and lengths [B, kv_heads]: the kept pages' slots less the unfilled end of the last page."""
+    k = top.shape[-1]
+    n_pages = -(-num_slots // page_size)  # [B]
+    keep = torch.where(budget >= num_slots, n_pages, (budget // page_size).clamp(min=1))  # [B]
+    kept = torch.arange(k, device=top.device) < keep[:, None, None]  # [B, 1, k]
+    big = 2**30
+    pages = torch.where(kept, top, big).sort(dim=-1).values
+    pages = torch.where(pages == big, 0, pages)  # [B, kv_heads, k]
+    slots = (pages[..., None] * page_size + torch.arange(page_size, device=top.device)).flatten(2)
+    lengths = keep * page_size - (n_pages * page_size - num_slots)  # [B]
+    return slots, lengths[:, None].expand(-1, top.shape[1]).contiguous()
+
+
 def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
     """TokenSelect's selection functions (Eqs. 5-7): scores [..., heads, n] (q_h . k of each candidate, -inf where
     not a candidate) -> indices of the k chosen candidates [..., S, k], ascending. "soft_vote": softmax per head,

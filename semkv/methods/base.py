@@ -54,16 +54,6 @@ class Selection:
         order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :n]
         return cls(slots=order, lengths=lengths)
 
-    @classmethod
-    def from_pages(cls, page_mask: torch.Tensor, unit: int, num_slots: torch.Tensor) -> "Selection":
-        """Whole units of `unit` slots: page_mask [B, S, n_units] -> Selection over slots < num_slots [B]."""
-        mask = page_mask.repeat_interleave(unit, dim=-1)
-        n = int(num_slots.max())
-        if mask.shape[-1] < n:
-            mask = torch.nn.functional.pad(mask, (0, n - mask.shape[-1]))
-        mask = mask[..., :n] & (torch.arange(n, device=mask.device)[None, None] < num_slots[:, None, None])
-        return cls.from_mask(mask)
-
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -93,6 +83,15 @@ def resolve_budget(budget: int | float | None, context: int) -> int:
     if isinstance(budget, float):
         return max(1, math.ceil(budget * context))
     return budget
+
+
+def budget_tokens(budget: int | float | None, n: torch.Tensor) -> torch.Tensor:
+    """`resolve_budget` for context lengths n [b] on the device (no value read back)."""
+    if budget is None:
+        return n
+    if isinstance(budget, float):
+        return torch.ceil(n.double() * budget).long().clamp(min=1)
+    return torch.full_like(n, budget)
 
 
 def validate_budget(budget: Any) -> None:
@@ -128,8 +127,9 @@ class KVMethod:
     #   "full": no budget; "prefill_eviction": the prompt is compressed to the budget, generated tokens are appended;
     #   "decode_eviction": resident tokens never exceed the budget; "selection": every step attends to <= budget.
     kind: ClassVar[str] = "full"
-    # True when `select`/`begin_step` work from DecodeBatch tensors alone (no per-sequence Python state, no reads of
-    # device values), so the decode step can be captured in a CUDA graph.
+    # True when `select` and `plan_selection` work from DecodeBatch tensors alone (no per-sequence Python state, no
+    # reads of device values), so the decode step can be captured in a CUDA graph. `begin_step` and `step_plan` run
+    # on the host before the forward and may use per-sequence state.
     graph_safe: ClassVar[bool] = False
     # Bumped by a method that reallocates device buffers its captured steps point at: graphs are captured again.
     graph_epoch: ClassVar[int] = 0

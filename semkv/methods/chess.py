@@ -55,7 +55,7 @@ from semkv import kernels
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
 from semkv.methods import calibration
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
+from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
 from semkv.methods.cascade import cascade, cascade_ratios
 from semkv.methods.page_summaries import PageSummaries
 from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
@@ -69,15 +69,6 @@ DEFAULT_THRESHOLDS = {"entropy": 3.84, "varentropy": 3.50}
 
 
 _selections = itertools.count(1)
-
-
-def budget_tokens(budget: int | float | None, n: torch.Tensor) -> torch.Tensor:
-    """`resolve_budget` for slot counts n [b] on the device."""
-    if budget is None:
-        return n
-    if isinstance(budget, float):
-        return torch.ceil(n.double() * budget).long().clamp(min=1)
-    return torch.full_like(n, budget)
 
 
 def safety(n: torch.Tensor, budget: torch.Tensor, start: torch.Tensor, size: int):

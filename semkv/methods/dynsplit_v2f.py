@@ -9,7 +9,7 @@ import torch
 
 from semkv.engine.offload import HostKVStore, grown_capacity
 from semkv.engine.sequence import Sequence
-from semkv.methods.quest import page_upper_bound
+from semkv.kernels.reference import min_max_bound
 
 
 def block_summaries(keys: torch.Tensor, labels: torch.Tensor, n_blocks: int, pooling: str) -> torch.Tensor:
@@ -30,7 +30,7 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, pooling: str, group_r
     sum_d max(q_d * max_d, q_d * min_d) (minmax) or q . mean (mean pooling), reduced over each KV group's query
     heads by `group_reduce`."""
     if pooling == "minmax":
-        return page_upper_bound(q, summaries[:, 0].transpose(1, 2), summaries[:, 1].transpose(1, 2), group_reduce)
+        return min_max_bound(q, summaries[:, 0].transpose(1, 2), summaries[:, 1].transpose(1, 2), group_reduce)
     batch, heads, dim = q.shape
     kv_heads = summaries.shape[2]
     qg = q.float().view(batch, kv_heads, heads // kv_heads, dim)

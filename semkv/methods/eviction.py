@@ -23,6 +23,7 @@ class ScoredEviction(KVMethod):
     query_aware: bool = True
 
     kind = "prefill_eviction"
+    graph_safe = True  # decoding attends to every kept slot: the Full-KV step
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,4 +1,5 @@
-"""Per-page key summaries (element-wise min / max / sum of keys per KV head), stored by physical page id.
+"""Per-page key summaries (element-wise min / max / sum of keys per KV head), stored by physical page id: min and max
+in the pool's dtype (they are stored keys, so exact), sums and summaries of transformed keys in float32.
 
 Summaries live beside the KV pool, so a batch gathers them through the page tables like the keys themselves: no
 per-sequence copies, and freeing a page frees its summary. Used by page-level selection methods (Quest, CHESS).
@@ -32,7 +33,9 @@ class PageSummaries:
             old = self.data.get(stat)
             have = 0 if old is None else old.shape[0]
             if have < pool.num_pages:
-                dtype = torch.float32
+                # min / max of stored keys are stored keys: exact in the pool's dtype (half the bytes Quest reads)
+                exact = stat in ("min", "max") and self.transform is None
+                dtype = pool.dtype if exact else torch.float32
                 new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim, dtype=dtype,
                                   device=pool.device)
                 self.data[stat] = new if old is None else torch.cat([old, new])
@@ -55,12 +58,11 @@ class PageSummaries:
             if self.transform is not None:
                 keys = self.transform(keys, pool.pos[ids])
             valid = (torch.arange(size, device=ids.device) < count[..., None])[..., None, None]
-            if "min" in self.stats:
-                self.data["min"][ids] = torch.where(valid, keys, float("inf")).amin(-3)
-            if "max" in self.stats:
-                self.data["max"][ids] = torch.where(valid, keys, float("-inf")).amax(-3)
-            if "sum" in self.stats:
-                self.data["sum"][ids] = torch.where(valid, keys, 0.0).sum(-3)
+            for stat, fill, reduce in (("min", float("inf"), torch.amin), ("max", float("-inf"), torch.amax),
+                                       ("sum", 0.0, torch.sum)):
+                if stat in self.stats:
+                    table = self.data[stat]
+                    table[ids] = reduce(torch.where(valid, keys, fill), -3).to(table.dtype)
 
     def add_tokens(self, pool: KVPool, tables: torch.Tensor, slots: torch.Tensor) -> None:
         """Fold the keys just written at logical slots [B, kv_heads] into their pages' summaries (a slot at a page
@@ -78,7 +80,7 @@ class PageSummaries:
         for stat, op in (("min", torch.minimum), ("max", torch.maximum), ("sum", torch.add)):
             if stat in self.stats:
                 table = self.data[stat]
-                table[page_ids, heads] = torch.where(fresh, keys, op(table[page_ids, heads], keys))
+                table[page_ids, heads] = torch.where(fresh, keys, op(table[page_ids, heads], keys)).to(table.dtype)
 
     def gather(self, stat: str, tables: torch.Tensor) -> torch.Tensor:
         """tables [B, n_pages] physical ids -> [B, n_pages, kv_heads, D]."""

@@ -5,7 +5,10 @@ Every KV page keeps the element-wise min and max of its keys. At each decode ste
 best attention logit by `sum_d max(q_d * max_d, q_d * min_d)`; each KV head attends to its top pages (the bound is
 averaged over the query heads of the group, a reading for GQA models the paper does not cover; `group_reduce="max"`
 takes the loosest bound instead). The page holding the current token is always attended. All K/V stay stored; only
-attention is sparse. Quest pages are the engine's KV pages (zero-copy), 16 tokens by default as in the paper.
+attention is sparse. Quest pages are the engine's KV pages (zero-copy), 16 tokens by default as in the paper. The
+min / max summaries are kept in the cache's dtype (exact: they are stored keys), as the paper keeps them in fp16;
+the bound of every page is one kernel (`kernels.page_bound`) and the selection uses the batch tensors alone, so the
+decode step replays in a CUDA graph.
 
 Parameters
 ----------
@@ -20,21 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from semkv import kernels
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
+from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
 from semkv.methods.page_summaries import PageSummaries
-
-
-def page_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_reduce: str) -> torch.Tensor:
-    """q [B, heads, D], kmin/kmax [B, pages, kv_heads, D] -> bound [B, kv_heads, pages]. Since kmax >= kmin,
-    max(q_d * max_d, q_d * min_d) is q_d * max_d where q_d >= 0 and q_d * min_d elsewhere: two matrix products."""
-    batch, heads, dim = q.shape
-    kv_heads = kmin.shape[2]
-    qg = q.float().view(batch, kv_heads, heads // kv_heads, dim)
-    bound = (torch.einsum("bhgd,bphd->bhgp", qg.clamp(min=0), kmax.float())
-             + torch.einsum("bhgd,bphd->bhgp", qg.clamp(max=0), kmin.float()))  # [B, kv_heads, group, pages]
-    return bound.mean(2) if group_reduce == "mean" else bound.amax(2)
 
 
 @dataclass
@@ -43,6 +36,7 @@ class Quest(KVMethod):
     dense_layers: int = 0
 
     kind = "selection"
+    graph_safe = True  # `select` works from the batch tensors alone
     name = "quest"
     summary = "Quest: per-head top pages by a min/max key bound on the query's attention, each decode step"
 
@@ -58,26 +52,23 @@ class Quest(KVMethod):
             self.summaries.build(seq.kv, layer)
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
-        pool = batch.seqs[0].kv.pool
-        size = pool.page_size
-        num_slots = batch.num_slots[:, layer]  # [B]
-        n_pages = -(-num_slots // size)
-        width = int(n_pages.max())
-        tables = batch.tables[:, layer][:, :width]  # [B, width]
-        self.summaries.add_tokens(pool, tables, (num_slots - 1)[:, None].expand(-1, pool.num_kv_heads))
-        budgets = torch.tensor([resolve_budget(self.budget, s.num_computed + 1) for s in batch.seqs])
-        if layer < self.dense_layers or bool((budgets >= num_slots.cpu()).all()):
+        """Each KV head's top pages by the bound, from the batch tensors alone (no value read back, so the step is
+        captured in a CUDA graph): fixed shapes from the capacity `batch.max_slots`, each row cut by its own budget
+        (a fraction resolves against the row's own context). q [B, heads, D]."""
+        pool = batch.pool
+        size, kv_heads = pool.page_size, pool.num_kv_heads
+        n = batch.num_slots[:, layer]  # [B] stored slots, the current token included
+        width = min(batch.tables.shape[-1], -(-batch.max_slots // size))  # pages any row may hold
+        tables = batch.tables[:, layer, :width]  # [B, width]
+        self.summaries.add_tokens(pool, tables, (n - 1)[:, None].expand(-1, kv_heads))
+        capacity = resolve_budget(self.budget, batch.max_slots)  # the largest budget of any row
+        if layer < self.dense_layers or (not isinstance(self.budget, float) and capacity >= batch.max_slots):
+            return None  # every row attends to all its slots
+        if batch.seqs is not None and all(  # eager step: dense rows are known on the host
+                resolve_budget(self.budget, s.num_computed + 1) >= s.kv.num_slots[layer] for s in batch.seqs):
             return None
-        bound = page_upper_bound(q, self.summaries.gather("min", tables), self.summaries.gather("max", tables),
-                                 self.group_reduce)  # [B, kv_heads, width]
-        page_idx = torch.arange(width, device=q.device)[None, None, :]
-        last = (n_pages - 1)[:, None, None]
-        bound = bound.masked_fill(page_idx > last, float("-inf")).masked_fill(page_idx == last, float("inf"))
-        keep_pages = torch.clamp(budgets.to(q.device) // size, min=1)
-        keep_pages = torch.where(budgets.to(q.device) >= num_slots, n_pages, keep_pages)  # full budget: all pages
-        k = int(keep_pages.max())
-        top = torch.topk(bound, min(k, width), dim=-1).indices  # [B, kv_heads, k]
-        rank_ok = torch.arange(top.shape[-1], device=q.device)[None, None, :] < keep_pages[:, None, None]
-        mask = torch.zeros_like(bound, dtype=torch.bool)
-        mask.scatter_(-1, top, rank_ok.expand_as(top))
-        return Selection.from_pages(mask, size, num_slots)
+        budget = budget_tokens(self.budget, batch.positions + 1)  # [B] tokens per row at its context
+        bound = kernels.page_bound(q, self.summaries.data["min"], self.summaries.data["max"], tables, n, size,
+                                   self.group_reduce)  # [B, kv_heads, width]; +inf at the last page, -inf past it
+        top = torch.topk(bound, min(-(-capacity // size), width), dim=-1).indices  # [B, kv_heads, k] best first
+        return Selection(*kernels.page_slots(top, budget, n, size))

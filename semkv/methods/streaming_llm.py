@@ -30,6 +30,7 @@ class StreamingLLM(KVMethod):
     name = "streaming_llm"
     summary = "StreamingLLM: attention sinks + recent window; evicts the oldest token as generation goes on"
     kind = "decode_eviction"
+    graph_safe = True  # `begin_step` picks the write slots before the forward; decoding attends to every slot
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,16 +49,19 @@ class StreamingLLM(KVMethod):
         return keep.to(seq.kv.table.device)[None]
 
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
-        """Overwrite the oldest window slot wherever the cache is full; otherwise append."""
-        slots = batch.num_slots.clone()  # [B, layers]: append by default
-        for b, seq in enumerate(batch.seqs):
+        """Overwrite the oldest window slot wherever the cache is full; otherwise append. Decided on the host from
+        each sequence's own slot counts, before the forward (so the step itself is the Full-KV one)."""
+        slots = []  # [B][layers]
+        for seq in batch.seqs:
             capacity = resolve_budget(self.budget, seq.num_computed + 1)
-            for layer, window in enumerate(seq.method_state):
-                n = int(batch.num_slots[b, layer])
+            row = []
+            for n, window in zip(seq.kv.num_slots, seq.method_state):
                 if not window:  # after prefill the window slots are in age order
                     window.extend(range(min(self.n_sink, n), n))
                 slot = window.popleft() if n >= capacity and window else n
                 if slot >= self.n_sink:
                     window.append(slot)
-                slots[b, layer] = slot
-        return slots[:, :, None].expand(-1, -1, batch.model.num_kv_heads)
+                row.append(slot)
+            slots.append(row)
+        write = torch.tensor(slots, device=batch.num_slots.device)  # [B, layers]
+        return write[:, :, None].expand(-1, -1, batch.model.num_kv_heads)
