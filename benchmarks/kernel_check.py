@@ -113,7 +113,8 @@ def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, page
 
 def check_page_bound(gen, bandwidth: float, batch: int = 16, pages: int = 2050) -> list[dict]:
     """Quest's page scoring for one layer at 32k context: bf16 min / max summaries (as Quest keeps them) of `pages`
-    KV pages per sequence, rows of different lengths."""
+    KV pages per sequence, rows of different lengths, each row's current key folded into its last page first (the
+    updated summaries must equal the reference's exactly)."""
     from triton.testing import do_bench
 
     a, b = torch.randn(2, batch * pages + 1, HK, D, device="cuda", generator=gen)
@@ -121,10 +122,14 @@ def check_page_bound(gen, bandwidth: float, batch: int = 16, pages: int = 2050) 
     tables = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages) + 1
     num_slots = PAGE * pages - torch.arange(batch, device="cuda") * 5
     q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-    args = (q, kmin, kmax, tables, num_slots, PAGE, "mean")
-    want, got = reference.page_bound(*args), triton_page_select.page_bound(*args)
+    k_pool = torch.randn(kmin.shape[0], PAGE, HK, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ref_sums, got_sums = (kmin.clone(), kmax.clone()), (kmin.clone(), kmax.clone())
+    want = reference.page_bound(q, *ref_sums, tables, num_slots, PAGE, "mean", k_pool)  # the current keys folded in
+    got = triton_page_select.page_bound(q, *got_sums, tables, num_slots, PAGE, "mean", k_pool)
+    folded_equal = all(torch.equal(a, b) for a, b in zip(ref_sums, got_sums))
+    args = (q, kmin, kmax, tables, num_slots, PAGE, "mean", k_pool)
     finite = want.isfinite()
-    same_inf = torch.equal(want[~finite], got[~finite])
+    same_inf = folded_equal and torch.equal(want[~finite], got[~finite])
     top = want.topk(2048 // PAGE + 1, dim=-1).indices  # a budget of 2048 tokens, 2040 of them on a row's own grid
     budget = torch.full_like(num_slots, 2048)
     slot_args = (top, budget, num_slots, PAGE)

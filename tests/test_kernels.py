@@ -126,27 +126,45 @@ def test_fused_rope_store_matches_reference():
 @pytest.mark.parametrize("group_reduce, kv_heads, group, dim, dtype", [("mean", 2, 3, 16, torch.float32),
                                                                      ("max", 3, 2, 24, torch.bfloat16)])
 def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim, dtype):
-    """Quest's page scoring: min / max summaries read through each row's page table (a shared page included), rows
-    of different lengths (+inf at the last page, -inf past it); dim not a power of two, and queries and summaries in
-    bf16 (as decoding a bf16 cache has them), in the second case."""
+    """Quest's page scoring: min / max summaries read through each row's page table (a page shared between rows
+    included), rows of different lengths (+inf at the last page, -inf past it); dim not a power of two, and queries
+    and summaries in bf16 (as decoding a bf16 cache has them), in the second case. With the K pool the current key
+    of each row is folded into its page first, as `PageSummaries.add_tokens` does (one row starts a fresh page)."""
+    from semkv.engine.kv_cache import KVPool
     from semkv.kernels.triton_page_select import page_bound
+    from semkv.methods.page_summaries import PageSummaries
 
     gen = torch.Generator().manual_seed(dim)
-    a, b = torch.randn(2, 50, kv_heads, dim, generator=gen)
+    a, b = torch.randn(2, 150, kv_heads, dim, generator=gen)
     kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
-    tables = torch.randint(1, 50, (3, 45), generator=gen)
+    tables = torch.randperm(149, generator=gen)[:135].view(3, 45) + 1
     tables[1, 3] = tables[0, 7]
-    num_slots = torch.tensor([700, 33, 16 * 45])  # 44 pages, 3 pages, every page
+    num_slots = torch.tensor([700, 33, 16 * 45])  # 44 pages, 3 pages (the last one fresh), every page
     q = torch.randn(3, kv_heads * group, dim, generator=gen).to(dtype)
     want = reference.page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce)
     page = 1 + 7 if group_reduce == "mean" else 1
-    q_heads = q[0, :group]  # the first KV head's query heads, by hand on one page
+    q_heads = q[0, :group].float()  # the first KV head's query heads, by hand on one page
     kmin_page, kmax_page = kmin[tables[0, page], 0].float(), kmax[tables[0, page], 0].float()
-    by_hand = torch.maximum(q_heads.float() * kmin_page, q_heads.float() * kmax_page).sum(-1)
+    by_hand = torch.maximum(q_heads * kmin_page, q_heads * kmax_page).sum(-1)
     assert torch.allclose(want[0, 0, page], by_hand.mean() if group_reduce == "mean" else by_hand.max(), atol=1e-5)
     assert want[1, :, 2].isinf().all() and (want[1, :, 2] > 0).all() and (want[1, :, 3:] == float("-inf")).all()
     got = page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce, block_w=16)
     assert got.shape == (3, kv_heads, 45) and torch.allclose(got, want, atol=1e-4)
+
+    k_pool = torch.randn(150, 16, kv_heads, dim, generator=gen).to(dtype)
+    folded = [(kmin.clone(), kmax.clone()) for _ in range(3)]
+    pool = KVPool(1, kv_heads, dim, 16, dtype, torch.device("cpu"), num_pages=150)
+    pool.k[:] = k_pool
+    summaries = PageSummaries(("min", "max"))
+    summaries.ensure(pool)
+    summaries.data["min"][:], summaries.data["max"][:] = folded[0]
+    summaries.add_tokens(pool, tables, (num_slots - 1)[:, None].expand(-1, kv_heads))
+    want = reference.page_bound(q, *folded[1], tables, num_slots, 16, group_reduce, k_pool=k_pool)
+    got = page_bound(q, *folded[2], tables, num_slots, 16, group_reduce, k_pool=k_pool, block_w=16)
+    assert torch.equal(folded[1][0], summaries.data["min"]) and torch.equal(folded[1][1], summaries.data["max"])
+    assert torch.equal(folded[2][0], folded[1][0]) and torch.equal(folded[2][1], folded[1][1])
+    assert not torch.equal(folded[1][0], kmin)  # the fold changed something
+    assert torch.allclose(got, want, atol=1e-4)
 
 
 def test_page_slots_kernel_matches_reference():

@@ -82,13 +82,13 @@ def summary_dots(sums, pages, directions):
     return reference.summary_dots(sums, pages, directions)
 
 
-def page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce):
+def page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce, k_pool=None):
     """See `reference.page_bound`."""
     if use_triton(q.device):
         from semkv.kernels import triton_page_select
 
-        return triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce)
-    return reference.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce)
+        return triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce, k_pool)
+    return reference.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce, k_pool)
 
 
 def page_slots(top, budget, num_slots, page_size):

@@ -66,13 +66,22 @@ def min_max_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group
 
 
 def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor,
-               page_size: int, group_reduce: str) -> torch.Tensor:
+               page_size: int, group_reduce: str, k_pool: torch.Tensor | None = None) -> torch.Tensor:
     """`min_max_bound` of every page of each sequence, read through its page table, for Quest's page scoring.
 
-    q [B, heads, D]; kmin / kmax [pool_pages, kv_heads, D], the summaries of each physical page; tables
-    [B, W] physical page ids; num_slots [B] stored slots. Returns float32 [B, kv_heads, W] with +inf at each row's
-    last page (the current token's) and -inf past it. This reference gathers the summaries first;
-    `kernels/triton_page_select.py` reads them in place on the GPU."""
+    q [B, heads, D]; kmin / kmax [pool_pages, kv_heads, D], the summaries of each physical page; tables [B, W]
+    physical page ids; num_slots [B] stored slots. Returns float32 [B, kv_heads, W] with +inf at each row's last
+    page (the current token's) and -inf past it. With k_pool [pool_pages, page_size, kv_heads, D] it first folds
+    the key just stored at each row's last slot into its page's kmin / kmax in place (a slot at a page start resets
+    them), as a decode step needs before its next one. This reference gathers the summaries;
+    `kernels/triton_page_select.py` reads them in place on the GPU and folds in the same pass."""
+    if k_pool is not None:
+        slot = num_slots - 1  # [B]
+        page = tables.gather(1, (slot // page_size)[:, None])[:, 0]  # [B] physical pages of the current tokens
+        key = k_pool[page, slot % page_size].float()  # [B, kv_heads, D]
+        fresh = (slot % page_size == 0)[:, None, None]
+        kmin[page] = torch.where(fresh, key, torch.minimum(kmin[page].float(), key)).to(kmin.dtype)
+        kmax[page] = torch.where(fresh, key, torch.maximum(kmax[page].float(), key)).to(kmax.dtype)
     bound = min_max_bound(q, kmin[tables], kmax[tables], group_reduce)  # [B, kv_heads, W]
     page = torch.arange(tables.shape[1], device=q.device)
     last = (-(-num_slots // page_size) - 1)[:, None, None]

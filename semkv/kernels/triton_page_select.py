@@ -5,7 +5,9 @@ as the functions of the same names in `reference`.
 `page_bound`: one program handles one sequence, one KV head and a block of its pages. It loads the block's physical
 page ids and the min and max summaries [block, D] of that head (in the cache's dtype), and for each query head of
 the group adds q+ . kmax + q- . kmin over D in float32 (element-wise products and a row sum; the matrix unit, tried,
-was no faster: the kernel waits on its scattered loads), then takes the mean or the max over the group. The row's last page gets +inf and pages past it -inf, so a top-k
+was no faster: the kernel waits on its scattered loads), then takes the mean or the max over the group. Given the
+K pool, the program that holds a row's last page also folds the key just stored into that page's min / max (about
+ten small kernels a layer otherwise); that page's bound is +inf whatever its summary. The row's last page gets +inf and pages past it -inf, so a top-k
 over the result always keeps the current token's page. The reference gathers both summaries into new tensors first,
 which writes and reads them twice more.
 
@@ -25,13 +27,15 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["W", "stride_qb", "stride_tb", "stride_ob"])
-def _page_bound_kernel(q_ptr, kmin_ptr, kmax_ptr, tables_ptr, n_ptr, out_ptr, W, stride_qb, stride_qh, stride_tb,
-                       stride_ob, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                       DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, MEAN: tl.constexpr):
+def _page_bound_kernel(q_ptr, kmin_ptr, kmax_ptr, tables_ptr, n_ptr, k_pool_ptr, out_ptr, W, stride_qb, stride_qh,
+                       stride_tb, stride_ob, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, MEAN: tl.constexpr,
+                       FOLD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     j = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
-    n_pages = (tl.load(n_ptr + b) + PAGE_SIZE - 1) // PAGE_SIZE
+    n = tl.load(n_ptr + b)
+    n_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
     live = j < n_pages
     ids = tl.load(tables_ptr + b * stride_tb + j, mask=live, other=0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -51,15 +55,32 @@ def _page_bound_kernel(q_ptr, kmin_ptr, kmax_ptr, tables_ptr, n_ptr, out_ptr, W,
             acc = tl.maximum(acc, bound)
     if MEAN:
         acc = acc / GROUP
-    acc = tl.where(j == n_pages - 1, float("inf"), acc)
+    last = n_pages - 1
+    if FOLD:  # the program holding the row's last page folds the new key into it (its own bound is +inf anyway)
+        if (last >= tl.program_id(2) * BLOCK_W) & (last < (tl.program_id(2) + 1) * BLOCK_W):
+            slot = n - 1
+            page = tl.load(tables_ptr + b * stride_tb + last).to(tl.int64)
+            key = tl.load(k_pool_ptr + ((page * PAGE_SIZE + slot % PAGE_SIZE) * KV_HEADS + h) * DIM + d,
+                          mask=d < DIM, other=0.0).to(tl.float32)
+            summary = page * (KV_HEADS * DIM) + h * DIM + d
+            fresh = slot % PAGE_SIZE == 0
+            low = tl.load(kmin_ptr + summary, mask=d < DIM, other=0.0).to(tl.float32)
+            high = tl.load(kmax_ptr + summary, mask=d < DIM, other=0.0).to(tl.float32)
+            low = tl.where(fresh, key, tl.minimum(low, key))
+            high = tl.where(fresh, key, tl.maximum(high, key))
+            tl.store(kmin_ptr + summary, low.to(kmin_ptr.dtype.element_ty), mask=d < DIM)
+            tl.store(kmax_ptr + summary, high.to(kmax_ptr.dtype.element_ty), mask=d < DIM)
+    acc = tl.where(j == last, float("inf"), acc)
     acc = tl.where(live, acc, float("-inf"))
     tl.store(out_ptr + b * stride_ob + h * W + j, acc, mask=j < W)
 
 
 def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor,
-               page_size: int, group_reduce: str, block_w: int = 32, num_warps: int = 4) -> torch.Tensor:
+               page_size: int, group_reduce: str, k_pool: torch.Tensor | None = None, block_w: int = 32,
+               num_warps: int = 4) -> torch.Tensor:
     """q [B, heads, D]; kmin / kmax [pool_pages, kv_heads, D] (contiguous, any float dtype, added in float32);
-    tables [B, W]; num_slots [B]. Returns float32 [B, kv_heads, W] (see `reference.page_bound`). The defaults were
+    tables [B, W]; num_slots [B]; k_pool [pool_pages, page_size, kv_heads, D] contiguous, or None: no fold. Returns
+    float32 [B, kv_heads, W] (see `reference.page_bound`). The defaults were
     within 10% of the best of a sweep of block_w x num_warps on an H200 (1.8x the bytes' floor at Llama-3.1-8B's
     shape)."""
     batch, heads, dim = q.shape
@@ -70,10 +91,12 @@ def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: 
     if q.stride(-1) != 1:
         q = q.contiguous()
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
+    assert kmin.is_contiguous() and kmax.is_contiguous(), "the summaries are updated in place"
     _page_bound_kernel[(batch, kv_heads, triton.cdiv(width, block_w))](
-        q, kmin.contiguous(), kmax.contiguous(), tables, num_slots.contiguous(), out, width, q.stride(0), q.stride(1),
-        tables.stride(0), out.stride(0), PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=heads // kv_heads, DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_W=block_w, MEAN=group_reduce == "mean", num_warps=num_warps,
+        q, kmin, kmax, tables, num_slots.contiguous(), kmin if k_pool is None else k_pool, out, width, q.stride(0),
+        q.stride(1), tables.stride(0), out.stride(0), PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=heads // kv_heads,
+        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_W=block_w, MEAN=group_reduce == "mean",
+        FOLD=k_pool is not None, num_warps=num_warps,
     )
     return out
 

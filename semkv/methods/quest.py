@@ -60,15 +60,16 @@ class Quest(KVMethod):
         n = batch.num_slots[:, layer]  # [B] stored slots, the current token included
         width = min(batch.tables.shape[-1], -(-batch.max_slots // size))  # pages any row may hold
         tables = batch.tables[:, layer, :width]  # [B, width]
-        self.summaries.add_tokens(pool, tables, (n - 1)[:, None].expand(-1, kv_heads))
         capacity = resolve_budget(self.budget, batch.max_slots)  # the largest budget of any row
-        if layer < self.dense_layers or (not isinstance(self.budget, float) and capacity >= batch.max_slots):
-            return None  # every row attends to all its slots
-        if batch.seqs is not None and all(  # eager step: dense rows are known on the host
-                resolve_budget(self.budget, s.num_computed + 1) >= s.kv.num_slots[layer] for s in batch.seqs):
+        dense = layer < self.dense_layers or (not isinstance(self.budget, float) and capacity >= batch.max_slots)
+        if not dense and batch.seqs is not None:  # eager step: dense rows are known on the host
+            dense = all(resolve_budget(self.budget, s.num_computed + 1) >= s.kv.num_slots[layer] for s in batch.seqs)
+        if dense:  # every row attends to all its slots; the summaries still take the current key
+            self.summaries.add_tokens(pool, tables, (n - 1)[:, None].expand(-1, kv_heads))
             return None
+        self.summaries.ensure(pool)
         budget = budget_tokens(self.budget, batch.positions + 1)  # [B] tokens per row at its context
         bound = kernels.page_bound(q, self.summaries.data["min"], self.summaries.data["max"], tables, n, size,
-                                   self.group_reduce)  # [B, kv_heads, width]; +inf at the last page, -inf past it
+                                   self.group_reduce, k_pool=pool.k)  # [B, kv_heads, width]; the current key folded
         top = torch.topk(bound, min(-(-capacity // size), width), dim=-1).indices  # [B, kv_heads, k] best first
         return Selection(*kernels.page_slots(top, budget, n, size))
