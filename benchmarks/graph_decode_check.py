@@ -34,6 +34,8 @@ METHODS = {  # label -> (method, budget, parameters); budgets below the prompts 
     "chunkkv": ("chunkkv", 512, {}),
     "keydiff": ("keydiff", 512, {}),
     "streaming_llm": ("streaming_llm", 512, {}),
+    "h2o": ("h2o", 512, {}),
+    "h2o 0.2": ("h2o", 0.2, {}),
 }
 
 

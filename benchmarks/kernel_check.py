@@ -93,7 +93,26 @@ def check_fused(gen) -> list[dict]:
     got, got_sum = triton_fused.rms_norm(x, weight, 1e-5, residual)
     gate_up = torch.randn(4, 2 * 14336, device="cuda", generator=gen, dtype=torch.bfloat16)
     return [dict(kernel="rms_norm", err=max(rel_err(got, want), rel_err(got_sum, want_sum))),
-            dict(kernel="silu_mul", err=rel_err(triton_fused.silu_mul(gate_up), reference.silu_mul(gate_up)))]
+            dict(kernel="silu_mul", err=rel_err(triton_fused.silu_mul(gate_up), reference.silu_mul(gate_up))),
+            check_rope_store(gen)]
+
+
+def check_rope_store(gen, batch: int = 16, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
+    """A decode step's rope_store: positions are a column of the packed step inputs (strided), each row and KV head
+    writes its own pool row."""
+    q, k, v = (torch.randn(batch, h, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for h in (heads, kv_heads, kv_heads))
+    packed = torch.randint(0, 30000, (batch, 2 + 32), device="cuda", generator=gen)  # [token, position, counts...]
+    angles = packed[:, 1, None].float() * torch.rand(dim // 2, device="cuda", generator=gen)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    rows = torch.randperm(batch * kv_heads * 4, device="cuda", generator=gen)[: batch * kv_heads].view(batch, kv_heads)
+    pools = [[torch.zeros(batch * kv_heads * 4, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
+             + [torch.zeros(batch * kv_heads * 4, kv_heads, device="cuda", dtype=torch.int32)] for _ in range(2)]
+    want = reference.rope_store(q, k, v, cos, sin, rows, packed[:, 1], *pools[0])
+    got = triton_fused.rope_store(q, k, v, cos, sin, rows, packed[:, 1], *pools[1])
+    stored = max(rel_err(a, b) for a, b in zip(pools[1][:2], pools[0][:2]))
+    positions_equal = bool((pools[1][2] == pools[0][2]).all())
+    return dict(kernel="rope_store", err=max(rel_err(got, want), stored) if positions_equal else float("inf"))
 
 
 def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, pages: int = 2050) -> list[dict]:

@@ -102,9 +102,10 @@ def test_streaming_llm_keeps_sinks_and_the_most_recent_tokens():
 
 
 # -- H2O ---------------------------------------------------------------------------------------------------------------
-def h2o_reference(run: Run, layer: int, head: int, budget: int, n_recent: int, steps: int) -> list[set[int]]:
+def h2o_reference(run: Run, layer: int, head: int, budget: int, n_recent: int, steps: int,
+                  scores: dict[int, float] | None = None) -> list[set[int]]:
     """Resident positions of one KV head after prefill and after each decode step (H2O, Algorithm 1 with the victim
-    chosen before the new token attends)."""
+    chosen before the new token attends); `scores`, if given, receives each position's accumulated attention."""
     q, k, n = run.q[layer], run.k[layer, :, head], run.n
     score = {m: 0.0 for m in range(n)}
     for j in range(n):  # every prompt query attends causally to every earlier prompt key
@@ -125,19 +126,27 @@ def h2o_reference(run: Run, layer: int, head: int, budget: int, n_recent: int, s
             for m, p in zip(order, attention_row(q[t, h], k[order]).tolist()):
                 score[m] += p
         history.append(set(cache))
+    if scores is not None:
+        scores.update(score)
     return history
 
 
 @pytest.mark.parametrize("recent_ratio", [0.5, 0.25])
 def test_h2o_evicts_the_lightest_token_outside_the_recent_window(recent_ratio):
-    budget, n, steps = 16, 40, 6
+    budget, n, steps = 16, 40, 24  # generated tokens leave the recent window and compete with their own scores
     run = Run(get_method("h2o", budget, recent_ratio=recent_ratio), n, steps)
+    kv = run.seq.kv
     for layer in (0, LAYERS - 1):
+        resident = kv.physical(layer, torch.arange(kv.num_slots[layer]))
         for head in range(KV_HEADS):
-            expected = h2o_reference(run, layer, head, budget, int(budget * recent_ratio), steps)
+            scores = {}
+            expected = h2o_reference(run, layer, head, budget, int(budget * recent_ratio), steps, scores)
             assert run.kept(layer)[head] == expected[-1]
+            # each resident token's accumulated attention, counted from the step it took its slot
+            got = dict(zip(kv.positions(layer)[head].tolist(), run.method.scores.data.view(-1, KV_HEADS)[resident, head].tolist()))
+            assert got == pytest.approx({m: scores[m] for m in got}, rel=1e-5)
     # the step-by-step history (each victim) on one head: replay with fewer steps
-    for s in range(steps):
+    for s in range(6):
         partial = Run(get_method("h2o", budget, recent_ratio=recent_ratio), n, s)
         assert partial.kept(0)[1] == h2o_reference(partial, 0, 1, budget, int(budget * recent_ratio), s)[-1]
 

@@ -125,6 +125,8 @@ GRAPH_SAFE = {
     "snapkv": dict(budget=40, window=8),
     "pyramidkv": dict(budget=40, window=8),  # layers keep different numbers of slots
     "streaming_llm": dict(budget=40),  # write slots chosen before the forward
+    "h2o": dict(budget=40),  # victims chosen before the forward, scores accumulated beside the pool
+    "h2o-fraction": dict(budget=0.3, recent_ratio=0.25),  # the cache grows with each row's context
 }
 
 

@@ -110,7 +110,8 @@ def test_fused_rope_store_matches_reference():
     angles = torch.rand(tokens, dim // 2, generator=gen) * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # RoPE tables repeat halves
     rows = torch.tensor([[3, 7], [11, 11], [0, 19]])
-    positions = torch.tensor([5, 6, 7])
+    # a column of packed step inputs [token, position, ...], as a decode step passes its positions (strided)
+    positions = torch.tensor([[40, 5, 9], [41, 6, 9], [42, 7, 9]])[:, 1]
     pools = [[torch.zeros(rows_total, kv_heads, dim), torch.zeros(rows_total, kv_heads, dim),
               torch.zeros(rows_total, kv_heads, dtype=torch.int32)] for _ in range(2)]
     want = reference.rope_store(q, k, v, cos, sin, rows, positions, *pools[0])

@@ -234,12 +234,11 @@ def decode_attention(
     slots: torch.Tensor | None,
     lengths: torch.Tensor,
     scale: float,
-    return_probs: bool = False,
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-):
+) -> torch.Tensor:
     """One query token per sequence. q [B, heads, D]; k_pool/v_pool [pages, page_size, kv_heads, D];
     tables [B, max_pages] (this layer); slots/lengths as in `gather_kv`; key_rope: cos/sin [>= n, D] by rank.
-    Returns o [B, heads, D] (and attention probabilities [B, heads, n] over the attended slots if asked)."""
+    Returns o [B, heads, D]."""
     batch, n_heads, dim = q.shape
     kv_heads = k_pool.shape[2]
     k, v, mask = gather_kv(k_pool, v_pool, tables, slots, lengths)
@@ -249,10 +248,7 @@ def decode_attention(
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, n]
     scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.to(v.dtype), v).view(batch, n_heads, dim)
-    if return_probs:
-        return out, probs.view(batch, n_heads, -1)
-    return out
+    return torch.matmul(probs.to(v.dtype), v).view(batch, n_heads, dim)
 
 
 def prefill_attention(

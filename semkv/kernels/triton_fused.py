@@ -58,7 +58,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_store(Q, K, V, COS, SIN, ROWS, POS, QO, KF, VF, PF,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_rt, stride_rh,
-                stride_ot, stride_oh, stride_fr, stride_fh, stride_pr,
+                stride_ot, stride_oh, stride_fr, stride_fh, stride_pr, stride_pos,
                 HEADS: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,13 +82,14 @@ def _rope_store(Q, K, V, COS, SIN, ROWS, POS, QO, KF, VF, PF,
         vbase = VF + row * stride_fr + kh * stride_fh
         tl.store(vbase + d, tl.load(V + t * stride_vt + kh * stride_vh + d))
         tl.store(vbase + HALF + d, tl.load(V + t * stride_vt + kh * stride_vh + HALF + d))
-        tl.store(PF + row * stride_pr + kh, tl.load(POS + t).to(tl.int32))
+        tl.store(PF + row * stride_pr + kh, tl.load(POS + t * stride_pos).to(tl.int32))
 
 
 def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
     """Rotate q [T, heads, D] and k [T, kv_heads, D] by cos/sin [T, D] (RoPE tables: both halves equal, as
-    `RotaryEmbedding.cos_sin` makes them); store k, v and positions [T] at the pool rows [T, kv_heads] of kf/vf
-    [rows, kv_heads, D] and pf [rows, kv_heads]. Returns the rotated q."""
+    `RotaryEmbedding.cos_sin` makes them); store k, v and positions [T] (any stride: a decode step passes a column
+    of its packed inputs) at the pool rows [T, kv_heads] of kf/vf [rows, kv_heads, D] and pf [rows, kv_heads].
+    Returns the rotated q."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty_like(q)
@@ -96,7 +97,7 @@ def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
         q, k, v, cos, sin, rows, positions, out, kf, vf, pf,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), rows.stride(0),
         rows.stride(1),
-        out.stride(0), out.stride(1), kf.stride(0), kf.stride(1), pf.stride(0),
+        out.stride(0), out.stride(1), kf.stride(0), kf.stride(1), pf.stride(0), positions.stride(0),
         HEADS=heads, HALF=dim // 2,
     )
     return out

@@ -180,16 +180,16 @@ class DynSplitKV(KVMethod):
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         seqs, device = batch.seqs, q.device
         for b, seq in enumerate(seqs):
-            slot = torch.tensor([[int(batch.num_slots[b, layer]) - 1]], device=device)
+            slot = torch.tensor([[seq.kv.num_slots[layer] - 1]], device=device)  # the host's count: no device read
             k_new, v_new, _ = seq.kv.gather(layer, slot)  # [kv_heads, 1, D]: the current token
             state = seq.method_state
             if self.offload:
                 state.store.put(layer, k_new, v_new, torch.full(k_new.shape[:2], len(state.ids) - 1, device=device))
             state.summarise(layer, k_new, self.pooling)
-        n = torch.tensor([len(s.method_state.ids) for s in seqs], device=device)  # [B]
-        k = torch.tensor([self._k(s) for s in seqs], device=device)  # [B]
-        width = int(n.max())
-        if not self.offload and bool((k >= n).all()):
+        n_host, k_host = [len(s.method_state.ids) for s in seqs], [self._k(s) for s in seqs]
+        n, k = torch.tensor(n_host, device=device), torch.tensor(k_host, device=device)  # [B]
+        width = max(n_host)
+        if not self.offload and all(a >= b for a, b in zip(k_host, n_host)):
             mask = torch.arange(width, device=device)[None, None] < n[:, None, None]
             self._count_reuse(seqs, layer, mask.expand(-1, batch.model.num_kv_heads, -1))
             return None
@@ -204,9 +204,9 @@ class DynSplitKV(KVMethod):
             self._count_reuse(seqs, layer, mask)
             return Selection.from_mask(mask)
         for b, seq in enumerate(seqs):
-            load_region(seq, layer, Selection.from_mask(mask[b:b + 1]).slots[0, :, : int(k[b])])
+            load_region(seq, layer, Selection.from_mask(mask[b:b + 1]).slots[0, :, : k_host[b]])
         heads = batch.model.num_kv_heads
-        slots = torch.arange(int(k.max()), device=device)[None, None].expand(len(seqs), heads, -1)
+        slots = torch.arange(max(k_host), device=device)[None, None].expand(len(seqs), heads, -1)
         return Selection(slots=slots, lengths=k[:, None].expand(-1, heads))
 
     def _count_reuse(self, seqs: list[Sequence], layer: int, mask: torch.Tensor) -> None:

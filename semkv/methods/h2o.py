@@ -17,6 +17,12 @@ Readings of the paper (each a choice a careful reimplementation makes):
   the key carries; the argmin is the same as with the mean).
 - The recent window after each step holds the `n_recent` most recent tokens, the new one included.
 
+Decoding is batched and captured in CUDA graphs: the accumulated scores live beside the KV pool, one float32 per
+physical slot and KV head (`SlotScores`), read and updated through the page tables like the keys; the recent window
+comes from the positions the pool stores. `begin_step` (before the forward) picks every evicting row's victims in one
+masked argmin; `select` (inside the graph) scores the resident keys with the paged dot-product kernel, softmaxes over
+each row's resident slots and adds the result, restarting at zero the slot that holds the new token.
+
 Parameters
 ----------
 budget: resident tokens per KV head and layer (int), or a fraction of the current context (float).
@@ -30,8 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from semkv import kernels
+from semkv.engine.kv_cache import KVPool, stack_tables
 from semkv.engine.sequence import Sequence
-from semkv.kernels import reference
 from semkv.methods.base import DecodeBatch, KVMethod, check_range, keep_top, per_kv_head, resolve_budget, \
     window_attention
 
@@ -40,11 +47,40 @@ QUERY_BLOCK = 256  # prompt queries scored at once, so a chunk's scores stay [he
 
 @dataclass
 class H2OState:
-    """Per sequence: accumulated attention and original position of every resident slot."""
+    """Per sequence, until its prefill ends: the attention each prompt key received."""
 
-    prefill_scores: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, n], until prefill ends
-    decode_scores: torch.Tensor | None = None  # [layers, kv_heads, n]: every layer holds the same count while decoding
-    positions: torch.Tensor | None = None  # [layers, kv_heads, n]
+    prefill_scores: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, n]
+
+
+class SlotScores:
+    """Accumulated attention of every slot of the pool, stored by physical page like the keys: [pages, page_size,
+    kv_heads] float32, so a batch reads and writes whole pages through its page tables. Each resident slot's score is
+    written at prefill or restarted at zero when a new token takes the slot, so freed pages need no clearing."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+
+    def ensure(self, pool: KVPool) -> bool:
+        """Grow with the pool; True when the storage moved (captured graphs must be captured again)."""
+        have = 0 if self.data is None else self.data.shape[0]
+        if have >= pool.num_pages:
+            return False
+        with torch.inference_mode(False):  # a normal tensor, written outside generation too
+            grown = torch.zeros(pool.num_pages, pool.page_size, pool.num_kv_heads, device=pool.device)
+            if self.data is not None:
+                grown[:have] = self.data
+        self.data = grown
+        return True
+
+
+def resident_pages(pool: KVPool, tables: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Physical pages of logical slots [0, width) under tables [..., max_pages] -> [..., ceil(width / page_size)];
+    pages past each row's slot count `counts` [...] become the scratch page, so that no write lands on a page another
+    sequence owns."""
+    size = pool.page_size
+    pages = tables[..., : -(-width // size)]
+    held = torch.arange(pages.shape[-1], device=pages.device) * size < counts[..., None]
+    return torch.where(held, pages, pool.scratch)
 
 
 @dataclass
@@ -54,10 +90,12 @@ class H2O(KVMethod):
     name = "h2o"
     summary = "H2O: heavy hitters by accumulated attention + recent window; evicts the lightest token while decoding"
     kind = "decode_eviction"
+    graph_safe = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0, (int, float))
+        self.scores = SlotScores()
 
     def n_recent(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
@@ -92,41 +130,59 @@ class H2O(KVMethod):
         return keep
 
     def finish_prefill(self, seq: Sequence) -> None:
+        """Move the kept prompt slots' scores into the pool-side storage."""
         state, kv = seq.method_state, seq.kv
-        state.decode_scores = torch.stack([s[:, : kv.num_slots[i]] for i, s in enumerate(state.prefill_scores)])
-        state.positions = torch.stack([kv.positions(i).long() for i in range(kv.pool.num_layers)])
+        if self.scores.ensure(kv.pool):
+            self.graph_epoch += 1
+        flat = self.scores.data.view(-1, kv.pool.num_kv_heads)  # [pages * page_size, kv_heads]
+        for layer, scores in enumerate(state.prefill_scores):
+            n = kv.num_slots[layer]
+            flat[kv.physical(layer, torch.arange(n, device=scores.device))] = scores[:, :n].T
         state.prefill_scores = []
 
     # -- decode -----------------------------------------------------------------------------------------------------
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor:
-        """Per sequence, layer and KV head: append while below the budget, else overwrite the lightest old token."""
-        heads = batch.model.num_kv_heads
+        """Per sequence, layer and KV head: append while below the budget, else overwrite the lightest token outside
+        the recent window. Which rows evict is known on the host; their victims come from one masked argmin."""
+        seqs, heads = batch.seqs, batch.model.num_kv_heads
         write = batch.num_slots[:, :, None].expand(-1, -1, heads).clone()  # [B, layers, kv_heads]
-        for b, seq in enumerate(batch.seqs):
-            state, position = seq.method_state, int(batch.positions[b])
-            capacity = resolve_budget(self.budget, position + 1)
-            n = state.decode_scores.shape[-1]
-            if n < capacity:
-                fresh = state.positions[..., :1]  # [layers, kv_heads, 1]
-                state.decode_scores = torch.cat([state.decode_scores, torch.zeros_like(fresh, dtype=torch.float)], -1)
-                state.positions = torch.cat([state.positions, torch.full_like(fresh, position)], -1)
-                continue
-            recent = state.positions > position - self.n_recent(capacity)  # [layers, kv_heads, n]
-            scores = state.decode_scores.masked_fill(recent, math.inf)
-            victim = scores.argmin(-1, keepdim=True)  # [layers, kv_heads, 1]
-            state.decode_scores.scatter_(-1, victim, 0.0)
-            state.positions.scatter_(-1, victim, position)
-            write[b] = victim[..., 0].to(write.device)
+        capacity = [resolve_budget(self.budget, seq.num_computed + 1) for seq in seqs]  # the current token's context
+        evicting = [b for b, seq in enumerate(seqs) if max(seq.kv.num_slots) >= capacity[b]]
+        if not evicting:
+            return write
+        pool = seqs[0].kv.pool
+        # per evicting row, one copy: its index, budget, the oldest position of the recent window, slot counts
+        host = pool.staging.send([[b, capacity[b], seqs[b].num_computed - self.n_recent(capacity[b]),
+                                   *seqs[b].kv.num_slots] for b in evicting])  # [E, 3 + layers]
+        index, budget, oldest_recent, counts = host[:, 0], host[:, 1], host[:, 2], host[:, 3:]
+        width = max(max(seqs[b].kv.num_slots) for b in evicting)
+        pages = resident_pages(pool, stack_tables([seqs[b].kv.table for b in evicting]), counts, width)  # [E, L, P]
+        valid = torch.arange(pages.shape[-1] * pool.page_size, device=pages.device) < counts[..., None]  # [E, L, W]
+        positions = pool.pos[pages].flatten(2, 3)  # [E, layers, W, kv_heads]
+        protected = (positions > oldest_recent[:, None, None, None]) | ~valid[..., None]
+        victim = self.scores.data[pages].flatten(2, 3).masked_fill(protected, math.inf).argmin(2)  # [E, L, kv_heads]
+        full = (counts >= budget[:, None])[..., None]  # [E, layers, 1]
+        write[index] = torch.where(full, victim, write[index])
         return write
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> None:
-        """Accumulate the current query's attention over the resident slots; attention itself stays dense."""
-        pool = batch.seqs[0].kv.pool
-        lengths = batch.num_slots[:, layer : layer + 1]  # [B, 1]
-        _, probs = reference.decode_attention(q, pool.k, pool.v, batch.tables[:, layer], None, lengths,
-                                              q.shape[-1] ** -0.5, return_probs=True)  # [B, heads, n]
-        grouped = probs.view(batch.size, pool.num_kv_heads, -1, probs.shape[-1]).sum(2)  # [B, kv_heads, n]
-        for b, seq in enumerate(batch.seqs):
-            n = int(lengths[b])
-            seq.method_state.decode_scores[layer, :, :n] += grouped[b, :, :n]
+        """Add the current query's attention over the resident slots to their scores (the new token's slot starts
+        at zero); attention itself stays dense. From the batch tensors alone: the width is the capacity under a
+        CUDA graph (the budget at the longest context), the widest row in an eager step. q [B, heads, D]."""
+        pool = batch.pool
+        if self.scores.ensure(pool):
+            self.graph_epoch += 1
+        eager = batch.seqs is not None
+        width = batch.max_slots if eager else min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
+        counts = batch.num_slots[:, layer]  # [B]
+        pages = resident_pages(pool, batch.tables[:, layer], counts, width)  # [B, P]
+        slots = torch.arange(pages.shape[-1] * pool.page_size, device=q.device)  # [W'], whole pages
+        logits = kernels.paged_dot(q, pool.k, pages, slots) * q.shape[-1] ** -0.5  # [B, heads, W'] float32
+        # normalised in float64, so that the probabilities do not depend on the padded width (eager and graph steps
+        # then accumulate the same float32 scores and pick the same victims)
+        valid = slots[None, None] < counts[:, None, None]  # [B, 1, W']
+        probs = torch.softmax(logits.double().masked_fill(~valid, -math.inf), -1).float()
+        grouped = probs.view(batch.size, pool.num_kv_heads, -1, len(slots)).sum(2).transpose(1, 2)  # [B, W', kv]
+        fresh = pool.pos[pages] == batch.positions[:, None, None, None]  # [B, P, size, kv_heads]: the new token
+        self.scores.data[pages] = torch.where(fresh, 0.0, self.scores.data[pages]) + grouped.view_as(fresh)
         return None

@@ -134,13 +134,13 @@ class InfLLM(KVMethod):
         return blocks
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
-        num_slots = batch.num_slots[:, layer].tolist()
+        num_slots = [seq.kv.num_slots[layer] for seq in batch.seqs]  # host copies: no device read
         heads = batch.model.num_kv_heads if self.per_head else 1
         masks, full = [], True
         for b, seq in enumerate(batch.seqs):
             n = num_slots[b]
             blocks = self._update_memory(layer, seq, q[b], n)
-            budget = resolve_budget(self.budget, int(batch.positions[b]) + 1)
+            budget = resolve_budget(self.budget, seq.num_computed + 1)
             mask = torch.ones(heads, n, dtype=torch.bool, device=q.device)  # [S, n]
             if budget < n:
                 full = False

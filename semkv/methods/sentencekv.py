@@ -159,7 +159,7 @@ class SentenceKV(KVMethod):
         states: list[SentenceState] = [s.method_state for s in batch.seqs]
         if all(st.dense for st in states):
             return None
-        num_slots = batch.num_slots[:, layer].tolist()
+        num_slots = [seq.kv.num_slots[layer] for seq in batch.seqs]  # host copies: no device read
         mask = torch.zeros(batch.size, batch.model.num_kv_heads, max(num_slots), dtype=torch.bool,
                            device=q.device)  # [B, kv_heads, n]
         for b, (seq, st) in enumerate(zip(batch.seqs, states)):

@@ -144,7 +144,7 @@ class TokenSelect(KVMethod):
 
     def select_per_sequence(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         """Row by row, with per-sequence budgets (fractions) and the Selection Cache."""
-        n_slots = batch.num_slots[:, layer].tolist()
+        n_slots = [seq.kv.num_slots[layer] for seq in batch.seqs]  # host copies: no device read
         budgets = [resolve_budget(self.budget, s.num_computed + 1) for s in batch.seqs]
         if all(b >= n for b, n in zip(budgets, n_slots)):
             return None
