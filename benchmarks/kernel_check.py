@@ -15,8 +15,8 @@ import sys
 import torch
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (reference, triton_decode, triton_fused, triton_page_select, triton_prefill,
-                           triton_summary_dot, triton_token_select)
+from semkv.kernels import (reference, triton_attention_scores, triton_decode, triton_fused, triton_page_select,
+                           triton_prefill, triton_summary_dot, triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -113,6 +113,30 @@ def check_rope_store(gen, batch: int = 16, heads: int = 32, kv_heads: int = 8, d
     stored = max(rel_err(a, b) for a, b in zip(pools[1][:2], pools[0][:2]))
     positions_equal = bool((pools[1][2] == pools[0][2]).all())
     return dict(kernel="rope_store", err=max(rel_err(got, want), stored) if positions_equal else float("inf"))
+
+
+def check_accumulate(gen, batch: int = 16, width: int = 2048) -> list[dict]:
+    """H2O's score update for one layer at budget 2048: logits of 32 query heads over each row's resident slots, rows
+    of different counts, scores and positions beside a pool of bf16-sized pages."""
+    from triton.testing import do_bench
+
+    n_pages = width // PAGE
+    logits = torch.randn(batch, H, width, device="cuda", generator=gen) * 3
+    counts = width - torch.arange(batch, device="cuda") * 37
+    pages = torch.randperm(batch * n_pages, device="cuda", generator=gen).view(batch, n_pages) + 1
+    pages = torch.where(torch.arange(n_pages, device="cuda") * PAGE < counts[:, None], pages, 0)
+    pos_pool = torch.randint(0, 4096, (batch * n_pages + 1, PAGE, HK), device="cuda", generator=gen,
+                             dtype=torch.int32)
+    positions = torch.full((batch,), 4096, device="cuda")
+    pos_pool[pages[:, 3], 5] = 4096  # one slot per row holds the current token
+    start = torch.rand(batch * n_pages + 1, PAGE, HK, device="cuda", generator=gen) * 5
+    want, got = start.clone(), start.clone()
+    args = (logits, counts, pages, positions, pos_pool)
+    reference.accumulate_attention(*args, want)
+    triton_attention_scores.accumulate_attention(*args, got)
+    return [dict(kernel="accumulate_attention", batch=batch, width=width, err=rel_err(got[1:], want[1:]),
+                 triton_ms=do_bench(lambda: triton_attention_scores.accumulate_attention(*args, got)),
+                 reference_ms=do_bench(lambda: reference.accumulate_attention(*args, want)))]
 
 
 def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, pages: int = 2050) -> list[dict]:
@@ -231,7 +255,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_page_bound(gen, bandwidth) + check_plan_slots(gen) + check_token_select(gen, bandwidth))
+            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_plan_slots(gen) + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -257,6 +281,9 @@ def main() -> int:
         elif r["kernel"] == "plan_slots":
             print(f"| CHESS plan_slots (torch.compile) | B=32 | {'exact' if r['err'] == 0 else 'DIFFERS'} | "
                   f"{r['compiled_ms']:.4f} | {r['eager_ms']:.4f} | both in a CUDA graph |")
+        elif r["kernel"] == "accumulate_attention":
+            print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "
+                  f"{r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:

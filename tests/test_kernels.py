@@ -210,3 +210,45 @@ def test_summary_dot_kernel_matches_reference(r, kv_heads, dim):
     assert torch.allclose(want, direct, atol=1e-4)
     got = summary_dots(sums, pages, directions, block_w=16, block_hd=16, layers_per=3)
     assert got.shape == (3, 37, r) and torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [3, 4])
+def test_accumulate_attention_kernel_matches_reference(group):
+    """H2O's score update: resident slots only (a padded width and pages past each row's count are ignored), the
+    slot holding the current token restarted at zero, query groups that are not a power of two."""
+    from semkv.kernels import triton_attention_scores
+
+    gen = torch.Generator().manual_seed(7)
+    batch, kv_heads, page, n_pages, width_pages = 3, 2, 4, 40, 6
+    heads = kv_heads * group
+    logits = torch.randn(batch, heads, width_pages * page, generator=gen) * 3
+    counts = torch.tensor([24, 9, 1])  # a full width, a partial last page, a single slot
+    scratch = 0
+    pages = torch.randperm(n_pages - 1, generator=gen)[: batch * width_pages].view(batch, width_pages) + 1
+    held = torch.arange(width_pages) * page < counts[:, None]
+    pages = torch.where(held, pages, scratch)
+    pos_pool = torch.randint(0, 50, (n_pages, page, kv_heads), generator=gen, dtype=torch.int32)
+    positions = torch.tensor([60, 61, 62])
+    pos_pool[pages[0, 2], 1, 0] = 60  # this row's current token, in one KV head
+    pos_pool[pages[1, 2], 0] = 61  # slot 8 of row 1: its last resident slot, both heads
+    scores = [torch.rand(n_pages, page, kv_heads, generator=gen) * 5 for _ in range(2)]
+    scores[1].copy_(scores[0])
+    before = scores[0].clone()
+    reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[0])
+    triton_attention_scores.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[1], block=4, chunk=8)
+    real = torch.ones(n_pages, dtype=torch.bool)
+    real[scratch] = False  # the reference may write the scratch page; the kernel never does
+    assert (scores[1][real] - scores[0][real]).abs().max() < 1e-5
+    # each row's added mass is its number of query heads, split over its KV heads
+    for b in range(batch):
+        rows = (pages[b, :, None] * page + torch.arange(page)).flatten()[: int(counts[b])]
+        flat_now, flat_before = scores[1].view(-1, kv_heads)[rows], before.view(-1, kv_heads)[rows]
+        flat_pos = pos_pool.view(-1, kv_heads)[rows]
+        gained = flat_now - torch.where(flat_pos == positions[b], 0.0, flat_before)
+        assert gained.sum(0).tolist() == pytest.approx([group] * kv_heads, rel=1e-5)
+    untouched = torch.ones_like(before, dtype=torch.bool)
+    for b in range(batch):
+        for s in range(int(counts[b])):
+            untouched[pages[b, s // page], s % page] = False
+    untouched[scratch] = False
+    assert torch.equal(scores[1][untouched], before[untouched])

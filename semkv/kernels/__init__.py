@@ -73,6 +73,15 @@ def paged_dot(q, k_pool, table, slots):
     return reference.paged_dot(q, k_pool, table, slots)
 
 
+def accumulate_attention(logits, counts, pages, positions, pos_pool, scores):
+    """See `reference.accumulate_attention`."""
+    if use_triton(logits.device):
+        from semkv.kernels import triton_attention_scores
+
+        return triton_attention_scores.accumulate_attention(logits, counts, pages, positions, pos_pool, scores)
+    return reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores)
+
+
 def summary_dots(sums, pages, directions):
     """See `reference.summary_dots`."""
     if use_triton(sums.device):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -224,6 +226,26 @@ def gather_kv(
             k, v = kf[rows, head_idx], vf[rows, head_idx]
     mask = torch.arange(n, device=lengths.device)[None, None, :] < lengths[:, :, None]
     return k, v, mask
+
+
+def accumulate_attention(logits: torch.Tensor, counts: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor,
+                         pos_pool: torch.Tensor, scores: torch.Tensor) -> None:
+    """H2O's accumulated attention, updated in place. logits [B, heads, W] float32: scaled q . k of the logical slots
+    [0, W) of each row, W = P * page_size; counts [B] resident slots (<= W); pages [B, P] physical pages of those
+    slots (pages holding no resident slot must be the scratch page, which this reference may write); positions [B]
+    the current token's position; pos_pool [pages, page_size, kv_heads] stored positions; scores [pages, page_size,
+    kv_heads] float32. Each resident slot's score becomes (0 where its stored position is the current one, else its
+    score) + the softmax of the row's logits over its resident slots, summed over the KV head's query group; other
+    slots keep their scores. Normalised in float64, so that the result does not depend on the padded width."""
+    batch, heads, width = logits.shape
+    kv_heads = scores.shape[-1]
+    resident = torch.arange(width, device=logits.device) < counts[:, None]  # [B, W]
+    probs = torch.softmax(logits.double().masked_fill(~resident[:, None], -math.inf), -1).float()
+    added = probs.view(batch, kv_heads, -1, width).sum(2).transpose(1, 2)  # [B, W, kv_heads]
+    old = scores[pages].flatten(1, 2)  # [B, W, kv_heads]
+    fresh = pos_pool[pages].flatten(1, 2) == positions[:, None, None]
+    new = torch.where(resident[..., None], torch.where(fresh, 0.0, old) + added, old)
+    scores[pages] = new.view(batch, pages.shape[1], -1, kv_heads)
 
 
 def decode_attention(

@@ -178,11 +178,5 @@ class H2O(KVMethod):
         pages = resident_pages(pool, batch.tables[:, layer], counts, width)  # [B, P]
         slots = torch.arange(pages.shape[-1] * pool.page_size, device=q.device)  # [W'], whole pages
         logits = kernels.paged_dot(q, pool.k, pages, slots) * q.shape[-1] ** -0.5  # [B, heads, W'] float32
-        # normalised in float64, so that the probabilities do not depend on the padded width (eager and graph steps
-        # then accumulate the same float32 scores and pick the same victims)
-        valid = slots[None, None] < counts[:, None, None]  # [B, 1, W']
-        probs = torch.softmax(logits.double().masked_fill(~valid, -math.inf), -1).float()
-        grouped = probs.view(batch.size, pool.num_kv_heads, -1, len(slots)).sum(2).transpose(1, 2)  # [B, W', kv]
-        fresh = pool.pos[pages] == batch.positions[:, None, None, None]  # [B, P, size, kv_heads]: the new token
-        self.scores.data[pages] = torch.where(fresh, 0.0, self.scores.data[pages]) + grouped.view_as(fresh)
+        kernels.accumulate_attention(logits, counts, pages, batch.positions, pool.pos, self.scores.data)
         return None
