@@ -255,7 +255,8 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_plan_slots(gen) + check_token_select(gen, bandwidth))
+            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_plan_slots(gen)
+            + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")

@@ -143,7 +143,8 @@ def test_h2o_evicts_the_lightest_token_outside_the_recent_window(recent_ratio):
             expected = h2o_reference(run, layer, head, budget, int(budget * recent_ratio), steps, scores)
             assert run.kept(layer)[head] == expected[-1]
             # each resident token's accumulated attention, counted from the step it took its slot
-            got = dict(zip(kv.positions(layer)[head].tolist(), run.method.scores.data.view(-1, KV_HEADS)[resident, head].tolist()))
+            stored = run.method.scores.data.view(-1, KV_HEADS)[resident, head]
+            got = dict(zip(kv.positions(layer)[head].tolist(), stored.tolist()))
             assert got == pytest.approx({m: scores[m] for m in got}, rel=1e-5)
     # the step-by-step history (each victim) on one head: replay with fewer steps
     for s in range(6):

@@ -235,7 +235,8 @@ def test_accumulate_attention_kernel_matches_reference(group):
     scores[1].copy_(scores[0])
     before = scores[0].clone()
     reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[0])
-    triton_attention_scores.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[1], block=4, chunk=8)
+    triton_attention_scores.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[1], block=4,
+                                                 chunk=8)
     real = torch.ones(n_pages, dtype=torch.bool)
     real[scratch] = False  # the reference may write the scratch page; the kernel never does
     assert (scores[1][real] - scores[0][real]).abs().max() < 1e-5

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -240,7 +238,7 @@ def accumulate_attention(logits: torch.Tensor, counts: torch.Tensor, pages: torc
     batch, heads, width = logits.shape
     kv_heads = scores.shape[-1]
     resident = torch.arange(width, device=logits.device) < counts[:, None]  # [B, W]
-    probs = torch.softmax(logits.double().masked_fill(~resident[:, None], -math.inf), -1).float()
+    probs = torch.softmax(logits.double().masked_fill(~resident[:, None], float("-inf")), -1).float()
     added = probs.view(batch, kv_heads, -1, width).sum(2).transpose(1, 2)  # [B, W, kv_heads]
     old = scores[pages].flatten(1, 2)  # [B, W, kv_heads]
     fresh = pos_pool[pages].flatten(1, 2) == positions[:, None, None]

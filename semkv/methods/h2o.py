@@ -133,13 +133,17 @@ class H2O(KVMethod):
     def finish_prefill(self, seq: Sequence) -> None:
         """Move the kept prompt slots' scores into the pool-side storage."""
         state, kv = seq.method_state, seq.kv
-        if self.scores.ensure(kv.pool):
-            self.graph_epoch += 1
-        flat = self.scores.data.view(-1, kv.pool.num_kv_heads)  # [pages * page_size, kv_heads]
+        flat = self._score_storage(kv.pool).view(-1, kv.pool.num_kv_heads)  # [pages * page_size, kv_heads]
         for layer, scores in enumerate(state.prefill_scores):
             n = kv.num_slots[layer]
             flat[kv.physical(layer, torch.arange(n, device=scores.device))] = scores[:, :n].T
         state.prefill_scores = []
+
+    def _score_storage(self, pool: KVPool) -> torch.Tensor:
+        """The pool-side scores, grown with the pool first (a move makes captured graphs be captured again)."""
+        if self.scores.ensure(pool):
+            self.graph_epoch += 1
+        return self.scores.data
 
     # -- decode -----------------------------------------------------------------------------------------------------
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor:
@@ -171,13 +175,12 @@ class H2O(KVMethod):
         at zero); attention itself stays dense. From the batch tensors alone: the width is the capacity under a
         CUDA graph (the budget at the longest context), the widest row in an eager step. q [B, heads, D]."""
         pool = batch.pool
-        if self.scores.ensure(pool):
-            self.graph_epoch += 1
+        scores = self._score_storage(pool)
         eager = batch.seqs is not None
         width = batch.max_slots if eager else min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
         counts = batch.num_slots[:, layer]  # [B]
         pages = resident_pages(pool, batch.tables[:, layer], counts, width)  # [B, P]
         slots = torch.arange(pages.shape[-1] * pool.page_size, device=q.device)  # [W'], whole pages
         logits = kernels.paged_dot(q, pool.k, pages, slots) * q.shape[-1] ** -0.5  # [B, heads, W'] float32
-        kernels.accumulate_attention(logits, counts, pages, batch.positions, pool.pos, self.scores.data)
+        kernels.accumulate_attention(logits, counts, pages, batch.positions, pool.pos, scores)
         return None
