@@ -36,6 +36,8 @@ METHODS = {  # label -> (method, budget, parameters); budgets below the prompts 
     "streaming_llm": ("streaming_llm", 512, {}),
     "h2o": ("h2o", 512, {}),
     "h2o 0.2": ("h2o", 0.2, {}),
+    "infllm": ("infllm", 512, {}),
+    "infllm 0.2": ("infllm", 0.2, dict(per_head=True)),
 }
 
 

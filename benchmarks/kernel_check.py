@@ -15,8 +15,8 @@ import sys
 import torch
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (reference, triton_attention_scores, triton_decode, triton_fused, triton_page_select,
-                           triton_prefill, triton_summary_dot, triton_token_select)
+from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_decode, triton_fused,
+                           triton_page_select, triton_prefill, triton_summary_dot, triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -221,6 +221,29 @@ def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32
                  miss_ms=miss_ms, hit_ms=hit_ms, floor_ms=1e3 * key_bytes / bandwidth)]
 
 
+def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int = 11) -> list[dict]:
+    """InfLLM's slot list for one layer at budget 2048 (128 initial tokens, 11 blocks of 128, the local window) over
+    32k contexts of different lengths, one set per layer and one per KV head: integers, so they must agree exactly."""
+    from triton.testing import do_bench
+
+    rows = []
+    for shared in (1, HK):
+        n = 32768 - torch.arange(batch, device="cuda") * 977
+        top = torch.stack([torch.randperm(candidates - 40, device="cuda", generator=gen)[:blocks] + 1
+                           for _ in range(batch * shared)]).view(batch, shared, blocks)
+        chosen = torch.full((batch,), blocks, device="cuda")
+        chosen[::4] = 7  # rows that take fewer blocks and leave more to the local window
+        init = torch.full((batch,), 128, device="cuda")
+        local = 2048 - init - chosen * 128
+        args = (top, chosen, init, local, n, 128, 2048)
+        want, got = reference.block_slots(*args), triton_block_slots.block_slots(*args)
+        exact = all(torch.equal(a, b) for a, b in zip(want, got))
+        rows.append(dict(kernel="block_slots", shared=shared, batch=batch, err=0.0 if exact else float("inf"),
+                         triton_ms=do_bench(lambda: triton_block_slots.block_slots(*args)),
+                         reference_ms=do_bench(lambda: reference.block_slots(*args))))
+    return rows
+
+
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
     """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
     so they must agree exactly; device times of both captured in CUDA graphs."""
@@ -255,7 +278,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_plan_slots(gen)
+            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen) + check_plan_slots(gen)
             + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
@@ -282,6 +305,9 @@ def main() -> int:
         elif r["kernel"] == "plan_slots":
             print(f"| CHESS plan_slots (torch.compile) | B=32 | {'exact' if r['err'] == 0 else 'DIFFERS'} | "
                   f"{r['compiled_ms']:.4f} | {r['eager_ms']:.4f} | both in a CUDA graph |")
+        elif r["kernel"] == "block_slots":
+            print(f"| InfLLM block_slots (one layer) | B={r['batch']} S={r['shared']} budget 2048 | "
+                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
         elif r["kernel"] == "accumulate_attention":
             print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "
                   f"{r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")

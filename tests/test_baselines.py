@@ -244,14 +244,15 @@ def test_keydiff_keeps_the_keys_least_similar_to_the_mean_key(window):
 # -- InfLLM ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("per_head", [False, True])
 def test_infllm_attends_initial_local_and_the_top_blocks_by_representative_keys(per_head):
-    budget, n, steps, block, n_repr = 40, 70, 3, 4, 2
+    budget, n, steps, block, n_repr = 40, 71, 3, 4, 2  # a block leaves the window at the last step
     method = get_method("infllm", budget, n_init=4, block_size=block, n_repr=n_repr, per_head=per_head)
     run = Run(method, n, steps)
     init, window, most = 4, 10, (budget - 4 - 10) // block  # init = min(4, 40 / 8), local >= 40 / 4
     t = n + steps - 1
     for layer in range(LAYERS):
         q, k = run.q[layer], run.k[layer]
-        block_score = [[0.0] * KV_HEADS for _ in range((t + 1 - window) // block)]  # formed blocks
+        # blocks formed by the end of the previous step (the last query to see their last token was t - 1)
+        block_score = [[0.0] * KV_HEADS for _ in range((t - window) // block)]
         for head in range(KV_HEADS):
             group = range(head * GROUP, (head + 1) * GROUP)
             # r_m = sum of q_{m+j} . k_m over the W following queries and the group's heads

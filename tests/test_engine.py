@@ -127,6 +127,8 @@ GRAPH_SAFE = {
     "streaming_llm": dict(budget=40),  # write slots chosen before the forward
     "h2o": dict(budget=40),  # victims chosen before the forward, scores accumulated beside the pool
     "h2o-fraction": dict(budget=0.3, recent_ratio=0.25),  # the cache grows with each row's context
+    "infllm": dict(budget=40, n_init=4, block_size=4, n_repr=2),  # scores and block keys beside the pool
+    "infllm-fraction": dict(budget=0.3, n_init=4, block_size=8, n_repr=2, per_head=True),  # W in the step plan
 }
 
 

@@ -253,3 +253,30 @@ def test_accumulate_attention_kernel_matches_reference(group):
             untouched[pages[b, s // page], s % page] = False
     untouched[scratch] = False
     assert torch.equal(scores[1][untouched], before[untouched])
+
+
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_block_slots_kernel_matches_reference(block_size):
+    """InfLLM's slot lists: blocks given best first and taken ascending, a block overlapping the initial tokens, one
+    overlapping the local window, a dense row (n <= init + local), a row taking no block, per-head sets."""
+    from semkv.kernels.triton_block_slots import block_slots
+
+    bs = block_size
+    top = torch.tensor([[[9, 2, 5, 7]], [[3, 1, 8, 0]], [[4, 6, 0, 1]], [[2, 3, 4, 5]]]).repeat(1, 2, 1)
+    top[0, 1] = torch.tensor([5, 9, 2, 3])  # the second set of row 0 ranks other blocks
+    chosen = torch.tensor([3, 2, 0, 4])
+    init = torch.tensor([5, 7, 3, 0])  # row 1: its block 1 overlaps the initial tokens
+    n = torch.tensor([12 * bs + 3, 9 * bs, 20, 6 * bs])
+    local = torch.tensor([bs + 3, bs, 20, 2 * bs - 1])  # row 2: dense; row 3: its last block overlaps the window
+    capacity = 5 + 4 * bs + 3 * bs
+    want_slots, want_lengths = reference.block_slots(top, chosen, init, local, n, bs, capacity)
+    for b in range(4):
+        for s in range(2):
+            expected = set(range(min(int(init[b]), int(n[b])))) | set(range(int(n[b] - local[b]), int(n[b])))
+            for block in top[b, s, : int(chosen[b])].tolist():
+                expected |= set(range(block * bs, (block + 1) * bs))
+            expected = sorted(e for e in expected if 0 <= e < int(n[b]))
+            assert want_slots[b, s, : int(want_lengths[b, s])].tolist() == expected
+            assert (want_slots[b, s, int(want_lengths[b, s]):] == 0).all()
+    got_slots, got_lengths = block_slots(top, chosen, init, local, n, bs, capacity, span=8)
+    assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)

@@ -82,6 +82,15 @@ def accumulate_attention(logits, counts, pages, positions, pos_pool, scores):
     return reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores)
 
 
+def block_slots(top, chosen, init, local, n, block_size, capacity):
+    """See `reference.block_slots`."""
+    if use_triton(top.device):
+        from semkv.kernels import triton_block_slots
+
+        return triton_block_slots.block_slots(top, chosen, init, local, n, block_size, capacity)
+    return reference.block_slots(top, chosen, init, local, n, block_size, capacity)
+
+
 def summary_dots(sums, pages, directions):
     """See `reference.summary_dots`."""
     if use_triton(sums.device):

@@ -107,6 +107,34 @@ def page_slots(top: torch.Tensor, budget: torch.Tensor, num_slots: torch.Tensor,
     return slots, lengths[:, None].expand(-1, top.shape[1]).contiguous()
 
 
+def block_slots(top: torch.Tensor, chosen: torch.Tensor, init: torch.Tensor, local: torch.Tensor, n: torch.Tensor,
+                block_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """InfLLM's attended slots: the initial tokens [0, init), the chosen blocks and the local window [n - local, n).
+    top [B, S, k] block indices, best first (a top-k of the block scores); chosen [B] how many of them each row takes
+    (<= k); init / local / n [B] the row's initial tokens, local window and stored slots. A block's slots that also
+    lie in the initial tokens or the local window count once; with n <= init + local a row attends to [0, n).
+    Returns slots [B, S, capacity], ascending and then 0, and lengths [B, S]."""
+    batch, shared, k = top.shape
+    device = top.device
+    slot = torch.arange(capacity, device=device)
+    parts = [(slot.expand(batch, 1, -1), (slot < torch.minimum(init, n)[:, None])[:, None])]
+    if k:
+        taken = torch.arange(k, device=device) < chosen[:, None, None]  # [B, 1, k]
+        blocks = torch.where(taken, top, -1).sort(dim=-1).values  # the chosen ones ascending, after the -1s
+        slots = (blocks[..., None] * block_size + torch.arange(block_size, device=device)).flatten(2)
+        inside = (slots >= init[:, None, None]) & (slots < (n - local)[:, None, None])
+        parts.append((slots, (blocks >= 0).repeat_interleave(block_size, dim=-1) & inside))
+    window = (n - local)[:, None] + slot  # [B, capacity]
+    parts.append((window[:, None], ((window >= init[:, None]) & (window < n[:, None]))[:, None]))
+    # the valid entries of [initial | blocks | local] are ascending: compact them to the front
+    slots = torch.cat([p.expand(-1, shared, -1) for p, _ in parts], -1)  # [B, S, all candidates]
+    valid = torch.cat([v.expand(-1, shared, -1) for _, v in parts], -1)
+    position = valid.cumsum(-1) - 1
+    out = torch.zeros(batch, shared, capacity + 1, dtype=torch.long, device=device)
+    out.scatter_(-1, torch.where(valid, position, capacity), slots)  # invalid entries land in the last column
+    return out[..., :capacity], position[..., -1] + 1
+
+
 def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
     """TokenSelect's selection functions (Eqs. 5-7): scores [..., heads, n] (q_h . k of each candidate, -inf where
     not a candidate) -> indices of the k chosen candidates [..., S, k], ascending. "soft_vote": softmax per head,

@@ -18,8 +18,8 @@ Readings of the paper (each a choice a careful reimplementation makes):
 - The recent window after each step holds the `n_recent` most recent tokens, the new one included.
 
 Decoding is batched and captured in CUDA graphs: the accumulated scores live beside the KV pool, one float32 per
-physical slot and KV head (`SlotScores`), read and updated through the page tables like the keys; the recent window
-comes from the positions the pool stores. `begin_step` (before the forward) picks every evicting row's victims in one
+physical slot and KV head (`page_storage.slot_scores`), read and updated through the page tables like the keys; the
+recent window comes from the positions the pool stores. `begin_step` (before the forward) picks every evicting row's victims in one
 masked argmin; `select` (inside the graph) scores the resident keys with the paged dot-product kernel and hands the
 logits to `kernels.accumulate_attention`, which softmaxes over each row's resident slots and adds the result,
 restarting at zero the slot that holds the new token.
@@ -42,6 +42,7 @@ from semkv.engine.kv_cache import KVPool, stack_tables
 from semkv.engine.sequence import Sequence
 from semkv.methods.base import DecodeBatch, KVMethod, check_range, keep_top, per_kv_head, resolve_budget, \
     window_attention
+from semkv.methods.page_storage import resident_pages, slot_scores
 
 QUERY_BLOCK = 256  # prompt queries scored at once, so a chunk's scores stay [heads, 256, n]
 
@@ -51,37 +52,6 @@ class H2OState:
     """Per sequence, until its prefill ends: the attention each prompt key received."""
 
     prefill_scores: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, n]
-
-
-class SlotScores:
-    """Accumulated attention of every slot of the pool, stored by physical page like the keys: [pages, page_size,
-    kv_heads] float32, so a batch reads and writes whole pages through its page tables. Each resident slot's score is
-    written at prefill or restarted at zero when a new token takes the slot, so freed pages need no clearing."""
-
-    def __init__(self) -> None:
-        self.data: torch.Tensor | None = None
-
-    def ensure(self, pool: KVPool) -> bool:
-        """Grow with the pool; True when the storage moved (captured graphs must be captured again)."""
-        have = 0 if self.data is None else self.data.shape[0]
-        if have >= pool.num_pages:
-            return False
-        with torch.inference_mode(False):  # a normal tensor, written outside generation too
-            grown = torch.zeros(pool.num_pages, pool.page_size, pool.num_kv_heads, device=pool.device)
-            if self.data is not None:
-                grown[:have] = self.data
-        self.data = grown
-        return True
-
-
-def resident_pages(pool: KVPool, tables: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-    """Physical pages of logical slots [0, width) under tables [..., max_pages] -> [..., ceil(width / page_size)];
-    pages past each row's slot count `counts` [...] become the scratch page, so that no write lands on a page another
-    sequence owns."""
-    size = pool.page_size
-    pages = tables[..., : -(-width // size)]
-    held = torch.arange(pages.shape[-1], device=pages.device) * size < counts[..., None]
-    return torch.where(held, pages, pool.scratch)
 
 
 @dataclass
@@ -96,7 +66,7 @@ class H2O(KVMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0, (int, float))
-        self.scores = SlotScores()
+        self.scores = slot_scores()
 
     def n_recent(self, budget: int) -> int:
         return int(budget * self.recent_ratio)

@@ -10,7 +10,8 @@ window. All K/V stay stored; only attention is sparse.
 Readings of the paper and its reference code:
 - Representative score of token m (paper, Sec. 3.2): r_m = sum over the W queries after it, q_{m+j} . k_m, j = 1..W,
   with W the local window; summed over the query heads of its KV group (GQA). A block is formed, and its
-  representatives fixed, once its last token has been seen by W later queries. The reference code sums softmax
+  representatives fixed, once its last token has been seen by W later queries, at the end of that step: it is a
+  candidate from the next step on. The reference code sums softmax
   probabilities instead of dot products; the ranking inside a block differs only through the softmax normaliser.
 - Blocks are the fixed logical slot ranges [i * block_size, (i + 1) * block_size) (page aligned when block_size is a
   multiple of the page size); the initial tokens overlap the first blocks and blocks inside them are not candidates.
@@ -23,6 +24,16 @@ Readings of the paper and its reference code:
   min(n_local, floor(B * local_ratio)) (at least 1: the current token); whole blocks take as much of the rest as there
   are formed candidates; the local window absorbs what is left. Attended = init + blocks + local <= B. W is the local
   minimum resolved at the prompt length.
+
+Decoding is batched and captured in CUDA graphs. The representative scores and the block keys live beside the KV pool
+(`page_storage`), by physical page, and are read through the page tables. Each layer scores the formed blocks with
+the paged dot-product kernel (the block keys are laid out like a cache of blocks) and builds each row's slot list
+from tensors alone. Once per step, at the last layer, the memory of every layer is updated at once: the band of keys
+in each query's window gets its scores, and the block that has just left the window is formed (formed again at every
+step until the next one leaves: idempotent, so no host flag is needed).
+A block is stored at the page holding its first slot, so `block_size` must divide or be a multiple of the engine's KV
+page size. W is per sequence (a fractional budget resolves it at the prompt length) and reaches the graph as the
+step plan.
 
 Parameters
 ----------
@@ -39,18 +50,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from semkv import kernels
+from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
+from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
+from semkv.methods.page_storage import PageStorage, slot_scores
 
 
 @dataclass
 class InfLLMState:
     window: int  # W: queries after a key that score it
-    scores: list[torch.Tensor]  # per layer [kv_heads, capacity] representative scores
-    block_keys: list[torch.Tensor | None]  # per layer [n_blocks, kv_heads, D] mean representative keys
+
+
+@dataclass
+class RowSplit:
+    """The budget split of each row of a decode step, [B] each: `InfLLM.split` at the row's context."""
+
+    budget: torch.Tensor
+    init: torch.Tensor
+    most: torch.Tensor  # most blocks
+    window: torch.Tensor  # W
 
 
 def band_scores(q: torch.Tensor, keys: torch.Tensor, q_start: int, k_start: int, window: int) -> torch.Tensor:
@@ -77,6 +98,7 @@ class InfLLM(KVMethod):
     name = "infllm"
     summary = "InfLLM: initial + local tokens and the top memory blocks by representative keys, each decode step"
     kind = "selection"
+    graph_safe = True  # state beside the pool, the window in the step plan
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +111,20 @@ class InfLLM(KVMethod):
         check_range("per_head", self.per_head, types=bool)
         if self.init_ratio + self.local_ratio > 1.0:
             raise SemkvError(f"init_ratio + local_ratio = {self.init_ratio + self.local_ratio} must be <= 1")
+        self.scores = slot_scores()  # r_m of every slot: [pages, page_size, kv_heads]
+        # block keys at the page of each block's first slot, in the cache's dtype (1/32 of the K/V bytes with the
+        # default 16-slot pages): [pages, blocks per page, kv_heads, D]
+        self.block_keys = PageStorage(lambda pool: (max(1, pool.page_size // self.block_size), pool.num_kv_heads,
+                                                    pool.head_dim), pool_dtype=True)
+        self._plan: tuple[list[Sequence], dict[str, torch.Tensor]] | None = None
+        self._rows: RowSplit | None = None  # of the step running, from layer 0
+        self._queries: list[torch.Tensor] = []  # the step's queries so far, one [B, heads, D] per layer
+
+    def bind(self, model, tokenizer, page_size: int) -> None:
+        super().bind(model, tokenizer, page_size)
+        if self.block_size % page_size and page_size % self.block_size:
+            raise SemkvError(f"block_size={self.block_size} must divide or be a multiple of the KV page size "
+                             f"{page_size} (blocks are stored by page)")
 
     def split(self, budget: int) -> tuple[int, int, int]:
         """Budget -> (initial tokens, minimum local window, most blocks)."""
@@ -96,76 +132,164 @@ class InfLLM(KVMethod):
         init = min(self.n_init, int(budget * self.init_ratio), budget - local)
         return init, local, (budget - init - local) // self.block_size
 
-    def new_state(self, seq: Sequence) -> InfLLMState:
-        pool = seq.kv.pool
-        window = self.split(resolve_budget(self.budget, len(seq.prompt_ids)))[1]
-        n = len(seq.prompt_ids)
-        return InfLLMState(window, [torch.zeros(pool.num_kv_heads, n, device=pool.device)
-                                    for _ in range(pool.num_layers)], [None] * pool.num_layers)
+    def new_state(self, seq: Sequence) -> InfLLMState | None:
+        if self.budget is None:
+            return None
+        return InfLLMState(self.split(resolve_budget(self.budget, len(seq.prompt_ids)))[1])
 
+    def _storage(self, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [pages, page_size, kv_heads] and block keys, grown with the pool first (a move makes captured
+        graphs be captured again)."""
+        moved = self.scores.ensure(pool)
+        if self.block_keys.ensure(pool) or moved:
+            self.graph_epoch += 1
+        return self.scores.data, self.block_keys.data
+
+    # -- prefill ----------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
-        state = seq.method_state
-        lo = max(start - state.window, 0)
-        keys = seq.kv.gather(layer, torch.arange(lo, start + q.shape[0], device=q.device)[None])[0]
-        state.scores[layer][:, lo : start + q.shape[0]] += band_scores(q, keys, start, lo, state.window)
+        """Add the chunk's band contributions to the scores of the keys in its queries' windows (the chunk's own
+        slots start at zero)."""
+        if self.budget is None:
+            return
+        kv, window = seq.kv, seq.method_state.window
+        scores = self._storage(kv.pool)[0].view(-1, kv.pool.num_kv_heads)  # [pages * page_size, kv_heads]
+        lo, end = max(start - window, 0), start + q.shape[0]
+        slots = torch.arange(lo, end, device=q.device)
+        rows = kv.physical(layer, slots)
+        keys = kv.gather(layer, slots[None])[0]  # [kv_heads, end - lo, D]
+        old = torch.where((slots >= start)[:, None], 0.0, scores[rows])
+        scores[rows] = old + band_scores(q, keys, start, lo, window).T
 
-    def _update_memory(self, layer: int, seq: Sequence, q: torch.Tensor, n: int) -> torch.Tensor:
-        """Score the keys in the current query's window, form the blocks that left it; return the block keys
-        [n_blocks, kv_heads, D]."""
-        state, kv = seq.method_state, seq.kv
-        scores = state.scores[layer]
-        if scores.shape[1] < n:  # grow by doubling
-            scores = state.scores[layer] = F.pad(scores, (0, max(n, 2 * scores.shape[1]) - scores.shape[1]))
-        lo = max(n - 1 - state.window, 0)
-        keys = kv.gather(layer, torch.arange(lo, n, device=q.device)[None])[0]  # [kv_heads, n - lo, D]
-        scores[:, lo:n] += band_scores(q[None], keys, n - 1, lo, state.window)
-        blocks = state.block_keys[layer]
-        have = 0 if blocks is None else blocks.shape[0]
-        formed = max(n - state.window, 0) // self.block_size
-        if formed > have:
-            size = self.block_size
-            span = torch.arange(have * size, formed * size, device=q.device)
-            block_scores = scores[:, span].view(-1, formed - have, size)  # [kv_heads, new, size]
-            top = block_scores.topk(self.n_repr, dim=-1).indices + (span.view(formed - have, size)[:, :1])[None]
-            keys = kv.gather(layer, top.flatten(1))[0].view(*top.shape, -1)  # [kv_heads, new, n_repr, D]
-            new = keys.float().mean(2).transpose(0, 1)  # [new, kv_heads, D]
-            blocks = new if blocks is None else torch.cat([blocks, new])
-            state.block_keys[layer] = blocks
-        return blocks
+    def finish_prefill(self, seq: Sequence) -> None:
+        """Form every block of the prompt that has left the last query's window."""
+        if self.budget is None:
+            return
+        kv = seq.kv
+        for layer in range(kv.pool.num_layers):
+            formed = max(kv.num_slots[layer] - seq.method_state.window, 0) // self.block_size
+            if formed:
+                self._form_blocks(kv.pool, kv.table[layer][None], torch.arange(formed, device=kv.table.device)[None])
+
+    def _form_blocks(self, pool: KVPool, tables: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Block keys of blocks [B, m] (index -1: none, written to the scratch page) of rows with tables [B,
+        max_pages]: the mean of each KV head's `n_repr` best-scored keys of the block."""
+        scores, block_keys = self._storage(pool)
+        size, bs, heads = pool.page_size, self.block_size, pool.num_kv_heads
+        kf = pool.flat()[0]  # [pages * page_size, kv_heads, D]
+        slots = blocks.clamp(min=0)[..., None] * bs + torch.arange(bs, device=blocks.device)  # [B, m, bs]
+        pages = torch.gather(tables, 1, (slots // size).clamp(max=tables.shape[1] - 1).flatten(1)).view_as(slots)
+        rows = pages * size + slots % size  # [B, m, bs] flat pool rows
+        top = scores.view(-1, heads)[rows].topk(self.n_repr, dim=2).indices  # [B, m, n_repr, kv_heads]
+        key_rows = torch.gather(rows[..., None].expand(-1, -1, -1, heads), 2, top)
+        keys = kf[key_rows, torch.arange(heads, device=blocks.device)]  # [B, m, n_repr, kv_heads, D]
+        first = torch.where(blocks >= 0, pages[..., 0], pool.scratch)  # [B, m]
+        block_keys[first, slots[..., 0] % size // bs] = keys.float().mean(2).to(block_keys.dtype)
+
+    # -- decode -----------------------------------------------------------------------------------------------------
+    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
+        """Each sequence's W ([B, 1], the same object while the batch is the same sequences) when the budget is a
+        fraction; an int budget has one W for every sequence."""
+        if not isinstance(self.budget, float):
+            return None
+        seqs = batch.seqs
+        if self._plan is None or len(self._plan[0]) != len(seqs) or any(a is not b for a, b in zip(self._plan[0],
+                                                                                                   seqs)):
+            windows = torch.tensor([[s.method_state.window] for s in seqs], device=batch.positions.device)
+            self._plan = (list(seqs), {"window": windows})
+        return self._plan[1]
+
+    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
+        return {"window": (1, 1)} if isinstance(self.budget, float) else {}
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
-        num_slots = [seq.kv.num_slots[layer] for seq in batch.seqs]  # host copies: no device read
-        heads = batch.model.num_kv_heads if self.per_head else 1
-        masks, full = [], True
-        for b, seq in enumerate(batch.seqs):
-            n = num_slots[b]
-            blocks = self._update_memory(layer, seq, q[b], n)
-            budget = resolve_budget(self.budget, seq.num_computed + 1)
-            mask = torch.ones(heads, n, dtype=torch.bool, device=q.device)  # [S, n]
-            if budget < n:
-                full = False
-                mask = self._mask(q[b], blocks, n, budget, heads)
-            masks.append(mask)
-        if full:
+        """Initial tokens, the top formed blocks and the local window, from the batch tensors alone (shapes from the
+        capacity `batch.max_slots`, each row cut by its own budget). The rows' budget split is computed at layer 0
+        and the memory of every layer is updated with the step's queries at the last layer, so both run once per
+        step. q [B, heads, D]."""
+        if self.budget is None:
             return None
-        width = max(num_slots)
-        return Selection.from_mask(torch.stack([F.pad(m, (0, width - m.shape[1])) for m in masks]))
+        if layer == 0:
+            self._rows, self._queries = self._row_split(batch), []
+        self._queries.append(q)
+        n = batch.num_slots[:, layer]  # [B] stored slots, the current token included
+        # blocks formed by the end of the previous step: they left the window of an earlier query
+        formed = (n - 1 - self._rows.window).clamp(min=0) // self.block_size  # [B]
+        capacity = resolve_budget(self.budget, batch.max_slots)  # the largest budget of any row
+        dense = not isinstance(self.budget, float) and capacity >= batch.max_slots
+        if not dense and batch.seqs is not None:  # eager step: dense rows are known on the host
+            dense = all(resolve_budget(self.budget, s.num_computed + 1) >= s.kv.num_slots[layer] for s in batch.seqs)
+        selection = None if dense else self._selection(batch, batch.tables[:, layer], n, formed, capacity, q)
+        if layer == batch.model.num_layers - 1:
+            self._update_memory(batch, torch.stack(self._queries, 1), self.split(capacity)[1])
+        return selection
 
-    def _mask(self, q: torch.Tensor, blocks: torch.Tensor | None, n: int, budget: int, heads: int) -> torch.Tensor:
-        """Attended slots [S, n] of one sequence: initial tokens, the top blocks, the local window."""
-        init, _, most = self.split(budget)
-        first = init // self.block_size  # blocks before it lie inside the initial tokens
-        k = min(most, max(0 if blocks is None else blocks.shape[0] - first, 0))
-        slot = torch.arange(n, device=q.device)
-        mask = ((slot < init) | (slot >= n - (budget - init - k * self.block_size)))[None].expand(heads, -1)
-        if k == 0:
-            return mask
-        kv_heads = blocks.shape[1]
-        q_mean = q.float().view(kv_heads, -1, q.shape[-1]).mean(1)  # [kv_heads, D]
-        block_scores = torch.einsum("hd,bhd->hb", q_mean, blocks[first:])  # [kv_heads, candidates]
-        if heads == 1:
-            block_scores = block_scores.sum(0, keepdim=True)
-        top = block_scores.topk(k, dim=-1).indices + first  # [S, k]
-        chosen = torch.zeros(heads, -(-n // self.block_size), dtype=torch.bool, device=q.device)
-        chosen.scatter_(1, top, True)
-        return mask | chosen.repeat_interleave(self.block_size, dim=1)[:, :n]
+    def _row_split(self, batch: DecodeBatch) -> "RowSplit":
+        """`split` of each row's budget at its context, and its W."""
+        budget = budget_tokens(self.budget, batch.positions + 1)  # [B] tokens per row at its context
+        local_min = (budget.double() * self.local_ratio).floor().long().clamp(max=self.n_local).clamp(min=1)
+        init = torch.minimum((budget.double() * self.init_ratio).floor().long().clamp(max=self.n_init),
+                             budget - local_min)
+        if isinstance(self.budget, float):
+            window = batch.step_plan["window"][:, 0]
+        else:
+            window = torch.full_like(budget, self.split(self.budget)[1])
+        return RowSplit(budget, init, (budget - init - local_min) // self.block_size, window)
+
+    def _update_memory(self, batch: DecodeBatch, queries: torch.Tensor, widest: int) -> None:
+        """Every layer at once, with the step's queries [B, layers, heads, D]: add the band scores, then form the
+        block that has left the window. `widest`: the largest W of any row."""
+        layers = queries.shape[1]
+        tables = batch.tables.flatten(0, 1)  # [B * layers, max_pages]
+        n = batch.num_slots.flatten()  # [B * layers]
+        window = self._rows.window.repeat_interleave(layers)
+        self._score_band(batch.pool, tables, n, window, widest, queries.flatten(0, 1))
+        formed = (n - window).clamp(min=0) // self.block_size
+        self._form_blocks(batch.pool, tables, (formed - 1)[:, None])
+
+    def _score_band(self, pool: KVPool, tables: torch.Tensor, n: torch.Tensor, window: torch.Tensor, widest: int,
+                    q: torch.Tensor) -> None:
+        """scores[m] += sum over the group's heads of q . k_m for the keys n - 1 - W <= m < n - 1 of each row; the
+        current token's slot n - 1 starts at zero. `widest`: the largest W of any row."""
+        scores = self._storage(pool)[0]
+        size, heads = pool.page_size, pool.num_kv_heads
+        batch = q.shape[0]
+        lo = (n - 1 - window).clamp(min=0)  # [B]
+        index = (lo // size)[:, None] + torch.arange(-(-(widest + 1) // size) + 1, device=n.device)  # [B, P]
+        held = index * size < n[:, None]
+        pages = torch.where(held, torch.gather(tables, 1, index.clamp(max=tables.shape[1] - 1)), pool.scratch)
+        width = pages.shape[1] * size
+        dots = kernels.paged_dot(q, pool.k, pages, torch.arange(width, device=n.device))  # [B, heads, width]
+        dots = dots.view(batch, heads, -1, width).sum(2).transpose(1, 2)  # [B, width, kv_heads]
+        m = (index[..., None] * size + torch.arange(size, device=n.device)).flatten(1)  # [B, width] logical slots
+        in_band = ((m >= lo[:, None]) & (m < (n - 1)[:, None]))[..., None]
+        current = (m == (n - 1)[:, None])[..., None]
+        old = scores[pages].flatten(1, 2)  # [B, width, kv_heads]
+        new = torch.where(current, 0.0, old + torch.where(in_band, dots, 0.0))
+        scores[pages] = new.view(batch, -1, size, heads)
+
+    def _selection(self, batch: DecodeBatch, tables: torch.Tensor, n: torch.Tensor, formed: torch.Tensor,
+                   capacity: int, q: torch.Tensor) -> Selection:
+        """Each row's initial tokens, top blocks and local window as ascending slots [B, S, capacity]."""
+        bs, heads, device = self.block_size, batch.pool.num_kv_heads, n.device
+        rows = self._rows
+        budget, init = rows.budget, rows.init
+        chosen = torch.minimum(rows.most, (formed - init // bs).clamp(min=0))  # blocks before init // bs lie inside
+        chosen = torch.where(budget >= n, 0, chosen)  # [B] blocks each row takes; a dense row takes none
+        local = budget - init - chosen * bs  # [B]
+        candidates = batch.max_slots // bs  # blocks any row may have formed
+        blocks = min(self.split(capacity)[2], candidates)
+        top = torch.zeros(n.shape[0], heads if self.per_head else 1, 0, dtype=torch.long, device=device)
+        if blocks:
+            # the block-key storage is a paged "cache" of blocks: block i of a row lies at entry i // per_page of
+            # the page list below (per_page blocks a page when blocks are smaller than pages, else one)
+            size = batch.pool.page_size
+            block_tables = tables[:, :: bs // size] if bs >= size else tables
+            dots = kernels.paged_dot(q, self.block_keys.data, block_tables,
+                                     torch.arange(candidates, device=device))  # [B, heads, N]
+            block_scores = dots.view(n.shape[0], heads, -1, candidates).mean(2)  # [B, kv_heads, N]: q_mean . key
+            if not self.per_head:
+                block_scores = block_scores.sum(1, keepdim=True)  # [B, 1, N]
+            index = torch.arange(candidates, device=device)
+            candidate = (index >= (init // bs)[:, None]) & (index < formed[:, None])  # [B, N]
+            top = block_scores.masked_fill(~candidate[:, None], float("-inf")).topk(blocks, dim=-1).indices
+        return Selection(*kernels.block_slots(top, chosen, init, local, n, bs, capacity))

@@ -1,0 +1,48 @@
+"""Method state stored beside the KV pool, by physical page like the keys (H2O's accumulated attention, InfLLM's
+representative scores and block keys): a batch reads and writes it through its page tables, with no per-sequence
+copies, and a freed page frees its state with it."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from semkv.engine.kv_cache import KVPool
+
+
+class PageStorage:
+    """A tensor [pages, *trailing(pool)], one entry per physical page of the pool, in float32 or (`pool_dtype`) in
+    the cache's dtype; grows with it. The method writes every entry it later reads (a page handed out again holds
+    its last owner's values)."""
+
+    def __init__(self, trailing: Callable[[KVPool], tuple[int, ...]], pool_dtype: bool = False) -> None:
+        self.trailing, self.pool_dtype = trailing, pool_dtype
+        self.data: torch.Tensor | None = None
+
+    def ensure(self, pool: KVPool) -> bool:
+        """Grow with the pool; True when the storage moved (captured graphs must be captured again)."""
+        have = 0 if self.data is None else self.data.shape[0]
+        if have >= pool.num_pages:
+            return False
+        with torch.inference_mode(False):  # a normal tensor, written outside generation too
+            dtype = pool.dtype if self.pool_dtype else torch.float32
+            grown = torch.zeros(pool.num_pages, *self.trailing(pool), dtype=dtype, device=pool.device)
+            if self.data is not None:
+                grown[:have] = self.data
+        self.data = grown
+        return True
+
+
+def slot_scores() -> PageStorage:
+    """One float32 score per slot and KV head: [pages, page_size, kv_heads]."""
+    return PageStorage(lambda pool: (pool.page_size, pool.num_kv_heads))
+
+
+def resident_pages(pool: KVPool, tables: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Physical pages of logical slots [0, width) under tables [..., max_pages] -> [..., ceil(width / page_size)];
+    pages past each row's slot count `counts` [...] become the scratch page, so that no write lands on a page another
+    sequence owns."""
+    size = pool.page_size
+    pages = tables[..., : -(-width // size)]
+    held = torch.arange(pages.shape[-1], device=pages.device) * size < counts[..., None]
+    return torch.where(held, pages, pool.scratch)
