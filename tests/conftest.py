@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton reads this when `triton.language` is first imported: torch.compile (CHESS's plan_slots) may import it
+    # before a kernel test does, and kernels interpreted later would then call its compiled-mode standard library
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 DATA = SHARED / "data"
 
