@@ -113,3 +113,10 @@ def test_methods_lists_every_method_with_its_parameters(capsys):
     assert main(["methods"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[::2]] == list(METHODS)
+
+
+def test_infllm_block_size_must_fit_the_pages(tiny_llm):
+    """InfLLM stores a block key at the page of the block's first slot."""
+    with pytest.raises(semkv.SemkvError, match="block_size=24 must divide or be a multiple of the KV page size 16"):
+        tiny_llm.generate("Hello there.", method="infllm", budget=8, method_params=dict(block_size=24),
+                          max_new_tokens=2)
