@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from semkv.bench.cli import build_engine, method_params, parse_sizes
+from semkv.bench.cli import build_engine, load_tokenizer, method_params, parse_sizes
 from semkv.bench.run import WARMUP_STEPS, TextContexts, largest_full_batch, never_stop, prefilled_batch, sync
 from semkv.cli.main import parse_budget
 from semkv.methods import get_method
@@ -52,11 +52,14 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--model", default=None, help="a local model instead of a shape")
     parser.add_argument("--text-file", action="append", default=None, help="with --model: prefill from this text")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
     parser.add_argument("--out", type=Path, default=Path("profile"))
     args = parser.parse_args()
     engine_args = argparse.Namespace(device="auto", dtype="auto", model=args.model, shape=args.shape, page_size=16,
                                      no_graphs=False, gpu_memory_utilization=0.9)
     engine, label, tokenizer = build_engine(engine_args)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
     text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
     params = method_params(args.param).get(args.method, {})
     budget = params.pop("budget", None if args.method == "full" else parse_budget(args.budget))
