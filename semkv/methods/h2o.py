@@ -19,10 +19,10 @@ Readings of the paper (each a choice a careful reimplementation makes):
 
 Decoding is batched and captured in CUDA graphs: the accumulated scores live beside the KV pool, one float32 per
 physical slot and KV head (`page_storage.slot_scores`), read and updated through the page tables like the keys; the
-recent window comes from the positions the pool stores. `begin_step` (before the forward) picks every evicting row's victims in one
-masked argmin; `select` (inside the graph) scores the resident keys with the paged dot-product kernel and hands the
-logits to `kernels.accumulate_attention`, which softmaxes over each row's resident slots and adds the result,
-restarting at zero the slot that holds the new token.
+recent window comes from the positions the pool stores. `begin_step` (before the forward) picks every evicting row's
+victims in one masked argmin; `select` (inside the graph) scores the resident keys with the paged dot-product kernel
+and hands the logits to `kernels.accumulate_attention`, which softmaxes over each row's resident slots and adds the
+result, restarting at zero the slot that holds the new token.
 
 Parameters
 ----------
