@@ -1,13 +1,14 @@
 """GPU check that each graph-safe method's decode step, replayed from a captured CUDA graph, gives the logits of the
 same method's eager step.
 
-    python benchmarks/graph_decode_check.py [--shape smollm2-135m] [--steps 40]
+    python benchmarks/graph_decode_check.py [--shape smollm2-135m] [--steps 40] [--tokenizer DIR]
 
 A model of the shape with random weights (float32, so that only the order of additions may differ) prefills four
 prompts of random tokens of different lengths for real; then both paths decode the same tokens (the eager path's
 greedy ones) side by side, each with its own method object and cache. One request leaves at step 12, so the graph
 of the batch-of-four bucket also runs with a padding row, and the steps cross KV page boundaries. Printed per method:
 the largest |logit difference| relative to the logits' spread, and the share of steps whose greedy tokens agree.
+The methods that read token text (SentenceKV) run when a tokenizer of the shape's vocabulary is given.
 """
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ METHODS = {  # label -> (method, budget, parameters); budgets below the prompts 
     "h2o 0.2": ("h2o", 0.2, {}),
     "infllm": ("infllm", 512, {}),
     "infllm 0.2": ("infllm", 0.2, dict(per_head=True)),
+    "sentencekv": ("sentencekv", 512, dict(offload=False)),
+    "sentencekv 0.2": ("sentencekv", 0.2, dict(offload=False, query="current", offload_chunk=4)),
 }
+NEED_TOKENIZER = {"sentencekv"}
 
 
 def prefilled(engine: Engine, method, lengths, vocab: int) -> list[Sequence]:
@@ -53,11 +57,11 @@ def prefilled(engine: Engine, method, lengths, vocab: int) -> list[Sequence]:
     return seqs
 
 
-def check(engine: Engine, label: str, steps: int) -> tuple[float, float]:
+def check(engine: Engine, label: str, steps: int, tokenizer) -> tuple[float, float]:
     name, budget, params = METHODS[label]
     eager_method, graph_method = (get_method(name, budget, **params) for _ in range(2))
     for m in (eager_method, graph_method):
-        m.bind(engine.config, None, engine.pool.page_size)
+        m.bind(engine.config, tokenizer, engine.pool.page_size)
     assert graph_method.graph_safe, f"{label} is not graph-safe"
     eager = prefilled(engine, eager_method, PROMPT_LENGTHS, engine.config.vocab_size)
     graphed = prefilled(engine, graph_method, PROMPT_LENGTHS, engine.config.vocab_size)
@@ -87,7 +91,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the same steps without capture")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the methods that read token text")
     args = parser.parse_args()
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     device = torch.device(args.device)
     model = random_model(args.shape, device, torch.float32)
     engine = Engine(model, model.config, device, torch.float32, cuda_graphs=True, gpu_memory_utilization=0.5)
@@ -95,7 +105,10 @@ def main() -> None:
     failed = []
     with torch.inference_mode():
         for label in args.methods.split(","):
-            worst, agree = check(engine, label, args.steps)
+            if tokenizer is None and METHODS[label][0] in NEED_TOKENIZER:
+                print(f"{label:<16}skipped: needs --tokenizer")
+                continue
+            worst, agree = check(engine, label, args.steps, tokenizer)
             ok = worst < 1e-3 and agree == 1.0
             failed += [] if ok else [label]
             print(f"{label:<16}{worst:>24.2e}{agree:>23.0%}{'' if ok else '  MISMATCH'}")

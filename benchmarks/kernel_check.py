@@ -16,7 +16,8 @@ import torch
 
 from semkv.bench.device import measured_bandwidth
 from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_decode, triton_fused,
-                           triton_page_select, triton_prefill, triton_summary_dot, triton_token_select)
+                           triton_page_select, triton_prefill, triton_sentence_slots, triton_summary_dot,
+                           triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -244,6 +245,32 @@ def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int =
     return rows
 
 
+def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int = 1400) -> list[dict]:
+    """SentenceKV's slot list for one layer at budget 2048 (32 sinks, 1984 tokens of ranked buckets, 32 recent) over
+    4096 retained tokens plus generated ones in 1400 buckets, in state rows of a larger table: integers, so they must
+    agree exactly."""
+    from triton.testing import do_bench
+
+    bucket = torch.sort(torch.randint(0, buckets, (batch + 3, HK, tokens), device="cuda", generator=gen),
+                        dim=-1).values.int()
+    rows = torch.randperm(batch + 3, device="cuda", generator=gen)[:batch]
+    count = torch.zeros(batch + 3, HK, buckets, dtype=torch.int32, device="cuda").scatter_add_(
+        -1, bucket.long(), torch.ones_like(bucket))[rows]
+    rank = torch.rand(batch, HK, buckets, device="cuda", generator=gen).argsort(-1)
+    ranked = count.gather(-1, rank)
+    before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+    first = count.cumsum(-1, dtype=torch.int32) - count
+    full = torch.full((batch,), tokens, device="cuda")
+    n = 32 + full + 40
+    args = (bucket, rows, before, first, n, torch.full_like(full, 32), full, torch.full_like(full, 1984),
+            torch.full_like(full, 32), 32, 2048)
+    want, got = reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
+    exact = all(torch.equal(a, b) for a, b in zip(want, got))
+    return [dict(kernel="sentence_slots", batch=batch, tokens=tokens, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
+                 reference_ms=do_bench(lambda: reference.sentence_slots(*args)))]
+
+
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
     """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
     so they must agree exactly; device times of both captured in CUDA graphs."""
@@ -278,7 +305,8 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen) + check_plan_slots(gen)
+            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen)
+            + check_sentence_slots(gen) + check_plan_slots(gen)
             + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
@@ -307,6 +335,9 @@ def main() -> int:
                   f"{r['compiled_ms']:.4f} | {r['eager_ms']:.4f} | both in a CUDA graph |")
         elif r["kernel"] == "block_slots":
             print(f"| InfLLM block_slots (one layer) | B={r['batch']} S={r['shared']} budget 2048 | "
+                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
+        elif r["kernel"] == "sentence_slots":
+            print(f"| SentenceKV sentence_slots (one layer) | B={r['batch']} x {r['tokens']} retained, budget 2048 | "
                   f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
         elif r["kernel"] == "accumulate_attention":
             print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "

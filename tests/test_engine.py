@@ -129,6 +129,9 @@ GRAPH_SAFE = {
     "h2o-fraction": dict(budget=0.3, recent_ratio=0.25),  # the cache grows with each row's context
     "infllm": dict(budget=40, n_init=4, block_size=4, n_repr=2),  # scores and block keys beside the pool
     "infllm-fraction": dict(budget=0.3, n_init=4, block_size=8, n_repr=2, per_head=True),  # W in the step plan
+    # buckets ranked from device rows, tokens leaving the window join them between steps
+    "sentencekv": dict(budget=40, offload=False, window=8, n_sink=4, n_recent=4, offload_chunk=4),
+    "sentencekv-fraction": dict(budget=0.3, offload=False, n_sink=4, n_recent=4, query="current", offload_chunk=2),
 }
 
 

@@ -280,3 +280,44 @@ def test_block_slots_kernel_matches_reference(block_size):
             assert (want_slots[b, s, int(want_lengths[b, s]):] == 0).all()
     got_slots, got_lengths = block_slots(top, chosen, init, local, n, bs, capacity, span=8)
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)
+
+
+def test_sentence_slots_kernel_matches_reference():
+    """SentenceKV's slot lists from bucket ranks: buckets fill the capacity in rank order and the last one keeps its
+    leading tokens; rows read their own state rows (one twice, one padding row on row 0), a row with fewer retained
+    tokens than the map holds, a row with no sinks, a row whose capacity covers everything it retained."""
+    from semkv.kernels.triton_sentence_slots import sentence_slots
+
+    gen = torch.Generator().manual_seed(0)
+    heads, tokens, buckets = 2, 40, 9
+    # state rows: ascending bucket ids over the retained tokens (buckets with no token in a head are allowed),
+    # and 0 past each row's retained tokens
+    held = torch.tensor([0, 31, 40, 12])  # retained tokens of each state row
+    bucket = torch.sort(torch.randint(0, buckets, (4, heads, tokens), generator=gen), dim=-1).values.int()
+    bucket = torch.where(torch.arange(tokens) < held[:, None, None], bucket, 0)
+    count = torch.zeros(4, heads, buckets, dtype=torch.int32).scatter_add_(
+        -1, bucket.long(), (torch.arange(tokens) < held[:, None, None]).int().expand_as(bucket).contiguous())
+    rows = torch.tensor([2, 1, 0, 2, 3])
+    rank = torch.rand(len(rows), heads, buckets, generator=gen).argsort(-1)  # the buckets' order, best first
+    ranked = count[rows].gather(-1, rank)
+    before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+    first = count[rows].cumsum(-1, dtype=torch.int32) - count[rows]
+    retained = held[rows]
+    capacity = torch.tensor([17, 9, 0, 25, 30])
+    n_sink = torch.tensor([4, 0, 0, 4, 3])
+    tail = torch.tensor([5, 3, 1, 6, 2])
+    n = n_sink + retained + tail + torch.tensor([2, 0, 0, 7, 1])  # tokens waiting between the retained and the tail
+    width = 4 + 25 + 6
+    args = (bucket, rows, before, first, n, n_sink, retained, capacity, tail, 4, width)
+    want_slots, want_lengths = reference.sentence_slots(*args)
+    for b in range(len(rows)):
+        for h in range(heads):
+            ids = bucket[rows[b], h, : int(retained[b])].tolist()
+            order = rank[b, h].tolist()
+            chosen = sorted(range(len(ids)), key=lambda t: (order.index(ids[t]), t))[: int(capacity[b])]
+            expected = (list(range(int(n_sink[b]))) + sorted(int(n_sink[b]) + t for t in chosen)
+                        + list(range(int(n[b] - tail[b]), int(n[b]))))
+            assert want_slots[b, h, : int(want_lengths[b, h])].tolist() == expected
+            assert (want_slots[b, h, int(want_lengths[b, h]):] == 0).all()
+    got_slots, got_lengths = sentence_slots(*args, span=8)
+    assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)

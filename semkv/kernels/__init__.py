@@ -91,6 +91,16 @@ def block_slots(top, chosen, init, local, n, block_size, capacity):
     return reference.block_slots(top, chosen, init, local, n, block_size, capacity)
 
 
+def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width):
+    """See `reference.sentence_slots`."""
+    if use_triton(bucket.device):
+        from semkv.kernels import triton_sentence_slots
+
+        return triton_sentence_slots.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity,
+                                                    tail, max_sink, width)
+    return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width)
+
+
 def summary_dots(sums, pages, directions):
     """See `reference.summary_dots`."""
     if use_triton(sums.device):

@@ -135,6 +135,40 @@ def block_slots(top: torch.Tensor, chosen: torch.Tensor, init: torch.Tensor, loc
     return out[..., :capacity], position[..., -1] + 1
 
 
+def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
+                    retained: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """SentenceKV's chosen retained tokens: buckets fill the capacity in rank order and the last one keeps its leading
+    tokens (token t of bucket k is taken when before[k] + t - first[k] < capacity). bucket [rows, S, T] the bucket of
+    every retained token of each state row, rows [B] the batch's state rows, before / first [B, S, buckets] the tokens
+    of the buckets ranked before each one and its first token, retained / capacity [B] -> bool [B, S, T]."""
+    index = torch.arange(bucket.shape[-1], device=bucket.device)
+    bucket = bucket[rows].long()  # [B, S, T]
+    offset = index - first.gather(-1, bucket)  # the token's place inside its bucket
+    taken = before.gather(-1, bucket) + offset < capacity[:, None, None]
+    return taken & (index < retained[:, None, None])
+
+
+def sentence_slots(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
+                   n: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, capacity: torch.Tensor,
+                   tail: torch.Tensor, max_sink: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SentenceKV's attended slots when retained tokens stay resident: the sinks [0, n_sink), the chosen retained
+    tokens (`sentence_tokens`; token t at slot n_sink + t) and the last `tail` slots [n - tail, n). Arguments as
+    `sentence_tokens`, plus n / n_sink / tail [B]; max_sink bounds n_sink, width bounds a row's total. Returns slots
+    [B, S, width], ascending and then 0, and lengths [B, S]."""
+    chosen = sentence_tokens(bucket, rows, before, first, retained, capacity)  # [B, S, T]
+    batch, shared, tokens = chosen.shape
+    device = chosen.device
+    sinks, recent = torch.arange(max_sink, device=device), torch.arange(width, device=device)
+    per_row = lambda x: x[:, None].expand(-1, shared, -1)  # noqa: E731  [B, n] -> [B, S, n]
+    slots = torch.cat([per_row(sinks.expand(batch, -1)), per_row(n_sink[:, None] + torch.arange(tokens, device=device)),
+                       per_row(n[:, None] - width + recent)], -1)  # [B, S, max_sink + T + width]
+    valid = torch.cat([per_row(sinks < n_sink[:, None]), chosen, per_row(recent >= width - tail[:, None])], -1)
+    position = valid.cumsum(-1) - 1  # the valid entries are ascending: compact them to the front
+    out = torch.zeros(batch, shared, width + 1, dtype=torch.long, device=device)
+    out.scatter_(-1, torch.where(valid, position, width), slots)  # invalid entries land in the last column
+    return out[..., :width], position[..., -1] + 1
+
+
 def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
     """TokenSelect's selection functions (Eqs. 5-7): scores [..., heads, n] (q_h . k of each candidate, -inf where
     not a candidate) -> indices of the k chosen candidates [..., S, k], ascending. "soft_vote": softmax per head,

@@ -1,7 +1,8 @@
-"""SentenceKV's state: per sequence (`SentenceState`) the budget split, bucket starts and mean query; per layer
-(`LayerBuckets`) the bucket (sentence) of every retained token, the per-bucket key sums whose means are the sentence
-vectors, the ranking of buckets against a query, and the working set that holds the chosen tokens on the device when
-the retained tokens live in host memory.
+"""SentenceKV's state. On the device, for every sequence at once (`SentenceRows`, one row per sequence): the bucket
+(sentence) of every retained token, each bucket's retained-token count and sentence vector (mean retained key), and
+the sum of the current sentence's queries; the ranking of buckets against a query runs for a whole batch in tensor
+operations. On the host, per sequence (`SentenceState`): the budget split, bucket starts and, when retained K/V live in
+host memory, the store and the working set that holds the chosen tokens on the device.
 
 Retained tokens are numbered 0..n-1 per KV head in position order (their index in the host store, or their offset
 in the device region that holds them without offloading); bucket ids grow with positions, so each bucket's tokens of
@@ -9,13 +10,15 @@ one head are a contiguous index range.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from semkv.engine.kv_cache import SeqKV
-from semkv.engine.offload import HostKVStore
+from semkv.engine.offload import HostKVStore, grown_capacity
+from semkv.engine.sequence import Sequence
 
 
 def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -24,80 +27,123 @@ def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(bounds, positions.long().contiguous(), right=True) - 1
 
 
-@dataclass
-class LayerBuckets:
-    bucket: torch.Tensor  # [kv_heads, n] bucket id of each retained token
-    key_sum: torch.Tensor  # [kv_heads, n_buckets, D] float32 sum of the bucket's retained keys
-    count: torch.Tensor  # [kv_heads, n_buckets] retained tokens per bucket
-    loaded: torch.Tensor | None = None  # [kv_heads, capacity] token held by each working-set slot, -1 if empty
-    vectors: torch.Tensor | None = None  # [kv_heads, n_buckets, D] sentence vectors: mean retained key
+class SentenceRows:
+    """The device state of every sequence, by row (row 0 serves the padding rows of a graphed step and the
+    sequences that keep everything). Shapes grow with the longest row (`ensure`); a move makes captured graphs be
+    captured again (the owner bumps its `graph_epoch`)."""
 
-    @classmethod
-    def empty(cls, kv_heads: int, dim: int, device: torch.device) -> "LayerBuckets":
-        return cls(torch.zeros(kv_heads, 0, dtype=torch.long, device=device),
-                   torch.zeros(kv_heads, 0, dim, device=device),
-                   torch.zeros(kv_heads, 0, dtype=torch.long, device=device))
+    def __init__(self, layers: int, heads: int, kv_heads: int, dim: int, device: torch.device):
+        self.layers, self.heads, self.kv_heads, self.dim, self.device = layers, heads, kv_heads, dim, device
+        self.vectors = torch.zeros(layers, 1, kv_heads, 1, dim, device=device)  # [L, rows, H, buckets, D] mean key
+        self.count = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, buckets]
+        self.bucket = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, tokens]
+        self.q_sum = torch.zeros(layers, 1, heads, dim, device=device)  # [L, rows, heads, D] this sentence's queries
+        self.owners: dict[int, weakref.ref] = {}  # row -> its sequence
 
     @property
-    def size(self) -> int:
-        return self.bucket.shape[1]
+    def tokens(self) -> int:
+        """Retained tokens a row can hold: the width of the token -> bucket map."""
+        return self.bucket.shape[-1]
 
-    def nbytes(self) -> int:
-        """Device bytes of the sentence vectors and the token -> bucket map."""
-        return sum(t.numel() * t.element_size() for t in (self.bucket, self.key_sum, self.count, self.vectors)
-                   if t is not None)
+    def take(self, seq: Sequence) -> int:
+        """A free row for `seq` (rows of finished or dropped sequences are free)."""
+        for row, ref in list(self.owners.items()):
+            owner = ref()
+            if owner is None or owner.finished:
+                del self.owners[row]
+        row = next(r for r in range(1, len(self.owners) + 2) if r not in self.owners)
+        self.owners[row] = weakref.ref(seq)
+        return row
 
-    def add(self, keys: torch.Tensor, bucket: torch.Tensor) -> None:
-        """Append retained tokens (after all earlier ones): keys [kv_heads, m, D], bucket ids [kv_heads, m]."""
-        if bucket.numel() == 0:
-            return
-        grow = int(bucket.max()) + 1 - self.count.shape[1]
-        if grow > 0:
-            self.key_sum = F.pad(self.key_sum, (0, 0, 0, grow))
-            self.count = F.pad(self.count, (0, grow))
+    def ensure(self, rows: int, buckets: int, tokens: int) -> bool:
+        """Room for `rows` rows (row ids below it), `buckets` buckets and `tokens` retained tokens per row; True
+        when the tensors moved."""
+        have = (self.vectors.shape[1], self.vectors.shape[3], self.bucket.shape[3])
+        if rows <= have[0] and buckets <= have[1] and tokens <= have[2]:
+            return False
+        # rows come one per admitted request (a row is about 200 MB at 32 layers and 1400 buckets): little slack
+        size = [grown_capacity(need, slack) if need > old else old
+                for need, old, slack in zip((rows, buckets, tokens), have, (1, 64, 256))]
+        with torch.inference_mode(False):  # normal tensors, written outside generation too
+            grown = (torch.zeros(self.layers, size[0], self.kv_heads, size[1], self.dim, device=self.device),
+                     torch.zeros(self.layers, size[0], self.kv_heads, size[1], dtype=torch.int32, device=self.device),
+                     torch.zeros(self.layers, size[0], self.kv_heads, size[2], dtype=torch.int32, device=self.device),
+                     torch.zeros(self.layers, size[0], self.heads, self.dim, device=self.device))
+            for new, old in zip(grown, (self.vectors, self.count, self.bucket, self.q_sum)):
+                new[tuple(slice(0, n) for n in old.shape)] = old
+        self.vectors, self.count, self.bucket, self.q_sum = grown
+        return True
+
+    def clear(self, row: int) -> None:
+        """Empty a row for a new sequence (a freed row holds its last owner's state)."""
+        for t in (self.vectors, self.count, self.bucket, self.q_sum):
+            t[:, row] = 0
+
+    def add(self, row: int, layers: slice, keys: torch.Tensor, bucket: torch.Tensor, at: int) -> None:
+        """Retained tokens numbered at.. of one row: keys [L', kv_heads, m, D], bucket ids [L', kv_heads, m] (after
+        every earlier token's) join their buckets: counts grow, sentence vectors become the new means."""
         dim = keys.shape[-1]
-        self.key_sum.scatter_add_(1, bucket[..., None].expand(-1, -1, dim), keys.float())
-        self.count.scatter_add_(1, bucket, torch.ones_like(bucket))
-        self.bucket = torch.cat([self.bucket, bucket], dim=1)
-        self.vectors = self.key_sum / self.count.clamp(min=1)[..., None]
+        m = bucket.shape[-1]
+        count = self.count[layers, row]  # [L', H, buckets] views
+        vectors = self.vectors[layers, row]
+        added = torch.zeros_like(vectors).scatter_add_(2, bucket[..., None].expand(-1, -1, -1, dim), keys.float())
+        grew = torch.zeros_like(count).scatter_add_(2, bucket, torch.ones_like(bucket, dtype=torch.int32))
+        total = count + grew
+        vectors.copy_((vectors * count[..., None] + added) / total.clamp(min=1)[..., None])
+        count.copy_(total)
+        self.bucket[layers, row, :, at : at + m] = bucket.int()
 
-    def wanted(self, query: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Tokens to attend: query [kv_heads, D] -> bool [kv_heads, n]. Buckets are taken by descending
-        query . mean key until `capacity` tokens are taken; the last one is cut to its leading (earliest) tokens."""
-        if self.vectors is None:
-            return torch.zeros_like(self.bucket, dtype=torch.bool)
-        scores = torch.bmm(self.vectors, query.float()[..., None])[..., 0]  # [kv_heads, n_buckets]
-        scores = scores.masked_fill(self.count == 0, float("-inf"))
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # [kv_heads, n_buckets]
-        ranked = self.count.gather(1, order)
-        before = torch.zeros_like(self.count).scatter_(1, order, ranked.cumsum(1) - ranked)  # tokens of better ones
-        first = self.count.cumsum(1) - self.count  # [kv_heads, n_buckets] index of each bucket's first token
-        offset = torch.arange(self.size, device=query.device)[None, :] - first.gather(1, self.bucket)
-        return before.gather(1, self.bucket) + offset < capacity
+    def mean_query(self, layer: int, rows: torch.Tensor, q: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """The mean of the current sentence's queries, this one included: q [B, heads, D], rows [B], steps [B] earlier
+        queries of the sentence (0: it starts here) -> [B, heads, D] float32."""
+        total = torch.where((steps == 0)[:, None, None], 0.0, self.q_sum[layer, rows]) + q.float()
+        self.q_sum[layer, rows] = total
+        return total / (steps + 1)[:, None, None]
 
-    def load(self, kv: SeqKV, store: HostKVStore, layer: int, wanted: torch.Tensor, base: int) -> None:
-        """Make the working set (device slots [base, base + capacity)) hold exactly the wanted tokens: tokens already
-        loaded stay where they are, only the missing ones are copied from the host store into freed slots."""
-        heads, n = wanted.shape
-        held = torch.where(self.loaded >= 0, self.loaded, n)  # [kv_heads, capacity], n = empty
-        keep = F.pad(wanted, (0, 1)).gather(1, held)  # loaded and still wanted
-        loaded = torch.where(keep, self.loaded, -1)
-        present = torch.zeros(heads, n + 1, dtype=torch.bool, device=wanted.device)
-        present.scatter_(1, torch.where(keep, held, n), True)
-        head, index = (wanted & ~present[:, :n]).nonzero(as_tuple=True)  # missing tokens, head-major, ascending
-        if head.numel():
-            n_missing = torch.bincount(head, minlength=heads)  # [kv_heads]
-            free = loaded < 0
-            fill = free & (free.cumsum(1) <= n_missing[:, None])  # the first n_missing free slots of each head
-            loaded[fill.nonzero(as_tuple=True)] = index  # same per-head counts and order as the missing tokens
-            # one copy of m tokens per head: the filled slots, padded with slots re-copied unchanged (every head
-            # holds as many tokens as it wants, the same number in every head, and at least m)
-            m = int(n_missing.max())
-            kind = torch.where(fill, 0, torch.where(loaded >= 0, 1, 2)).to(torch.int8)
-            slots = torch.sort(kind, dim=1, stable=True).indices[:, :m]  # [kv_heads, m]
-            k, v, pos = store.fetch(layer, loaded.gather(1, slots))
-            kv.write(layer, (base + slots).T, k.transpose(0, 1), v.transpose(0, 1), pos.T)
-        self.loaded = loaded
+    def rank(self, layer: int, rows: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buckets by descending query . sentence vector (ties by bucket id): query [B, kv_heads, D], rows [B] -> for
+        every bucket the retained tokens of the buckets ranked before it and the index of its first token,
+        [B, kv_heads, buckets] int32 each (`kernels.sentence_slots` and `reference.sentence_tokens` take the tokens
+        from them)."""
+        every = torch.zeros(self.vectors.shape[1], *query.shape[1:], device=query.device)  # [rows, H, D]
+        every[rows] = query.float()  # padding rows all write row 0; what they read is not used
+        scores = torch.matmul(self.vectors[layer], every[..., None])[..., 0][rows]  # [B, H, buckets]
+        count = self.count[layer, rows]
+        order = torch.sort(scores.masked_fill(count == 0, float("-inf")), dim=-1, descending=True, stable=True).indices
+        ranked = count.gather(-1, order)
+        before = torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+        return before, count.cumsum(-1, dtype=torch.int32) - count
+
+    def row_bytes(self) -> int:
+        """Device bytes of one row: sentence vectors, counts, token -> bucket map and query sum."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.vectors, self.count, self.bucket, self.q_sum))
+
+
+def load_working_set(loaded: torch.Tensor, kv: SeqKV, store: HostKVStore, layer: int, wanted: torch.Tensor,
+                     base: int) -> torch.Tensor:
+    """Make the working set (device slots [base, base + capacity)) hold exactly the wanted tokens: tokens already
+    loaded stay where they are, only the missing ones are copied from the host store into freed slots. loaded
+    [kv_heads, capacity] (token held by each slot, -1 if empty), wanted [kv_heads, n] -> the new `loaded`."""
+    heads, n = wanted.shape
+    held = torch.where(loaded >= 0, loaded, n)  # [kv_heads, capacity], n = empty
+    keep = F.pad(wanted, (0, 1)).gather(1, held)  # loaded and still wanted
+    loaded = torch.where(keep, loaded, -1)
+    present = torch.zeros(heads, n + 1, dtype=torch.bool, device=wanted.device)
+    present.scatter_(1, torch.where(keep, held, n), True)
+    head, index = (wanted & ~present[:, :n]).nonzero(as_tuple=True)  # missing tokens, head-major, ascending
+    if head.numel():
+        n_missing = torch.bincount(head, minlength=heads)  # [kv_heads]
+        free = loaded < 0
+        fill = free & (free.cumsum(1) <= n_missing[:, None])  # the first n_missing free slots of each head
+        loaded[fill.nonzero(as_tuple=True)] = index  # same per-head counts and order as the missing tokens
+        # one copy of m tokens per head: the filled slots, padded with slots re-copied unchanged (every head
+        # holds as many tokens as it wants, the same number in every head, and at least m)
+        m = int(n_missing.max())
+        kind = torch.where(fill, 0, torch.where(loaded >= 0, 1, 2)).to(torch.int8)
+        slots = torch.sort(kind, dim=1, stable=True).indices[:, :m]  # [kv_heads, m]
+        k, v, pos = store.fetch(layer, loaded.gather(1, slots))
+        kv.write(layer, (base + slots).T, k.transpose(0, 1), v.transpose(0, 1), pos.T)
+    return loaded
 
 
 def move_tail(kv: SeqKV, layer: int, src: int, dst: int) -> None:
@@ -114,8 +160,8 @@ def move_tail(kv: SeqKV, layer: int, src: int, dst: int) -> None:
 
 @dataclass
 class SentenceState:
-    """One sequence's SentenceKV state. Device layout per layer: sinks [0, n_sink), then the retained tokens
-    (offload off) or the working set of `capacity` slots (offload on), then the recent window (`tail`)."""
+    """One sequence's SentenceKV state on the host. Device layout per layer: sinks [0, n_sink), then the retained
+    tokens (offload off) or the working set of `capacity` slots (offload on), then the recent window (`tail`)."""
 
     dense: bool  # the budget covers the whole generation: nothing is dropped or moved
     budget: int
@@ -125,12 +171,14 @@ class SentenceState:
     offload: bool
     starts: list[int]  # start position of every bucket, the prompt's then the generated text's
     limit: int  # longest bucket of generated text
-    layers: list[LayerBuckets]
+    row: int  # in `SentenceRows` (0 when dense)
+    retained: int  # tokens retained per layer and KV head so far
     store: HostKVStore | None
-    q_sum: list[torch.Tensor | None] = field(default_factory=list)  # per layer [heads, D], this sentence's queries
-    q_count: int = 0
+    loaded: list[torch.Tensor | None] = field(default_factory=list)  # offload: per layer [kv_heads, capacity]
+    q_count: int = 0  # earlier queries of the current sentence
     h2d_step_max: int = 0
     device_peak: int = 0
 
-    def tail_start(self, layer: int) -> int:
-        return self.n_sink + (self.capacity if self.offload else self.layers[layer].size)
+    @property
+    def tail_start(self) -> int:
+        return self.n_sink + (self.capacity if self.offload else self.retained)

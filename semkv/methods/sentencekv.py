@@ -23,6 +23,13 @@ output equals Full KV exactly; the mean query of a GQA group is its query heads'
 new generated bucket starts (a sentence end or an over-long split). The authors' code keeps all K/V on the GPU and
 masks; here retained K/V really live in host memory (pinned on GPU runs) when `offload` is on.
 
+Decoding is batched (`sentence_buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every
+retained token and the running query sums of all sequences live in device tensors, one row per sequence; the step plan
+gives each row its state row and budget split, one sort ranks the buckets of every row and KV head, and
+`kernels.sentence_slots` turns the ranks into slot lists. With `offload=False` a step reads nothing back and is
+captured in a CUDA graph; tokens that leave the recent window join their buckets between steps (host-decided, every
+`offload_chunk` tokens). With offload on, each row's working set is then loaded from the host row by row (eager).
+
 Parameters
 ----------
 budget: tokens one KV head of one layer attends to per decode step, sinks and recent window included.
@@ -51,14 +58,19 @@ from typing import Any
 
 import torch
 
+from semkv import kernels
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
+from semkv.kernels import reference
 from semkv.methods.base import (DecodeBatch, KVMethod, Selection, check_range, keep_top, per_kv_head,
                                 resolve_budget, window_attention)
 from semkv.methods.eviction import window_positions
-from semkv.methods.sentence_buckets import LayerBuckets, SentenceState, bucket_of, move_tail
+from semkv.methods.sentence_buckets import SentenceRows, SentenceState, bucket_of, load_working_set, move_tail
 from semkv.methods.sentences import SentenceRule, segment
+
+PLAN = ("row", "q_count", "n_sink", "retained", "capacity", "n_recent", "region")  # columns of the step plan
+KEEP_ALL = 1 << 40  # the recent window of a row that keeps everything
 
 
 @dataclass
@@ -94,10 +106,18 @@ class SentenceKV(KVMethod):
             raise SemkvError(f"buckets={self.buckets!r}; allowed: 'sentences', 'chunks'")
         if self.offload not in (None, True, False):
             raise SemkvError(f"offload={self.offload!r}; allowed: True, False, None (on when the device is a GPU)")
+        self._rows: SentenceRows | None = None
+
+    @property
+    def graph_safe(self) -> bool:
+        """With retained K/V resident (offload=False) a step ranks every row's buckets from the device state and
+        the step plan alone; offloading copies chosen tokens from the host and moves the cache between steps."""
+        return self.offload is False
 
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         self.rule = SentenceRule.for_tokenizer(tokenizer)
+        self._rows = None
 
     def window_size(self) -> int:
         return self.window
@@ -112,12 +132,27 @@ class SentenceKV(KVMethod):
                                 self.buckets == "chunks")
         pool = seq.kv.pool
         offload = pool.device.type == "cuda" if self.offload is None else self.offload
-        return SentenceState(
-            dense=self.budget is None or resolve_budget(self.budget, final) >= final,
-            budget=budget, n_sink=n_sink, n_recent=n_recent, capacity=budget - n_sink - n_recent,
-            offload=offload, starts=starts + [n], limit=limit,
-            layers=[LayerBuckets.empty(pool.num_kv_heads, pool.head_dim, pool.device) for _ in range(pool.num_layers)],
-            store=HostKVStore(pool.num_layers, pool.device) if offload else None, q_sum=[None] * pool.num_layers)
+        dense = self.budget is None or resolve_budget(self.budget, final) >= final
+        middle = n - n_sink - min(n_recent, n - n_sink)  # prompt tokens between the sinks and the recent window
+        st = SentenceState(
+            dense=dense, budget=budget, n_sink=n_sink, n_recent=n_recent, capacity=budget - n_sink - n_recent,
+            offload=offload, starts=starts + [n], limit=limit, row=0,
+            retained=0 if dense else min(int(self.keep_factor * budget), middle),
+            store=HostKVStore(pool.num_layers, pool.device) if offload else None, loaded=[None] * pool.num_layers)
+        if self._rows is None:  # also when every row keeps everything: a graphed step still reads row 0
+            self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
+                                      pool.device)
+        if not dense:
+            st.row = self._rows.take(seq)
+            self._ensure(st)
+            self._rows.clear(st.row)
+        return st
+
+    def _ensure(self, st: SentenceState, more_tokens: int = 0) -> None:
+        """Room in the device state for the row's buckets and `more_tokens` further retained tokens (a move makes
+        captured graphs be captured again)."""
+        if self._rows.ensure(st.row + 1, len(st.starts), st.retained + more_tokens):
+            self.graph_epoch += 1
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
@@ -134,13 +169,14 @@ class SentenceKV(KVMethod):
         importance = per_kv_head(probs.sum(1), keys.shape[0], "sum")[:, st.n_sink : n - recent]  # [kv_heads, mid]
         retained = keep_top(importance, int(self.keep_factor * st.budget)) + st.n_sink  # [kv_heads, R] ascending
         heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
-        st.layers[layer].add(keys[heads, retained], bucket_of(st.starts, retained))
+        self._rows.add(st.row, slice(layer, layer + 1), keys[heads, retained][None],
+                       bucket_of(st.starts, retained)[None], at=0)
         resident = retained
         if st.offload:
             st.store.put(layer, keys[heads, retained], values[heads, retained], positions[heads, retained])
             resident = retained[:, : st.capacity]
             held = torch.arange(resident.shape[1], device=keys.device)[None].expand(keys.shape[0], -1)
-            st.layers[layer].loaded = torch.nn.functional.pad(held, (0, st.capacity - held.shape[1]), value=-1)
+            st.loaded[layer] = torch.nn.functional.pad(held, (0, st.capacity - held.shape[1]), value=-1)
         own = torch.arange(n, device=keys.device)[None].expand(keys.shape[0], -1)
         return torch.cat([own[:, : st.n_sink], resident, own[:, n - recent :]], dim=1)
 
@@ -149,78 +185,116 @@ class SentenceKV(KVMethod):
         st: SentenceState = seq.method_state
         if st.dense:
             return
-        for layer, buckets in enumerate(st.layers):
-            if st.offload:
-                move_tail(seq.kv, layer, st.n_sink + min(st.capacity, buckets.size), st.tail_start(layer))
-        self._record(seq)
+        if st.offload:
+            for layer in range(seq.kv.pool.num_layers):
+                move_tail(seq.kv, layer, st.n_sink + min(st.capacity, st.retained), st.tail_start)
+        self._record(seq, self._rows.row_bytes())
 
     # -- decode ---------------------------------------------------------------------------------------------------
-    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
+        """Each row's place in the device state and budget split ([B, 7], columns `PLAN`); a row that keeps
+        everything reads as row 0 with an unbounded recent window. None when every row keeps everything
+        (eager steps only: a graphed step always takes a plan)."""
         states: list[SentenceState] = [s.method_state for s in batch.seqs]
-        if all(st.dense for st in states):
+        if all(st.dense for st in states) and not self.graph_safe:
             return None
-        num_slots = [seq.kv.num_slots[layer] for seq in batch.seqs]  # host copies: no device read
-        mask = torch.zeros(batch.size, batch.model.num_kv_heads, max(num_slots), dtype=torch.bool,
-                           device=q.device)  # [B, kv_heads, n]
-        for b, (seq, st) in enumerate(zip(batch.seqs, states)):
-            n = num_slots[b]
+        rows = [[0, 0, 0, 0, 0, KEEP_ALL, 0] if st.dense else
+                [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent, st.tail_start - st.n_sink]
+                for st in states]
+        return {"sentence": torch.tensor(rows, device=batch.positions.device)}
+
+    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
+        return {"sentence": (len(PLAN), 0)}
+
+    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        """Sinks, the chosen buckets' tokens and the recent window of every row, ranked from the device state; with
+        offload on, the chosen tokens are first loaded into each row's working set (row by row). q [B, heads, D]."""
+        if batch.step_plan is None or self.budget is None:
+            return None
+        if batch.seqs is None:  # graphed: the widest budget any row may have
+            if not isinstance(self.budget, float) and self.budget >= batch.max_slots:  # every row keeps everything
+                return None
+            width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
+        else:
+            states: list[SentenceState] = [s.method_state for s in batch.seqs]
+            if all(st.dense for st in states):
+                return None
+            width = min(max(batch.max_slots if st.dense else st.budget for st in states), batch.max_slots)
+        rows, steps, n_sink, retained, capacity, n_recent, region = batch.step_plan["sentence"].unbind(1)
+        kv_heads = batch.model.num_kv_heads
+        query = self._rows.mean_query(layer, rows, q, steps) if self.query == "mean" else q.float()
+        query = query.view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] the group's mean
+        before, first = self._rows.rank(layer, rows, query)  # [B, kv_heads, buckets]
+        if batch.seqs is not None and any(s.method_state.offload for s in batch.seqs):
+            chosen = reference.sentence_tokens(self._rows.bucket[layer], rows, before, first, retained, capacity)
+            return self._load(layer, batch.seqs, chosen)
+        n = batch.num_slots[:, layer]  # [B]
+        tail = torch.minimum(n_recent, n - n_sink - region).clamp(min=1)  # [B] attended slots of the recent window
+        return Selection(*kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n, n_sink, retained,
+                                                 capacity, tail, self.n_sink, width))
+
+    def _load(self, layer: int, seqs: list[Sequence], chosen: torch.Tensor) -> Selection:
+        """Offload on: each row's working set is made to hold its chosen tokens ([B, kv_heads, retained] bool);
+        the row attends to its sinks, the working-set slots that hold a token and the recent window."""
+        n_slots = [seq.kv.num_slots[layer] for seq in seqs]  # host copies: no device read
+        mask = torch.zeros(*chosen.shape[:2], max(n_slots), dtype=torch.bool, device=chosen.device)
+        for b, seq in enumerate(seqs):
+            st: SentenceState = seq.method_state
             if st.dense:
-                mask[b, :, :n] = True
+                mask[b, :, : n_slots[b]] = True
                 continue
-            buckets = st.layers[layer]
-            wanted = buckets.wanted(self._query(st, layer, q[b]), st.capacity)  # [kv_heads, retained]
-            if st.offload:
-                buckets.load(seq.kv, st.store, layer, wanted, st.n_sink)
-                mask[b, :, st.n_sink : st.n_sink + st.capacity] = buckets.loaded >= 0
-            else:
-                mask[b, :, st.n_sink : st.n_sink + buckets.size] = wanted
+            st.loaded[layer] = load_working_set(st.loaded[layer], seq.kv, st.store, layer,
+                                                chosen[b, :, : st.retained], st.n_sink)
             mask[b, :, : st.n_sink] = True
-            mask[b, :, max(n - st.n_recent, st.tail_start(layer)) : n] = True
+            mask[b, :, st.n_sink : st.tail_start] = st.loaded[layer] >= 0
+            mask[b, :, max(n_slots[b] - st.n_recent, st.tail_start) : n_slots[b]] = True
         return Selection.from_mask(mask)
 
-    def _query(self, st: SentenceState, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [heads, D] of the current token -> the query buckets are scored with, per KV head [kv_heads, D]."""
-        if self.query == "mean":
-            total = q.float() if st.q_sum[layer] is None else st.q_sum[layer] + q.float()
-            st.q_sum[layer] = total
-            q = total / (st.q_count + 1)
-        kv_heads = self.model.num_kv_heads
-        return q.float().view(kv_heads, q.shape[0] // kv_heads, -1).mean(1)
-
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Start a new generated bucket after a sentence end (reset the mean query); offload the tokens that left
-        the recent window once `offload_chunk` of them wait."""
+        """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the
+        recent window join their buckets (and move to the host when offloading) once `offload_chunk` of them
+        wait."""
+        vector_bytes = self._rows.row_bytes()
         for seq, token in zip(seqs, tokens):
             st: SentenceState = seq.method_state
             if st.dense:
                 continue
             n_prompt, next_pos = len(seq.prompt_ids), seq.num_computed
-            window = torch.tensor(seq.output_ids[st.starts[-1] - n_prompt :] + [token])  # open bucket + next token
-            ended = self.buckets == "sentences" and bool(self.rule.ends(window)[-2])
+            window = seq.output_ids[st.starts[-1] - n_prompt :] + [token]  # open bucket + next token
+            ended = (self.buckets == "sentences" and self.rule.may_end_before_last(window)
+                     and bool(self.rule.ends(torch.tensor(window))[-2]))
             if ended or next_pos - st.starts[-1] >= st.limit:
                 st.starts.append(next_pos)
-                st.q_sum, st.q_count = [None] * len(st.layers), 0
+                st.q_count = 0
             else:
                 st.q_count += 1
-            st.device_peak = max(st.device_peak, max(seq.kv.num_slots))
-            waiting = seq.kv.num_slots[0] - st.tail_start(0) - st.n_recent
+            stored = seq.kv.num_slots[0] - seq.slot_ready  # not counting a slot prepared for the next step
+            st.device_peak = max(st.device_peak, stored)
+            waiting = stored - st.tail_start - st.n_recent
             if waiting >= self.offload_chunk:
                 self._offload_waiting(seq, st, waiting)
-            self._record(seq)
+            self._record(seq, vector_bytes)
 
     def _offload_waiting(self, seq: Sequence, st: SentenceState, m: int) -> None:
-        """The m oldest tokens of the recent window join their buckets (and move to the host when offloading)."""
-        kv = seq.kv
-        for layer, buckets in enumerate(st.layers):
-            start = st.tail_start(layer)
-            k, v, pos = kv.gather(layer, torch.arange(start, start + m, device=kv.table.device)[None])
-            buckets.add(k, bucket_of(st.starts, pos))
-            if st.offload:
-                st.store.put(layer, k, v, pos)
+        """The m oldest tokens of the recent window join their buckets, every layer at once (and move to the host
+        when offloading)."""
+        kv, start = seq.kv, st.tail_start
+        size = kv.pool.page_size
+        slots = torch.arange(start, start + m, device=kv.table.device)
+        rows = kv.table[:, slots // size] * size + slots % size  # [layers, m] flat pool rows
+        kf, vf, pf = kv.pool.flat()
+        k, pos = kf[rows].transpose(1, 2), pf[rows].transpose(1, 2)  # [layers, kv_heads, m, D], [layers, kv_heads, m]
+        self._ensure(st, m)
+        self._rows.add(st.row, slice(None), k, bucket_of(st.starts, pos), at=st.retained)
+        if st.offload:
+            v = vf[rows].transpose(1, 2)
+            for layer in range(kv.pool.num_layers):
+                st.store.put(layer, k[layer], v[layer], pos[layer])
                 move_tail(kv, layer, start + m, start)
+        st.retained += m
 
     @staticmethod
-    def _record(seq: Sequence) -> None:
+    def _record(seq: Sequence, vector_bytes: int) -> None:
         st: SentenceState = seq.method_state
         stats = seq.stats
         if st.store is not None:
@@ -229,4 +303,4 @@ class SentenceKV(KVMethod):
         stats.extra.update(
             sentences=len(st.starts), offload=st.offload, h2d_bytes_step_max=st.h2d_step_max,
             kv_device_peak=max(st.device_peak, max(seq.kv.num_slots)),
-            sentence_vector_bytes=sum(b.nbytes() for b in st.layers))
+            sentence_vector_bytes=vector_bytes)

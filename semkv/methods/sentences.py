@@ -59,19 +59,36 @@ PREDICATES = (is_terminal, is_cjk_terminal, is_whitespace, is_closers, starts_wi
               ends_with_newline, ends_with_blank_line)
 
 
+def _ids(mask: torch.Tensor) -> frozenset[int]:
+    return frozenset(mask.nonzero().flatten().tolist())
+
+
 @dataclass(frozen=True)
 class SentenceRule:
     """Bool masks over one tokenizer's vocabulary, one per predicate, plus its special tokens."""
 
     masks: dict[str, torch.Tensor]
     special: torch.Tensor
+    terminal_ids: frozenset[int]  # terminal or CJK terminal
+    newline_ids: frozenset[int]  # ends with a newline
+    blank_ids: frozenset[int]  # ends with a blank line
+    special_ids: frozenset[int]
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> "SentenceRule":
         masks = {p.__name__: vocab_mask(tokenizer, p) for p in PREDICATES}
         special = torch.zeros_like(masks["is_terminal"])
         special[[i for i in tokenizer.all_special_ids if i < special.shape[0]]] = True
-        return cls(masks, special)
+        return cls(masks, special, _ids(masks["is_terminal"] | masks["is_cjk_terminal"]),
+                   _ids(masks["ends_with_newline"]), _ids(masks["ends_with_blank_line"]), _ids(special))
+
+    def may_end_before_last(self, ids: list[int]) -> bool:
+        """False when `ends(ids)[-2]` is surely False, from set lookups alone (for one decode step, where `ends` on a
+        few tokens costs a hundred small tensor operations): a sentence ends only after a terminal or a CJK terminal,
+        after two newlines, or right before a special token."""
+        before = ids[:-1]
+        return (ids[-1] in self.special_ids or not self.terminal_ids.isdisjoint(before)
+                or not self.blank_ids.isdisjoint(before) or sum(i in self.newline_ids for i in before) >= 2)
 
     def ends(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> bool [n]: token i ends a sentence (the last token always does)."""
