@@ -8,7 +8,7 @@ prompts of random tokens of different lengths for real; then both paths decode t
 greedy ones) side by side, each with its own method object and cache. One request leaves at step 12, so the graph
 of the batch-of-four bucket also runs with a padding row, and the steps cross KV page boundaries. Printed per method:
 the largest |logit difference| relative to the logits' spread, and the share of steps whose greedy tokens agree.
-The methods that read token text (SentenceKV) run when a tokenizer of the shape's vocabulary is given.
+The methods that read token text (SentenceKV, DynSplit-KV) run when a tokenizer of the shape's vocabulary is given.
 """
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ METHODS = {  # label -> (method, budget, parameters); budgets below the prompts 
     "infllm 0.2": ("infllm", 0.2, dict(per_head=True)),
     "sentencekv": ("sentencekv", 512, dict(offload=False)),
     "sentencekv 0.2": ("sentencekv", 0.2, dict(offload=False, query="current", offload_chunk=4)),
+    "dynsplit": ("dynsplit", 512, {}),
+    "dynsplit 0.2": ("dynsplit", 0.2, dict(n_sink=16, group_reduce="max")),
 }
-NEED_TOKENIZER = {"sentencekv"}
+NEED_TOKENIZER = {"sentencekv", "dynsplit"}
 
 
 def prefilled(engine: Engine, method, lengths, vocab: int) -> list[Sequence]:

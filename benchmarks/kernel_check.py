@@ -246,29 +246,34 @@ def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int =
 
 
 def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int = 1400) -> list[dict]:
-    """SentenceKV's slot list for one layer at budget 2048 (32 sinks, 1984 tokens of ranked buckets, 32 recent) over
-    4096 retained tokens plus generated ones in 1400 buckets, in state rows of a larger table: integers, so they must
-    agree exactly."""
+    """The slot list from ranked buckets for one layer at budget 2048 (32 sinks, 1984 tokens of ranked buckets, 32
+    recent) in state rows of a larger table: SentenceKV's (a map per KV head, 4608 retained tokens in 1400 buckets)
+    and DynSplit-KV's (one map by slot for all heads, chunks ranked per head). Integers: they must agree exactly."""
     from triton.testing import do_bench
 
-    bucket = torch.sort(torch.randint(0, buckets, (batch + 3, HK, tokens), device="cuda", generator=gen),
-                        dim=-1).values.int()
-    rows = torch.randperm(batch + 3, device="cuda", generator=gen)[:batch]
-    count = torch.zeros(batch + 3, HK, buckets, dtype=torch.int32, device="cuda").scatter_add_(
-        -1, bucket.long(), torch.ones_like(bucket))[rows]
-    rank = torch.rand(batch, HK, buckets, device="cuda", generator=gen).argsort(-1)
-    ranked = count.gather(-1, rank)
-    before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
-    first = count.cumsum(-1, dtype=torch.int32) - count
     full = torch.full((batch,), tokens, device="cuda")
-    n = 32 + full + 40
-    args = (bucket, rows, before, first, n, torch.full_like(full, 32), full, torch.full_like(full, 1984),
-            torch.full_like(full, 32), 32, 2048)
-    want, got = reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
-    exact = all(torch.equal(a, b) for a, b in zip(want, got))
-    return [dict(kernel="sentence_slots", batch=batch, tokens=tokens, err=0.0 if exact else float("inf"),
-                 triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
-                 reference_ms=do_bench(lambda: reference.sentence_slots(*args)))]
+    rows = torch.randperm(batch + 3, device="cuda", generator=gen)[:batch]
+    result = []
+    for by_slot in (False, True):
+        bucket = torch.sort(torch.randint(0, buckets, (batch + 3, 1 if by_slot else HK, tokens), device="cuda",
+                                          generator=gen), dim=-1).values.int()
+        n_sink, retained = torch.full_like(full, 32), full - 72 if by_slot else full  # by slot: sinks + tokens fit
+        held = bucket[rows, :, 32:tokens - 40] if by_slot else bucket[rows]  # the tokens the buckets count
+        count = torch.zeros(batch, bucket.shape[1], buckets, dtype=torch.int32, device="cuda").scatter_add_(
+            -1, held.long(), torch.ones_like(held)).expand(-1, HK, -1)
+        rank = torch.rand(batch, HK, buckets, device="cuda", generator=gen).argsort(-1)
+        ranked = count.gather(-1, rank)
+        before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+        first = count.cumsum(-1, dtype=torch.int32) - count
+        args = (bucket, rows, before, first, 32 + full + 40, n_sink, retained, torch.full_like(full, 1984),
+                torch.full_like(full, 32), 32, 2048, by_slot)
+        want, got = reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
+        exact = all(torch.equal(a, b) for a, b in zip(want, got))
+        result.append(dict(kernel="sentence_slots", by_slot=by_slot, batch=batch, tokens=tokens,
+                           err=0.0 if exact else float("inf"),
+                           triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
+                           reference_ms=do_bench(lambda: reference.sentence_slots(*args))))
+    return result
 
 
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
@@ -337,7 +342,8 @@ def main() -> int:
             print(f"| InfLLM block_slots (one layer) | B={r['batch']} S={r['shared']} budget 2048 | "
                   f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
         elif r["kernel"] == "sentence_slots":
-            print(f"| SentenceKV sentence_slots (one layer) | B={r['batch']} x {r['tokens']} retained, budget 2048 | "
+            print(f"| sentence_slots (one layer, {'by slot' if r['by_slot'] else 'by token'}) | B={r['batch']} x "
+                  f"{r['tokens']} tokens, budget 2048 | "
                   f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
         elif r["kernel"] == "accumulate_attention":
             print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "

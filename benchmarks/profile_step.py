@@ -54,10 +54,12 @@ def main() -> None:
     parser.add_argument("--text-file", action="append", default=None, help="with --model: prefill from this text")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory for the KV pool (lower it for methods with large device state)")
     parser.add_argument("--out", type=Path, default=Path("profile"))
     args = parser.parse_args()
     engine_args = argparse.Namespace(device="auto", dtype="auto", model=args.model, shape=args.shape, page_size=16,
-                                     no_graphs=False, gpu_memory_utilization=0.9)
+                                     no_graphs=False, gpu_memory_utilization=args.gpu_memory_utilization)
     engine, label, tokenizer = build_engine(engine_args)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
     text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None

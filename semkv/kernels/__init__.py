@@ -91,14 +91,15 @@ def block_slots(top, chosen, init, local, n, block_size, capacity):
     return reference.block_slots(top, chosen, init, local, n, block_size, capacity)
 
 
-def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width):
+def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width, by_slot=False):
     """See `reference.sentence_slots`."""
     if use_triton(bucket.device):
         from semkv.kernels import triton_sentence_slots
 
         return triton_sentence_slots.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity,
-                                                    tail, max_sink, width)
-    return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width)
+                                                    tail, max_sink, width, by_slot)
+    return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width,
+                                    by_slot)
 
 
 def summary_dots(sums, pages, directions):

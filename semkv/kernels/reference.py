@@ -135,27 +135,47 @@ def block_slots(top: torch.Tensor, chosen: torch.Tensor, init: torch.Tensor, loc
     return out[..., :capacity], position[..., -1] + 1
 
 
+def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buckets (SentenceKV's sentences, DynSplit-KV's chunks) ranked by descending score, ties by bucket id (the order
+    of a stable sort): scores / count [B, S, buckets] (float, tokens) -> for every bucket the tokens of the buckets
+    ranked before it and the index of its first token (buckets are contiguous token ranges in id order), int32
+    [B, S, buckets] each. What `sentence_tokens` and `kernels.sentence_slots` take."""
+    count = count.int()
+    order = torch.sort(scores.masked_fill(count == 0, float("-inf")), dim=-1, descending=True, stable=True).indices
+    ranked = count.gather(-1, order)
+    before = torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+    return before, count.cumsum(-1, dtype=torch.int32) - count
+
+
 def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
-                    retained: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
-    """SentenceKV's chosen retained tokens: buckets fill the capacity in rank order and the last one keeps its leading
-    tokens (token t of bucket k is taken when before[k] + t - first[k] < capacity). bucket [rows, S, T] the bucket of
-    every retained token of each state row, rows [B] the batch's state rows, before / first [B, S, buckets] the tokens
-    of the buckets ranked before each one and its first token, retained / capacity [B] -> bool [B, S, T]."""
+                    retained: torch.Tensor, capacity: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens that ranked buckets take up to a capacity: buckets fill it in rank order and the last one keeps its
+    leading tokens (token t of bucket k is taken when before[k] + t - first[k] < capacity). bucket [rows, S or 1, T]
+    the bucket of every token of each state row (one map per KV head or one shared), rows [B] the batch's state rows,
+    before / first [B, S, buckets] (`bucket_ranks`), retained / capacity [B]; offset [B]: the map entry of token 0
+    (None: 0). -> bool [B, S, T] (token t: t < retained)."""
     index = torch.arange(bucket.shape[-1], device=bucket.device)
-    bucket = bucket[rows].long()  # [B, S, T]
-    offset = index - first.gather(-1, bucket)  # the token's place inside its bucket
-    taken = before.gather(-1, bucket) + offset < capacity[:, None, None]
+    bucket = bucket[rows].long()  # [B, S or 1, T]
+    if offset is not None:
+        at = (offset[:, None] + index).clamp(max=bucket.shape[-1] - 1)  # [B, T]
+        bucket = bucket.gather(-1, at[:, None].expand(-1, bucket.shape[1], -1))
+    bucket = bucket.expand(-1, before.shape[1], -1)  # [B, S, T]
+    offset_in_bucket = index - first.gather(-1, bucket)
+    taken = before.gather(-1, bucket) + offset_in_bucket < capacity[:, None, None]
     return taken & (index < retained[:, None, None])
 
 
 def sentence_slots(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
                    n: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, capacity: torch.Tensor,
-                   tail: torch.Tensor, max_sink: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SentenceKV's attended slots when retained tokens stay resident: the sinks [0, n_sink), the chosen retained
-    tokens (`sentence_tokens`; token t at slot n_sink + t) and the last `tail` slots [n - tail, n). Arguments as
-    `sentence_tokens`, plus n / n_sink / tail [B]; max_sink bounds n_sink, width bounds a row's total. Returns slots
-    [B, S, width], ascending and then 0, and lengths [B, S]."""
-    chosen = sentence_tokens(bucket, rows, before, first, retained, capacity)  # [B, S, T]
+                   tail: torch.Tensor, max_sink: int, width: int,
+                   by_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attended slots from ranked buckets (SentenceKV, DynSplit-KV): the sinks [0, n_sink), the tokens the buckets take
+    (`sentence_tokens`; token t at slot n_sink + t) and the last `tail` slots [n - tail, n). Arguments as
+    `sentence_tokens`, plus n / n_sink / tail [B]; max_sink bounds n_sink, width bounds a row's total; by_slot: the
+    map is by slot (token t's entry is n_sink + t: DynSplit-KV's chunk of every position), else by token (SentenceKV's
+    retained tokens). Returns slots [B, S, width], ascending and then 0, and lengths [B, S]."""
+    chosen = sentence_tokens(bucket, rows, before, first, retained, capacity,
+                             n_sink if by_slot else None)  # [B, S, T]
     batch, shared, tokens = chosen.shape
     device = chosen.device
     sinks, recent = torch.arange(max_sink, device=device), torch.arange(width, device=device)

@@ -8,8 +8,16 @@ query's attention to the chunk by `sum_d max(q_d * max_d, q_d * min_d)`, gives t
 chunk and lets each KV head attend to its top `budget` tokens, chosen in one fixed-shape sort.
 
 The method class is `DynSplitKV`; its helpers are `dynsplit_split.py` (delimiters, Algorithm 1, DD-Select),
-`dynsplit_v2f.py` (chunk summaries, scores, selection, per-sequence state) and `dynsplit_offload.py` (host offload
-with KV reuse).
+`dynsplit_v2f.py` (chunk summaries, scores, selection, per-sequence state), `dynsplit_rows.py` (the batched device
+state) and `dynsplit_offload.py` (host offload with KV reuse).
+
+With K/V resident and min/max pooling, decoding is batched and captured in CUDA graphs: every sequence's chunk
+summaries, chunk starts and position -> chunk map live in device rows (`DynSplitRows`); DD-Select runs on the host in
+`begin_step` and writes what changed; each layer refreshes the summaries of the chunks the new token touched (from
+the last chunk_size + max_deviation + 1 keys), bounds every chunk with `kernels.page_bound` (a chunk read as a page
+of one slot), ranks the chunks with one sort and writes the slot lists with `kernels.sentence_slots`: the same
+selection as V2F's token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading
+tokens). Reuse is counted on the device from per-slot stamps. Offload and mean pooling keep the per-sequence path.
 """
 from __future__ import annotations
 
@@ -18,16 +26,19 @@ from typing import Any
 
 import torch
 
-from semkv.engine.kv_cache import SeqKV
+from semkv import kernels
+from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
+from semkv.kernels import reference
 from semkv.methods import calibration
 from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
 from semkv.methods.dynsplit_offload import load_region
+from semkv.methods.dynsplit_rows import DynSplitRows
 from semkv.methods.dynsplit_split import (DEFAULT_DELIMITERS, AttentionDependency, arrange_weights, dd_select,
                                           delimiter_candidates, normalise, table7_weight)
-from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, v2f_select
+from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, block_summaries, v2f_select
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
@@ -105,6 +116,14 @@ class DynSplitKV(KVMethod):
                 raise SemkvError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(map(repr, allowed))}")
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
+        self._rows: DynSplitRows | None = None
+        self._step = 0  # decode steps of this method: the stamps of attended slots
+
+    @property
+    def graph_safe(self) -> bool:
+        """K/V resident with min/max pooling: every row is selected from device state (`DynSplitRows`) and the step
+        plan, so the step is captured in a CUDA graph; offload and mean pooling select sequence by sequence."""
+        return not self.offload and self.pooling == "minmax"
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
@@ -120,7 +139,20 @@ class DynSplitKV(KVMethod):
     def new_state(self, seq: Sequence) -> DynSplitState:
         pool = seq.kv.pool
         store = HostKVStore(pool.num_layers, pool.device) if self.offload else None
-        return DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
+        state = DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
+        if self.graph_safe:
+            if self._rows is None:
+                self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
+            state.row = self._rows.owners.take(seq)
+            positions = len(seq.prompt_ids) + seq.params.max_new_tokens
+            self._ensure(state.row + 1, positions // self.chunk_size + 2, positions, pool)  # about as many chunks
+            self._rows.clear(state.row)
+        return state
+
+    def _ensure(self, rows: int, chunks: int, positions: int, pool: KVPool) -> None:
+        """Room in the device rows (a move makes captured graphs be captured again)."""
+        if self._rows.ensure(rows, chunks, positions, pool):
+            self.graph_epoch += 1
 
     def own_prefill(self, has_question: bool) -> bool:
         return self.document_tokens > 0  # otherwise the prefill is plain Full KV and can be shared
@@ -146,6 +178,9 @@ class DynSplitKV(KVMethod):
             state.token_weights = arrange_weights({**self.base_weights, **normalise(scores)}, self.weights)
         self._extend(state, seq.prompt_ids)
         kv = seq.kv
+        if self.graph_safe:
+            self._prefill_rows(seq, state)
+            return
         for layer in range(kv.pool.num_layers):
             keys, values, positions = kv.gather(layer, kv.all_slots(layer))
             state.summarise(layer, keys, self.pooling)
@@ -156,6 +191,18 @@ class DynSplitKV(KVMethod):
         state.pending = 0
         if self.offload:
             seq.stats.d2h_bytes = state.store.d2h_bytes
+
+    def _prefill_rows(self, seq: Sequence, state: DynSplitState) -> None:
+        """The prompt's chunk map, chunk starts and every layer's chunk summaries into the sequence's device row."""
+        kv, rows, n = seq.kv, self._rows, len(state.ids)
+        chunks = len(state.ends) + 1
+        self._ensure(state.row + 1, chunks + 2, n, kv.pool)
+        rows.labels[state.row, 0, :n] = state.labels[:n].int()
+        rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32, device=rows.device)
+        for layer in range(kv.pool.num_layers):
+            blocks = block_summaries(kv.keys(layer), state.labels[:n], chunks, "minmax")  # [2, kv_heads, chunks, D]
+            rows.kmin[layer, state.row, :chunks] = blocks[0].transpose(0, 1)
+            rows.kmax[layer, state.row, :chunks] = blocks[1].transpose(0, 1)
 
     def _extend(self, state: DynSplitState, tokens: list[int]) -> None:
         """Append tokens to the split; close the chunks whose search range is now complete."""
@@ -170,6 +217,22 @@ class DynSplitKV(KVMethod):
         return min(resolve_budget(self.budget, seq.num_computed + 1), len(seq.method_state.ids))
 
     def begin_step(self, batch: DecodeBatch) -> None:
+        """Extend every split by the new token. Batched path: write the positions whose chunk changed and the starts of
+        chunks just closed into the device rows, and note the chunks the step must summarise again (the one open
+        before the token and the one open now)."""
+        if self.graph_safe:
+            for seq in batch.seqs:
+                state, rows = seq.method_state, self._rows
+                chunk, start = len(state.ends), state.open_start
+                self._extend(state, [seq.last_token])
+                n = len(state.ids)
+                self._ensure(state.row + 1, len(state.ends) + 2, n, seq.kv.pool)
+                rows.labels[state.row, 0, start:n] = state.labels[start:n].int()
+                if len(state.ends) > chunk:
+                    rows.start[state.row, chunk + 1 : len(state.ends) + 1] = torch.tensor(
+                        state.ends[chunk:], dtype=torch.int32, device=rows.device)
+                state.dirty = (chunk, start)
+            return None
         for seq in batch.seqs:
             self._extend(seq.method_state, [seq.last_token])
             if self.offload:  # the step's region must have pages before the engine snapshots the page tables
@@ -177,7 +240,29 @@ class DynSplitKV(KVMethod):
                     seq.kv.ensure_slots(layer, max(self._k(seq), seq.kv.num_slots[layer] + 1))
         return None
 
+    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
+        """Batched path: per row [B, 9]: state row, tokens to attend k, sinks, recent, open chunk, first chunk to
+        summarise again and its start, this step's stamp, 1 at the row's first decode step (no reuse yet)."""
+        if not self.graph_safe:
+            return None
+        self._step += 1
+        self._ensure(1, 1, 1, batch.pool)  # stamps for pages the pool gained
+        plan = []
+        for seq in batch.seqs:
+            state = seq.method_state
+            k = self._k(seq)
+            recent = min(k, self.n_recent)
+            chunk, start = state.dirty
+            plan.append([state.row, k, min(k - recent, self.n_sink), recent, len(state.ends), chunk, start,
+                         self._step, int(len(seq.output_ids) == 1)])
+        return {"dynsplit": torch.tensor(plan, device=batch.positions.device)}
+
+    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
+        return {"dynsplit": (9, 0)} if self.graph_safe else {}
+
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        if self.graph_safe:
+            return self._select_rows(layer, batch, q)
         seqs, device = batch.seqs, q.device
         for b, seq in enumerate(seqs):
             slot = torch.tensor([[seq.kv.num_slots[layer] - 1]], device=device)  # the host's count: no device read
@@ -208,6 +293,80 @@ class DynSplitKV(KVMethod):
         heads = batch.model.num_kv_heads
         slots = torch.arange(max(k_host), device=device)[None, None].expand(len(seqs), heads, -1)
         return Selection(slots=slots, lengths=k[:, None].expand(-1, heads))
+
+    def _select_rows(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection:
+        """Every row at once from the device rows and the plan (see the module docstring). q [B, heads, D]."""
+        plan = batch.step_plan["dynsplit"]
+        rows, k, sinks, recent, open_chunk, dirty, dirty_start, step, first = plan.unbind(1)
+        n = batch.num_slots[:, layer]  # [B]
+        if batch.seqs is None:  # graphed: the widest any row may attend
+            width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
+        else:
+            width = max(self._k(s) for s in batch.seqs)
+        self._refresh(layer, batch, rows, n, open_chunk, dirty, dirty_start)
+        state, heads = self._rows, batch.model.num_kv_heads
+        chunks = state.chunks
+        index = torch.arange(chunks, device=q.device)
+        table = rows[:, None] * chunks + index  # [B, chunks]: each chunk is a "page" of the summary rows
+        scores = kernels.page_bound(q, state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1), table,
+                                    open_chunk + 2, 1, self.group_reduce)  # [B, kv_heads, chunks]
+        start = state.start[rows].long()  # [B, chunks]
+        end = torch.where(index < open_chunk[:, None], start.roll(-1, dims=1), n[:, None])
+        lo, hi = torch.maximum(start, sinks[:, None]), torch.minimum(end, (n - recent)[:, None])
+        count = torch.where(index <= open_chunk[:, None], (hi - lo).clamp(min=0), 0)  # tokens between the forced
+        before, first_token = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
+        slots, lengths = kernels.sentence_slots(
+            state.labels, rows, before, first_token, n, sinks, (n - recent - sinks).clamp(min=0), k - sinks - recent,
+            torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width, by_slot=True)
+        self._stamp(layer, batch, rows, n, slots, lengths, step, first)
+        return Selection(slots, lengths)
+
+    def _refresh(self, layer: int, batch: DecodeBatch, rows: torch.Tensor, n: torch.Tensor, open_chunk: torch.Tensor,
+                 dirty: torch.Tensor, dirty_start: torch.Tensor) -> None:
+        """Min / max keys of the chunk open before this step's token and of the one open now, from the last
+        chunk_size + max_deviation + 1 slots (they hold both: a chunk closes once that many tokens follow its start).
+        Chunks past the open one (no second chunk this step) are written to row 0."""
+        state, pool = self._rows, batch.pool
+        size = pool.page_size
+        span = self.chunk_size + self.max_deviation + 1
+        positions = n[:, None] - span + torch.arange(span, device=n.device)  # [B, span]
+        inside = (positions >= dirty_start[:, None]) & (positions >= 0)
+        positions = positions.clamp(min=0)
+        pages = batch.tables[:, layer].gather(1, positions // size)
+        keys = pool.flat()[0][pages * size + positions % size]  # [B, span, kv_heads, D]
+        label = state.labels.flatten()[rows[:, None] * state.labels.shape[-1] + positions]  # [B, span]
+        kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
+        for chunk in (dirty, dirty + 1):
+            member = (inside & (label == chunk[:, None]))[..., None, None]  # [B, span, 1, 1]
+            held = member.any(1)  # [B, 1, 1]: an empty chunk (just opened) gets zeros
+            target = torch.where(chunk <= open_chunk, rows * state.chunks + chunk, 0)
+            kmin[target] = torch.where(held, keys.masked_fill(~member, float("inf")).amin(1), 0).to(kmin.dtype)
+            kmax[target] = torch.where(held, keys.masked_fill(~member, float("-inf")).amax(1), 0).to(kmax.dtype)
+
+    def _stamp(self, layer: int, batch: DecodeBatch, rows: torch.Tensor, n: torch.Tensor, slots: torch.Tensor,
+               lengths: torch.Tensor, step: torch.Tensor, first: torch.Tensor) -> None:
+        """Count the attended slots (the current token aside) that were / were not attended at the row's previous
+        step of this layer, then stamp the attended ones with this step."""
+        pool = batch.pool
+        size, heads = pool.page_size, pool.num_kv_heads
+        held = torch.arange(slots.shape[-1], device=slots.device) < lengths[..., None]  # [B, kv_heads, width]
+        pages = batch.tables[:, layer].gather(1, (slots // size).flatten(1)).view_as(slots)
+        flat = torch.where(held, pages * size + slots % size, pool.scratch * size)  # pool rows; padding: scratch
+        stamps = self._rows.stamps.data.view(-1, heads)
+        head = torch.arange(heads, device=slots.device)[None, :, None]
+        counted = held & (slots != (n - 1)[:, None, None])
+        reused = (counted & (stamps[flat, head] == (step - 1)[:, None, None]) & (first == 0)[:, None, None])
+        reused, counted = reused.sum((1, 2)), counted.sum((1, 2))
+        self._rows.reuse.index_put_((rows,), torch.stack([reused, counted - reused], 1), accumulate=True)
+        stamps[flat, head] = step.int()[:, None, None].expand_as(flat)
+
+    def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+        """Batched path: the rows' reuse counters into the sequences' statistics (one small read)."""
+        if not self.graph_safe:
+            return
+        counts = self._rows.reuse[torch.tensor([s.method_state.row for s in seqs], device=self._rows.device)]
+        for seq, (reused, reloaded) in zip(seqs, counts.tolist()):
+            seq.stats.extra.update(kv_reused=reused, kv_reloaded=reloaded)
 
     def _count_reuse(self, seqs: list[Sequence], layer: int, mask: torch.Tensor) -> None:
         """Selected tokens (the current one aside) that were / were not selected at the previous step of this layer."""

@@ -69,6 +69,8 @@ class DynSplitState:
         self.previous: list[torch.Tensor | None] = [None] * num_layers
         self.store = store
         self.dependency = None  # AttentionDependency while per-document weights are estimated
+        self.row = 0  # batched path: the sequence's row in `DynSplitRows`
+        self.dirty = (0, 0)  # batched path: the chunk open before this step's token, and its start
 
     @property
     def open_start(self) -> int:

@@ -1,5 +1,5 @@
 """Method state stored beside the KV pool, by physical page like the keys (H2O's accumulated attention, InfLLM's
-representative scores and block keys): a batch reads and writes it through its page tables, with no per-sequence
+representative scores and block keys, DynSplit-KV's attended-step stamps): a batch reads and writes it through its page tables, with no per-sequence
 copies, and a freed page frees its state with it."""
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from semkv.engine.kv_cache import KVPool
 
 
 class PageStorage:
-    """A tensor [pages, *trailing(pool)], one entry per physical page of the pool, in float32 or (`pool_dtype`) in
+    """A tensor [pages, *trailing(pool)], one entry per physical page of the pool, in `dtype` or (`pool_dtype`) in
     the cache's dtype; grows with it. The method writes every entry it later reads (a page handed out again holds
     its last owner's values)."""
 
-    def __init__(self, trailing: Callable[[KVPool], tuple[int, ...]], pool_dtype: bool = False) -> None:
-        self.trailing, self.pool_dtype = trailing, pool_dtype
+    def __init__(self, trailing: Callable[[KVPool], tuple[int, ...]], pool_dtype: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.trailing, self.pool_dtype, self.dtype = trailing, pool_dtype, dtype
         self.data: torch.Tensor | None = None
 
     def ensure(self, pool: KVPool) -> bool:
@@ -25,7 +26,7 @@ class PageStorage:
         if have >= pool.num_pages:
             return False
         with torch.inference_mode(False):  # a normal tensor, written outside generation too
-            dtype = pool.dtype if self.pool_dtype else torch.float32
+            dtype = pool.dtype if self.pool_dtype else self.dtype
             grown = torch.zeros(pool.num_pages, *self.trailing(pool), dtype=dtype, device=pool.device)
             if self.data is not None:
                 grown[:have] = self.data

@@ -10,15 +10,15 @@ one head are a contiguous index range.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from semkv.engine.kv_cache import SeqKV
-from semkv.engine.offload import HostKVStore, grown_capacity
-from semkv.engine.sequence import Sequence
+from semkv.engine.offload import HostKVStore
+from semkv.kernels import reference
+from semkv.methods.state_rows import RowOwners, grown_sizes, regrown
 
 
 def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -38,40 +38,27 @@ class SentenceRows:
         self.count = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, buckets]
         self.bucket = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, tokens]
         self.q_sum = torch.zeros(layers, 1, heads, dim, device=device)  # [L, rows, heads, D] this sentence's queries
-        self.owners: dict[int, weakref.ref] = {}  # row -> its sequence
+        self.owners = RowOwners()
 
     @property
     def tokens(self) -> int:
         """Retained tokens a row can hold: the width of the token -> bucket map."""
         return self.bucket.shape[-1]
 
-    def take(self, seq: Sequence) -> int:
-        """A free row for `seq` (rows of finished or dropped sequences are free)."""
-        for row, ref in list(self.owners.items()):
-            owner = ref()
-            if owner is None or owner.finished:
-                del self.owners[row]
-        row = next(r for r in range(1, len(self.owners) + 2) if r not in self.owners)
-        self.owners[row] = weakref.ref(seq)
-        return row
-
     def ensure(self, rows: int, buckets: int, tokens: int) -> bool:
         """Room for `rows` rows (row ids below it), `buckets` buckets and `tokens` retained tokens per row; True
         when the tensors moved."""
-        have = (self.vectors.shape[1], self.vectors.shape[3], self.bucket.shape[3])
-        if rows <= have[0] and buckets <= have[1] and tokens <= have[2]:
-            return False
         # rows come one per admitted request (a row is about 200 MB at 32 layers and 1400 buckets): little slack
-        size = [grown_capacity(need, slack) if need > old else old
-                for need, old, slack in zip((rows, buckets, tokens), have, (1, 64, 256))]
-        with torch.inference_mode(False):  # normal tensors, written outside generation too
-            grown = (torch.zeros(self.layers, size[0], self.kv_heads, size[1], self.dim, device=self.device),
-                     torch.zeros(self.layers, size[0], self.kv_heads, size[1], dtype=torch.int32, device=self.device),
-                     torch.zeros(self.layers, size[0], self.kv_heads, size[2], dtype=torch.int32, device=self.device),
-                     torch.zeros(self.layers, size[0], self.heads, self.dim, device=self.device))
-            for new, old in zip(grown, (self.vectors, self.count, self.bucket, self.q_sum)):
-                new[tuple(slice(0, n) for n in old.shape)] = old
-        self.vectors, self.count, self.bucket, self.q_sum = grown
+        size = grown_sizes((rows, buckets, tokens), (self.vectors.shape[1], self.vectors.shape[3], self.tokens),
+                           (1, 64, 256))
+        if size is None:
+            return False
+        n_rows, n_buckets, n_tokens = size
+        layers, heads, dim = self.layers, self.kv_heads, self.dim
+        self.vectors = regrown(self.vectors, (layers, n_rows, heads, n_buckets, dim))
+        self.count = regrown(self.count, (layers, n_rows, heads, n_buckets))
+        self.bucket = regrown(self.bucket, (layers, n_rows, heads, n_tokens))
+        self.q_sum = regrown(self.q_sum, (layers, n_rows, self.heads, dim))
         return True
 
     def clear(self, row: int) -> None:
@@ -101,18 +88,12 @@ class SentenceRows:
         return total / (steps + 1)[:, None, None]
 
     def rank(self, layer: int, rows: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buckets by descending query . sentence vector (ties by bucket id): query [B, kv_heads, D], rows [B] -> for
-        every bucket the retained tokens of the buckets ranked before it and the index of its first token,
-        [B, kv_heads, buckets] int32 each (`kernels.sentence_slots` and `reference.sentence_tokens` take the tokens
-        from them)."""
+        """Buckets by descending query . sentence vector: query [B, kv_heads, D], rows [B] -> `reference.bucket_ranks`
+        ([B, kv_heads, buckets] int32 each)."""
         every = torch.zeros(self.vectors.shape[1], *query.shape[1:], device=query.device)  # [rows, H, D]
         every[rows] = query.float()  # padding rows all write row 0; what they read is not used
         scores = torch.matmul(self.vectors[layer], every[..., None])[..., 0][rows]  # [B, H, buckets]
-        count = self.count[layer, rows]
-        order = torch.sort(scores.masked_fill(count == 0, float("-inf")), dim=-1, descending=True, stable=True).indices
-        ranked = count.gather(-1, order)
-        before = torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
-        return before, count.cumsum(-1, dtype=torch.int32) - count
+        return reference.bucket_ranks(scores, self.count[layer, rows])
 
     def row_bytes(self) -> int:
         """Device bytes of one row: sentence vectors, counts, token -> bucket map and query sum."""

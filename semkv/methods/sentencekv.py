@@ -143,7 +143,7 @@ class SentenceKV(KVMethod):
             self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
                                       pool.device)
         if not dense:
-            st.row = self._rows.take(seq)
+            st.row = self._rows.owners.take(seq)
             self._ensure(st)
             self._rows.clear(st.row)
         return st
