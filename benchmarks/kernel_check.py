@@ -28,6 +28,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+def exact_row(kernel: str, shape: str, r: dict) -> str:
+    """A table row for a kernel whose integer output must equal its reference's."""
+    return (f"| {kernel} | {shape} | {'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | "
+            f"{r['reference_ms']:.4f} | - |")
+
+
 def pool(tokens: int, batch: int, gen: torch.Generator):
     pages = batch * (-(-tokens // PAGE)) + 1
     k = torch.randn(pages, PAGE, HK, D, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -329,8 +335,7 @@ def main() -> int:
             print(f"| Quest page_bound (one layer) | B={r['batch']} pages={r['pages']} | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "page_slots":
-            print(f"| Quest page_slots (one layer) | B={r['batch']} k=129 pages | "
-                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
+            print(exact_row("Quest page_slots (one layer)", f"B={r['batch']} k=129 pages", r))
         elif r["kernel"] == "token_select":
             print(f"| TokenSelect token_select (one layer) | B={r['batch']} ctx={r['context']} | {r['err']:.1e} "
                   f"(top-k slots that differ) | miss {r['miss_ms']:.3f} / hit {r['hit_ms']:.3f} | - | "
@@ -339,12 +344,10 @@ def main() -> int:
             print(f"| CHESS plan_slots (torch.compile) | B=32 | {'exact' if r['err'] == 0 else 'DIFFERS'} | "
                   f"{r['compiled_ms']:.4f} | {r['eager_ms']:.4f} | both in a CUDA graph |")
         elif r["kernel"] == "block_slots":
-            print(f"| InfLLM block_slots (one layer) | B={r['batch']} S={r['shared']} budget 2048 | "
-                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
+            print(exact_row("InfLLM block_slots (one layer)", f"B={r['batch']} S={r['shared']} budget 2048", r))
         elif r["kernel"] == "sentence_slots":
-            print(f"| sentence_slots (one layer, {'by slot' if r['by_slot'] else 'by token'}) | B={r['batch']} x "
-                  f"{r['tokens']} tokens, budget 2048 | "
-                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
+            print(exact_row(f"sentence_slots (one layer, {'by slot' if r['by_slot'] else 'by token'})",
+                            f"B={r['batch']} x {r['tokens']} tokens, budget 2048", r))
         elif r["kernel"] == "accumulate_attention":
             print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "
                   f"{r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _rows(tables: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """tables [B, max_pages], slots [B, S, n] logical -> physical rows [B, S, n]."""
+def physical_rows(tables: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """tables [B, max_pages], logical slots [B, ...] -> physical rows of the flattened pool [B, ...]."""
     pages = torch.gather(tables, 1, (slots // page_size).flatten(1)).view_as(slots)
     return pages * page_size + slots % page_size
 
@@ -297,7 +297,7 @@ def gather_kv(
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     else:
         n = slots.shape[-1]
-        rows = _rows(tables, slots, page_size)
+        rows = physical_rows(tables, slots, page_size)
         kf, vf = k_pool.view(-1, heads, dim), v_pool.view(-1, heads, dim)
         if slots.shape[1] == 1:
             k, v = kf[rows[:, 0]].transpose(1, 2), vf[rows[:, 0]].transpose(1, 2)

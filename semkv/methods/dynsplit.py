@@ -332,8 +332,7 @@ class DynSplitKV(KVMethod):
         positions = n[:, None] - span + torch.arange(span, device=n.device)  # [B, span]
         inside = (positions >= dirty_start[:, None]) & (positions >= 0)
         positions = positions.clamp(min=0)
-        pages = batch.tables[:, layer].gather(1, positions // size)
-        keys = pool.flat()[0][pages * size + positions % size]  # [B, span, kv_heads, D]
+        keys = pool.flat()[0][reference.physical_rows(batch.tables[:, layer], positions, size)]  # [B, span, H, D]
         label = state.labels.flatten()[rows[:, None] * state.labels.shape[-1] + positions]  # [B, span]
         kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
         for chunk in (dirty, dirty + 1):
@@ -350,8 +349,8 @@ class DynSplitKV(KVMethod):
         pool = batch.pool
         size, heads = pool.page_size, pool.num_kv_heads
         held = torch.arange(slots.shape[-1], device=slots.device) < lengths[..., None]  # [B, kv_heads, width]
-        pages = batch.tables[:, layer].gather(1, (slots // size).flatten(1)).view_as(slots)
-        flat = torch.where(held, pages * size + slots % size, pool.scratch * size)  # pool rows; padding: scratch
+        flat = torch.where(held, reference.physical_rows(batch.tables[:, layer], slots, size),
+                           pool.scratch * size)  # pool rows; padding: scratch
         stamps = self._rows.stamps.data.view(-1, heads)
         head = torch.arange(heads, device=slots.device)[None, :, None]
         counted = held & (slots != (n - 1)[:, None, None])
