@@ -13,11 +13,12 @@ import json
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_decode, triton_fused,
-                           triton_page_select, triton_prefill, triton_sentence_slots, triton_summary_dot,
-                           triton_token_select)
+from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_chunk_slots, triton_decode,
+                           triton_fused, triton_page_select, triton_prefill, triton_sentence_slots,
+                           triton_summary_dot, triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -252,34 +253,53 @@ def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int =
 
 
 def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int = 1400) -> list[dict]:
-    """The slot list from ranked buckets for one layer at budget 2048 (32 sinks, 1984 tokens of ranked buckets, 32
-    recent) in state rows of a larger table: SentenceKV's (a map per KV head, 4608 retained tokens in 1400 buckets)
-    and DynSplit-KV's (one map by slot for all heads, chunks ranked per head). Integers: they must agree exactly."""
+    """SentenceKV's slot list from ranked buckets for one layer at budget 2048 (32 sinks, 1984 tokens of ranked
+    buckets, 32 recent) in state rows of a larger table: a map per KV head, 4608 retained tokens in 1400 buckets.
+    Integers: they must agree exactly."""
     from triton.testing import do_bench
 
     full = torch.full((batch,), tokens, device="cuda")
     rows = torch.randperm(batch + 3, device="cuda", generator=gen)[:batch]
-    result = []
-    for by_slot in (False, True):
-        bucket = torch.sort(torch.randint(0, buckets, (batch + 3, 1 if by_slot else HK, tokens), device="cuda",
-                                          generator=gen), dim=-1).values.int()
-        n_sink, retained = torch.full_like(full, 32), full - 72 if by_slot else full  # by slot: sinks + tokens fit
-        held = bucket[rows, :, 32:tokens - 40] if by_slot else bucket[rows]  # the tokens the buckets count
-        count = torch.zeros(batch, bucket.shape[1], buckets, dtype=torch.int32, device="cuda").scatter_add_(
-            -1, held.long(), torch.ones_like(held)).expand(-1, HK, -1)
-        rank = torch.rand(batch, HK, buckets, device="cuda", generator=gen).argsort(-1)
-        ranked = count.gather(-1, rank)
-        before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
-        first = count.cumsum(-1, dtype=torch.int32) - count
-        args = (bucket, rows, before, first, 32 + full + 40, n_sink, retained, torch.full_like(full, 1984),
-                torch.full_like(full, 32), 32, 2048, by_slot)
-        want, got = reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
-        exact = all(torch.equal(a, b) for a, b in zip(want, got))
-        result.append(dict(kernel="sentence_slots", by_slot=by_slot, batch=batch, tokens=tokens,
-                           err=0.0 if exact else float("inf"),
-                           triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
-                           reference_ms=do_bench(lambda: reference.sentence_slots(*args))))
-    return result
+    bucket = torch.sort(torch.randint(0, buckets, (batch + 3, HK, tokens), device="cuda", generator=gen),
+                        dim=-1).values.int()
+    count = torch.zeros(batch, HK, buckets, dtype=torch.int32, device="cuda").scatter_add_(
+        -1, bucket[rows].long(), torch.ones_like(bucket[rows]))
+    rank = torch.rand(batch, HK, buckets, device="cuda", generator=gen).argsort(-1)
+    ranked = count.gather(-1, rank)
+    before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+    first = count.cumsum(-1, dtype=torch.int32) - count
+    args = (bucket, rows, before, first, 32 + full + 40, torch.full_like(full, 32), full, torch.full_like(full, 1984),
+            torch.full_like(full, 32), 32, 2048)
+    want, got = reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
+    exact = all(torch.equal(a, b) for a, b in zip(want, got))
+    return [dict(kernel="sentence_slots", batch=batch, tokens=tokens, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
+                 reference_ms=do_bench(lambda: reference.sentence_slots(*args)))]
+
+
+def check_chunk_slots(gen, batch: int = 16, context: int = 32768) -> list[dict]:
+    """DynSplit-KV's slot list from ranked chunks for one layer at budget 2048 (16 recent, no sinks): chunks of 2-30
+    positions over a 32k context (about 2000, in a table with unused columns), ranked per KV head. Integers: they
+    must agree exactly."""
+    from triton.testing import do_bench
+
+    lengths = torch.randint(2, 31, (batch, context // 2), device="cuda", generator=gen)
+    start = F.pad(lengths.cumsum(1), (1, 0))[:, :-1]  # [B, chunks] first position of every chunk
+    chunks = int((start < context).sum(1).max()) + 64
+    start = start[:, :chunks].clamp(max=context)
+    n = torch.full((batch,), context, device="cuda")
+    sinks, recent = torch.zeros_like(n), torch.full_like(n, 16)
+    lo = torch.maximum(start, sinks[:, None])
+    hi = torch.minimum(F.pad(start[:, 1:], (0, 1), value=context), (n - recent)[:, None])
+    count = (hi - lo).clamp(min=0)
+    scores = torch.randn(batch, HK, chunks, device="cuda", generator=gen)
+    before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, HK, -1))
+    args = (lo, count, before, n, sinks, torch.full_like(n, 2048 - 16), recent, 0, 2048, 31)
+    want, got = reference.chunk_slots(*args), triton_chunk_slots.chunk_slots(*args)
+    exact = all(torch.equal(a, b) for a, b in zip(want, got))
+    return [dict(kernel="chunk_slots", batch=batch, chunks=chunks, context=context, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_chunk_slots.chunk_slots(*args)),
+                 reference_ms=do_bench(lambda: reference.chunk_slots(*args)))]
 
 
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
@@ -317,7 +337,7 @@ def main() -> int:
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen)
-            + check_sentence_slots(gen) + check_plan_slots(gen)
+            + check_sentence_slots(gen) + check_chunk_slots(gen) + check_plan_slots(gen)
             + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
@@ -346,8 +366,11 @@ def main() -> int:
         elif r["kernel"] == "block_slots":
             print(exact_row("InfLLM block_slots (one layer)", f"B={r['batch']} S={r['shared']} budget 2048", r))
         elif r["kernel"] == "sentence_slots":
-            print(exact_row(f"sentence_slots (one layer, {'by slot' if r['by_slot'] else 'by token'})",
-                            f"B={r['batch']} x {r['tokens']} tokens, budget 2048", r))
+            print(exact_row("SentenceKV sentence_slots (one layer)", f"B={r['batch']} x {r['tokens']} tokens, budget 2048",
+                            r))
+        elif r["kernel"] == "chunk_slots":
+            print(exact_row("DynSplit-KV chunk_slots (one layer)",
+                            f"B={r['batch']} x {r['chunks']} chunks ({r['context']} positions), budget 2048", r))
         elif r["kernel"] == "accumulate_attention":
             print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "
                   f"{r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")

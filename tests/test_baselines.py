@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-import semkv
 from semkv.engine.engine import evict_layer, plan_chunks
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence

@@ -262,6 +262,27 @@ def test_offload_equals_device_resident_and_counts_reuse(llm):
     assert s.kv_resident_tokens <= 40 < device.stats.kv_resident_tokens
 
 
+def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):
+    """The batched path's rows (chunk summaries, starts, chunk map) and the stamps beside the pool are allocated when
+    the request is admitted, by exactly the bytes `admission_bytes` announced (the engine admits on that number);
+    a second request of the same length then fits in the slack."""
+    method = DynSplitKV(budget=40)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    ids = llm.encode(TEXT, chat=False)[0]
+    seqs = [Sequence(i, ids, SamplingParams(max_new_tokens=10), SeqKV(llm.engine.pool)) for i in range(2)]
+    for seq in seqs:
+        seq.method_state = method.new_state(seq)
+    before, growth = method.state_bytes(), method.admission_bytes(seqs[0])
+    assert seqs[0].method_state.row == 0 and before < growth // 100
+    method.admit(seqs[0])
+    pool = llm.engine.pool
+    stamps = pool.num_pages * pool.page_size * pool.num_kv_heads * 4
+    assert method.state_bytes() == growth and method._rows.stamps.data.nbytes == stamps
+    assert method.admission_bytes(seqs[1]) == 0
+    method.admit(seqs[1])
+    assert [s.method_state.row for s in seqs] == [1, 2] and method.state_bytes() == growth
+
+
 def test_per_document_weights(llm):
     method = DynSplitKV(budget=1.0, document_tokens=400)
     method.bind(llm.config, llm.tokenizer, 16)

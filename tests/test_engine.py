@@ -7,6 +7,7 @@ import torch
 import semkv
 from semkv.engine.engine import plan_chunks
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots
+from semkv.engine.sequence import SamplingParams, Sequence
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 12,
@@ -191,6 +192,44 @@ def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
     assert small.engine.pool.peak_in_use <= small.engine.pool.num_pages
     with pytest.raises(MemoryError, match="needs .* KV pages"):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=4).generate(PROMPTS[0], chat=False)
+
+
+def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tiny_model_dir):
+    """SentenceKV's device rows are taken when a request is admitted, not when it is submitted; with room beside the
+    pool for the state of two requests, four identical ones run two at a time (rows 1 and 2 only) and give the
+    tokens of the unlimited run, in which all four run at once; a request whose state cannot fit even alone is an
+    error that says so."""
+    from semkv.methods.sentencekv import SentenceKV
+
+    prompts = [PROMPTS[0]] * 4
+
+    def run(state_memory):
+        llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+        llm.engine.state_memory = state_memory
+        method = SentenceKV(budget=48, offload=False)
+        tokens = greedy(llm, prompts, method=method)
+        return tokens, method._rows
+
+    free_tokens, free_rows = run(None)
+    assert free_rows.sizes()[0] >= 5  # rows 1..4 held at once
+
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    method = SentenceKV(budget=48, offload=False)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    seq = Sequence(0, llm.encode(prompts[0], chat=False)[0], SamplingParams(max_new_tokens=24), SeqKV(llm.engine.pool))
+    seq.method_state = method.new_state(seq)
+    before, growth = method.state_bytes(), method.admission_bytes(seq)
+    assert seq.method_state.row == 0 and before < growth // 100  # submitted: no row yet
+    method.admit(seq)
+    assert method.state_bytes() == growth  # what it said it would take (the first tensors are all replaced)
+    assert seq.method_state.row == 1 and method._rows.sizes()[0] == 3  # room for rows 1 and 2
+    assert method.admission_bytes(seq) == 0
+
+    limited_tokens, limited_rows = run(before + growth)
+    assert limited_tokens == free_tokens
+    assert limited_rows.sizes()[0] == 3 and limited_rows.held_bytes() == growth
+    with pytest.raises(MemoryError, match="needs .* GiB of sentencekv state beside the KV pool"):
+        run(growth // 2)
 
 
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():

@@ -323,32 +323,32 @@ def test_sentence_slots_kernel_matches_reference():
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)
 
 
-def test_sentence_slots_kernel_with_one_map_by_slot():
-    """DynSplit-KV's use: one chunk map per row for every KV head, by slot (token t is slot n_sink + t), chunks ranked
-    per head; the sinks and the recent window are forced."""
-    from semkv.kernels.triton_sentence_slots import sentence_slots
+def test_chunk_slots_kernel_matches_reference():
+    """DynSplit-KV's slot lists: contiguous chunks ranked per KV head take the capacity in rank order (the last one
+    its leading slots); a chunk cut by the sinks, chunks cut or emptied by a shorter context and the recent window,
+    unused chunk columns, a capacity that covers everything; the kernel walks blocks of chunks (some taking nothing)
+    and long chunks in runs."""
+    from semkv.kernels.triton_chunk_slots import chunk_slots
 
     gen = torch.Generator().manual_seed(1)
-    heads, positions = 3, 60
-    ends = torch.tensor([0, 7, 15, 22, 30, 41, 50, 60])  # chunk starts and the end
-    labels = torch.bucketize(torch.arange(positions), ends[1:], right=True).int()
-    bucket = labels.expand(2, 1, -1).contiguous()  # state rows 0 and 1 hold the same map
-    rows, n = torch.tensor([1, 1]), torch.tensor([60, 45])
-    n_sink, tail = torch.tensor([3, 0]), torch.tensor([8, 4])
-    retained = n - n_sink - tail
+    heads = 3
+    ends = torch.tensor([0, 7, 15, 22, 30, 41, 50, 60, 60, 60])  # chunk starts and the end; two unused columns
+    n, n_sink, tail = torch.tensor([60, 45, 60]), torch.tensor([3, 0, 2]), torch.tensor([8, 4, 1])
     lo = torch.maximum(ends[:-1][None], n_sink[:, None])
     hi = torch.minimum(ends[1:][None], (n - tail)[:, None])
-    count = (hi - lo).clamp(min=0)[:, None].expand(-1, heads, -1)  # [B, S, chunks] tokens between the forced
-    scores = torch.randn(2, heads, len(ends) - 1, generator=gen)
-    before, first = reference.bucket_ranks(scores, count)
-    capacity = torch.tensor([20, 13])
-    args = (bucket, rows, before, first, n, n_sink, retained, capacity, tail, 4, 40)
-    want_slots, want_lengths = reference.sentence_slots(*args, by_slot=True)
-    for b in range(2):
+    count = (hi - lo).clamp(min=0)  # [B, chunks] slots between the forced ones
+    scores = torch.randn(3, heads, len(ends) - 1, generator=gen)
+    before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
+    capacity = torch.tensor([20, 13, 100])
+    args = (lo, count, before, n, n_sink, capacity, tail, 4, 64, 11)
+    want_slots, want_lengths = reference.chunk_slots(*args)
+    labels = torch.bucketize(torch.arange(60), ends[1:], right=True)
+    for b in range(3):
         for h in range(heads):
             free = [p for p in range(int(n_sink[b]), int(n[b] - tail[b]))]
             order = sorted(free, key=lambda p: (-float(scores[b, h, labels[p]]), p))[: int(capacity[b])]
             expected = sorted(set(range(int(n_sink[b]))) | set(order) | set(range(int(n[b] - tail[b]), int(n[b]))))
             assert want_slots[b, h, : int(want_lengths[b, h])].tolist() == expected
-    got_slots, got_lengths = sentence_slots(*args, by_slot=True, span=8)
+            assert (want_slots[b, h, int(want_lengths[b, h]):] == 0).all()
+    got_slots, got_lengths = chunk_slots(*args, block=4, run=4, span=8)
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)

@@ -5,6 +5,7 @@ the one sparse attention path (`semkv.kernels`); it never inspects what a method
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from semkv.methods.base import DecodeBatch, KVMethod, Selection
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
+
+ACTIVATION_RESERVE = 2 * 2**30  # device bytes kept free for activations and captured graphs beside the KV pool
 
 
 def plan_chunks(lo: int, hi: int, chunk: int, min_last: int) -> list[tuple[int, int]]:
@@ -197,12 +200,14 @@ class StepInputs:
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  page_size: int = 16, prefill_chunk: int = 512, cuda_graphs: bool = True,
-                 num_pages: int | None = None, gpu_memory_utilization: float = 0.9):
+                 num_pages: int | None = None, gpu_memory_utilization: float = 0.9, state_memory: int | None = None):
         """num_pages: size of the KV pool, fixed; None sizes it from free GPU memory (keeping
-        `1 - gpu_memory_utilization` of the card and 2 GiB for activations free) on CUDA, and lets it grow on
-        demand on the CPU."""
+        `1 - gpu_memory_utilization` of the card and `ACTIVATION_RESERVE` for activations free) on CUDA, and lets
+        it grow on demand on the CPU. state_memory: bytes a method's state beside the pool may take (SentenceKV's
+        and DynSplit-KV's device rows); None: on CUDA whatever is free when a request is admitted, less the
+        activation reserve; unbounded elsewhere."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.state_memory = prefill_chunk, state_memory
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.timer = None  # set by benchmarks to time the selection and attention of eager steps
         self.step_plan_s = 0.0  # host time of the last step's `KVMethod.step_plan`
@@ -214,7 +219,7 @@ class Engine:
             torch.cuda.empty_cache()  # memory the caching allocator holds unused (e.g. weights cast after loading)
             free, total = torch.cuda.mem_get_info(device)
             page_bytes = 2 * page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-            num_pages = int((free - (1 - gpu_memory_utilization) * total - 2 * 2**30) // page_bytes)
+            num_pages = int((free - (1 - gpu_memory_utilization) * total - ACTIVATION_RESERVE) // page_bytes)
             if num_pages < 2:
                 raise MemoryError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
         if num_pages is None:
@@ -238,6 +243,7 @@ class Engine:
         record_window > 0 keeps the last queries of every layer in `seq.window_queries`, so that methods can later be
         applied to copies of this prefilled sequence (`fork` + `apply_prefill`)."""
         started = time.perf_counter()
+        method.admit(seq)
         n = len(seq.prompt_ids)
         split = seq.question_start if method.uses_question_split() and seq.question_start else n
         phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
@@ -287,6 +293,7 @@ class Engine:
         """Apply a method's prefill-time eviction and summaries to a sequence prefilled with Full KV."""
         started = time.perf_counter()
         seq.method_state = method.new_state(seq)
+        method.admit(seq)
         for layer in range(self.config.num_layers):
             evict_layer(method, seq, layer, seq.window_queries[layer])
         method.finish_prefill(seq)
@@ -378,21 +385,21 @@ class Engine:
         return [int(t) for t in read[2]] if tokens is not None else None
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
-        """Continuous batching: admit waiting requests while the pool can hold them to the end, prefill each on
-        admission, decode the running batch one step at a time, release finished requests. A request that cannot
-        fit waits; one that cannot fit even alone is an error."""
+        """Continuous batching: admit waiting requests while the pool can hold them to the end and the device the
+        method's state for them, prefill each on admission, decode the running batch one step at a time, release
+        finished requests. A request that cannot fit waits; one that cannot fit even alone is an error."""
         waiting, running = deque(seqs), []
         graphs = self.graph_runner(method, seqs)
         while waiting or running:
-            while waiting and self.fits(waiting[0], running):
+            while waiting and (blocked := self.blocked(waiting[0], running, method)) is None:
                 seq = waiting.popleft()
                 first = self.prefill(seq, method, progress)
                 self._append(seq, _sample(seq, first), is_stop)
                 (self._done if seq.finished else running.append)(seq)
-            if not running:
-                need = self.pages_needed(waiting[0])
-                raise MemoryError(f"request {waiting[0].seq_id} needs {need} KV pages; the pool has "
-                                  f"{self.pool.num_pages - 1} (raise gpu_memory_utilization or shorten it)")
+            if not running and waiting:
+                raise MemoryError(blocked)
+            if not running:  # the last requests finished at their first token
+                break
             self.step(running, method, graphs, is_stop)
             for seq in [s for s in running if s.finished]:
                 running.remove(seq)
@@ -467,12 +474,32 @@ class Engine:
         tokens = len(seq.prompt_ids) + seq.params.max_new_tokens
         return self.config.num_layers * -(-tokens // self.pool.page_size)
 
-    def fits(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """Whether the pool can take `seq` while every running request may still grow to its own bound."""
-        if self.pool.max_pages is None:
-            return True
-        growth = sum(max(self.pages_needed(s) - sum(map(len, s.kv.pages)), 0) for s in running)
-        return len(self.pool.free) - growth >= self.pages_needed(seq)
+    def blocked(self, seq: Sequence, running: list[Sequence], method: KVMethod) -> str | None:
+        """Why `seq` cannot be admitted beside the running requests now (every running request may still grow to
+        its own bound), or None when it can."""
+        if self.pool.max_pages is not None:
+            growth = sum(max(self.pages_needed(s) - sum(map(len, s.kv.pages)), 0) for s in running)
+            need = self.pages_needed(seq)
+            if len(self.pool.free) - growth < need:
+                return (f"request {seq.seq_id} needs {need} KV pages; the pool has {self.pool.num_pages - 1} (raise "
+                        "gpu_memory_utilization or shorten it)")
+        state = method.admission_bytes(seq)
+        room = self.state_room(method)
+        if state > room:
+            return (f"request {seq.seq_id} needs {state / 2**30:.2f} GiB of {method.name} state beside the KV pool; "
+                    f"{max(room, 0) / 2**30:.2f} GiB is free there (lower gpu_memory_utilization or shorten it)")
+        return None
+
+    def state_room(self, method: KVMethod) -> float:
+        """Device bytes a method may still allocate beside the KV pool: `state_memory` less what it holds, else on
+        CUDA the free memory less the activation reserve, else unbounded."""
+        if self.state_memory is not None:
+            return self.state_memory - method.state_bytes()
+        if self.device.type != "cuda":
+            return math.inf
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached - ACTIVATION_RESERVE
 
     def graph_runner(self, method: KVMethod, seqs: list[Sequence]) -> GraphRunner | None:
         """CUDA graphs for this generation, when the device, the method and the RoPE variant allow them."""

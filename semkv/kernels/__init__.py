@@ -91,15 +91,23 @@ def block_slots(top, chosen, init, local, n, block_size, capacity):
     return reference.block_slots(top, chosen, init, local, n, block_size, capacity)
 
 
-def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width, by_slot=False):
+def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width):
     """See `reference.sentence_slots`."""
     if use_triton(bucket.device):
         from semkv.kernels import triton_sentence_slots
 
         return triton_sentence_slots.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity,
-                                                    tail, max_sink, width, by_slot)
-    return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width,
-                                    by_slot)
+                                                    tail, max_sink, width)
+    return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width)
+
+
+def chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest):
+    """See `reference.chunk_slots`."""
+    if use_triton(lo.device):
+        from semkv.kernels import triton_chunk_slots
+
+        return triton_chunk_slots.chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest)
+    return reference.chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest)
 
 
 def summary_dots(sums, pages, directions):

@@ -148,18 +148,14 @@ def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tenso
 
 
 def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
-                    retained: torch.Tensor, capacity: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+                    retained: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
     """The tokens that ranked buckets take up to a capacity: buckets fill it in rank order and the last one keeps its
     leading tokens (token t of bucket k is taken when before[k] + t - first[k] < capacity). bucket [rows, S or 1, T]
     the bucket of every token of each state row (one map per KV head or one shared), rows [B] the batch's state rows,
-    before / first [B, S, buckets] (`bucket_ranks`), retained / capacity [B]; offset [B]: the map entry of token 0
-    (None: 0). -> bool [B, S, T] (token t: t < retained)."""
+    before / first [B, S, buckets] (`bucket_ranks`), retained / capacity [B]. -> bool [B, S, T] (token t:
+    t < retained)."""
     index = torch.arange(bucket.shape[-1], device=bucket.device)
-    bucket = bucket[rows].long()  # [B, S or 1, T]
-    if offset is not None:
-        at = (offset[:, None] + index).clamp(max=bucket.shape[-1] - 1)  # [B, T]
-        bucket = bucket.gather(-1, at[:, None].expand(-1, bucket.shape[1], -1))
-    bucket = bucket.expand(-1, before.shape[1], -1)  # [B, S, T]
+    bucket = bucket[rows].long().expand(-1, before.shape[1], -1)  # [B, S, T]
     offset_in_bucket = index - first.gather(-1, bucket)
     taken = before.gather(-1, bucket) + offset_in_bucket < capacity[:, None, None]
     return taken & (index < retained[:, None, None])
@@ -167,15 +163,38 @@ def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tens
 
 def sentence_slots(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
                    n: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, capacity: torch.Tensor,
-                   tail: torch.Tensor, max_sink: int, width: int,
-                   by_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attended slots from ranked buckets (SentenceKV, DynSplit-KV): the sinks [0, n_sink), the tokens the buckets take
+                   tail: torch.Tensor, max_sink: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attended slots from ranked buckets (SentenceKV): the sinks [0, n_sink), the tokens the buckets take
     (`sentence_tokens`; token t at slot n_sink + t) and the last `tail` slots [n - tail, n). Arguments as
-    `sentence_tokens`, plus n / n_sink / tail [B]; max_sink bounds n_sink, width bounds a row's total; by_slot: the
-    map is by slot (token t's entry is n_sink + t: DynSplit-KV's chunk of every position), else by token (SentenceKV's
-    retained tokens). Returns slots [B, S, width], ascending and then 0, and lengths [B, S]."""
-    chosen = sentence_tokens(bucket, rows, before, first, retained, capacity,
-                             n_sink if by_slot else None)  # [B, S, T]
+    `sentence_tokens`, plus n / n_sink / tail [B]; max_sink bounds n_sink, width bounds a row's total. Returns slots
+    [B, S, width], ascending and then 0, and lengths [B, S]."""
+    chosen = sentence_tokens(bucket, rows, before, first, retained, capacity)  # [B, S, T]
+    return _compact(chosen, n, n_sink, tail, max_sink, width)
+
+
+def chunk_slots(lo: torch.Tensor, count: torch.Tensor, before: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor,
+                capacity: torch.Tensor, tail: torch.Tensor, max_sink: int, width: int,
+                longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attended slots from ranked chunks (DynSplit-KV): chunks are ascending, disjoint slot ranges [lo, lo + count)
+    (lo / count [B, chunks], at most `longest` slots each) inside [n_sink, n - tail); each takes its leading
+    clamp(capacity - before, 0, count) slots (before [B, S, chunks]: `bucket_ranks`), between the sinks [0, n_sink)
+    and the last `tail` slots. n / n_sink / capacity / tail [B]; max_sink bounds n_sink, width a row's total. Returns
+    slots [B, S, width], ascending and then 0, and lengths [B, S]."""
+    take = (capacity[:, None, None] - before).clamp(min=0).minimum(count[:, None])  # [B, S, chunks]
+    lo = lo[:, None].expand_as(take)
+    tokens = max(int((n - n_sink).max()), 1)  # slots after the sinks: token t is slot n_sink + t
+    edges = torch.zeros(*take.shape[:2], tokens + 1, dtype=torch.long, device=take.device)
+    start = (lo - n_sink[:, None, None]).clamp(0, tokens)
+    edges.scatter_add_(-1, start, (take > 0).long())
+    edges.scatter_add_(-1, (start + take).clamp(max=tokens), -(take > 0).long())
+    chosen = edges.cumsum(-1)[..., :tokens] > 0  # [B, S, T]: inside a chunk's taken slots
+    return _compact(chosen, n, n_sink, tail, max_sink, width)
+
+
+def _compact(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor, max_sink: int,
+             width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sinks, the chosen slots (chosen [B, S, T]: slot n_sink + t) and the tail, compacted to the front of
+    [B, S, width] (then 0), with lengths [B, S]."""
     batch, shared, tokens = chosen.shape
     device = chosen.device
     sinks, recent = torch.arange(max_sink, device=device), torch.arange(width, device=device)
@@ -370,7 +389,7 @@ def prefill_attention(
     rank in the attended list (context, then the chunk). Returns [C, heads, D].
     """
     chunk, n_heads, dim = q.shape
-    page_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    kv_heads = k_pool.shape[2]
     device = q.device
     own = torch.arange(start, start + chunk, device=device)
     if context is None:

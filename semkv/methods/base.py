@@ -144,7 +144,22 @@ class KVMethod:
         self.model, self.tokenizer, self.kv_page_size = model, tokenizer, page_size
 
     def new_state(self, seq: "Sequence") -> Any:
+        """The request's state, made when it is submitted (host side: requests may wait long before they run)."""
         return None
+
+    def admit(self, seq: "Sequence") -> None:
+        """Take the device memory the request's state needs beside the KV pool (rows of batched tensors); called by
+        the engine when the request is admitted, before its prefill."""
+        return None
+
+    def admission_bytes(self, seq: "Sequence") -> int:
+        """Device bytes beside the KV pool that `admit(seq)` allocates now; the engine admits the request only when
+        they are free."""
+        return 0
+
+    def state_bytes(self) -> int:
+        """Device bytes of the state this method holds beside the KV pool now."""
+        return 0
 
     @classmethod
     def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:

@@ -12,11 +12,11 @@ The method class is `DynSplitKV`; its helpers are `dynsplit_split.py` (delimiter
 state) and `dynsplit_offload.py` (host offload with KV reuse).
 
 With K/V resident and min/max pooling, decoding is batched and captured in CUDA graphs: every sequence's chunk
-summaries, chunk starts and position -> chunk map live in device rows (`DynSplitRows`); DD-Select runs on the host in
-`begin_step` and writes what changed; each layer refreshes the summaries of the chunks the new token touched (from
+summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs on the host in `begin_step` and
+writes the starts of chunks it closed; each layer refreshes the summaries of the chunks the new token touched (from
 the last chunk_size + max_deviation + 1 keys), bounds every chunk with `kernels.page_bound` (a chunk read as a page
-of one slot), ranks the chunks with one sort and writes the slot lists with `kernels.sentence_slots`: the same
-selection as V2F's token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading
+of one slot), ranks the chunks with one sort and writes the slot lists with `kernels.chunk_slots` (a walk over
+chunks, each taking its leading slots): the same selection as V2F's token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading
 tokens). Reuse is counted on the device from per-slot stamps. Offload and mean pooling keep the per-sequence path.
 """
 from __future__ import annotations
@@ -139,19 +139,34 @@ class DynSplitKV(KVMethod):
     def new_state(self, seq: Sequence) -> DynSplitState:
         pool = seq.kv.pool
         store = HostKVStore(pool.num_layers, pool.device) if self.offload else None
-        state = DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
-        if self.graph_safe:
-            if self._rows is None:
-                self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
-            state.row = self._rows.owners.take(seq)
-            positions = len(seq.prompt_ids) + seq.params.max_new_tokens
-            self._ensure(state.row + 1, positions // self.chunk_size + 2, positions, pool)  # about as many chunks
-            self._rows.clear(state.row)
-        return state
+        if self.graph_safe and self._rows is None:
+            self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
+        return DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
 
-    def _ensure(self, rows: int, chunks: int, positions: int, pool: KVPool) -> None:
+    def _row_needs(self, seq: Sequence, row: int) -> tuple[int, int]:
+        """(rows, chunks) the device rows need for `seq` in `row`: its whole generation, in about as many chunks as
+        chunk_size gives."""
+        return row + 1, (len(seq.prompt_ids) + seq.params.max_new_tokens) // self.chunk_size + 2
+
+    def admit(self, seq: Sequence) -> None:
+        state = seq.method_state
+        if not self.graph_safe or state.row:
+            return
+        state.row = self._rows.owners.take(seq)
+        self._ensure(*self._row_needs(seq, state.row), seq.kv.pool)
+        self._rows.clear(state.row)
+
+    def admission_bytes(self, seq: Sequence) -> int:
+        if not self.graph_safe or seq.method_state.row:
+            return 0
+        return self._rows.growth_bytes(self._row_needs(seq, self._rows.owners.next_row()), seq.kv.pool)
+
+    def state_bytes(self) -> int:
+        return 0 if self._rows is None else self._rows.held_bytes()
+
+    def _ensure(self, rows: int, chunks: int, pool: KVPool) -> None:
         """Room in the device rows (a move makes captured graphs be captured again)."""
-        if self._rows.ensure(rows, chunks, positions, pool):
+        if self._rows.ensure(rows, chunks, pool):
             self.graph_epoch += 1
 
     def own_prefill(self, has_question: bool) -> bool:
@@ -196,8 +211,7 @@ class DynSplitKV(KVMethod):
         """The prompt's chunk map, chunk starts and every layer's chunk summaries into the sequence's device row."""
         kv, rows, n = seq.kv, self._rows, len(state.ids)
         chunks = len(state.ends) + 1
-        self._ensure(state.row + 1, chunks + 2, n, kv.pool)
-        rows.labels[state.row, 0, :n] = state.labels[:n].int()
+        self._ensure(state.row + 1, chunks + 2, kv.pool)
         rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32, device=rows.device)
         for layer in range(kv.pool.num_layers):
             blocks = block_summaries(kv.keys(layer), state.labels[:n], chunks, "minmax")  # [2, kv_heads, chunks, D]
@@ -225,9 +239,7 @@ class DynSplitKV(KVMethod):
                 state, rows = seq.method_state, self._rows
                 chunk, start = len(state.ends), state.open_start
                 self._extend(state, [seq.last_token])
-                n = len(state.ids)
-                self._ensure(state.row + 1, len(state.ends) + 2, n, seq.kv.pool)
-                rows.labels[state.row, 0, start:n] = state.labels[start:n].int()
+                self._ensure(state.row + 1, len(state.ends) + 2, seq.kv.pool)
                 if len(state.ends) > chunk:
                     rows.start[state.row, chunk + 1 : len(state.ends) + 1] = torch.tensor(
                         state.ends[chunk:], dtype=torch.int32, device=rows.device)
@@ -246,7 +258,7 @@ class DynSplitKV(KVMethod):
         if not self.graph_safe:
             return None
         self._step += 1
-        self._ensure(1, 1, 1, batch.pool)  # stamps for pages the pool gained
+        self._ensure(1, 1, batch.pool)  # stamps for pages the pool gained
         plan = []
         for seq in batch.seqs:
             state = seq.method_state
@@ -314,29 +326,30 @@ class DynSplitKV(KVMethod):
         end = torch.where(index < open_chunk[:, None], start.roll(-1, dims=1), n[:, None])
         lo, hi = torch.maximum(start, sinks[:, None]), torch.minimum(end, (n - recent)[:, None])
         count = torch.where(index <= open_chunk[:, None], (hi - lo).clamp(min=0), 0)  # tokens between the forced
-        before, first_token = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
-        slots, lengths = kernels.sentence_slots(
-            state.labels, rows, before, first_token, n, sinks, (n - recent - sinks).clamp(min=0), k - sinks - recent,
-            torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width, by_slot=True)
+        before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
+        slots, lengths = kernels.chunk_slots(lo, count, before, n, sinks, k - sinks - recent,
+                                             torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width,
+                                             self.chunk_size + self.max_deviation + 1)
         self._stamp(layer, batch, rows, n, slots, lengths, step, first)
         return Selection(slots, lengths)
 
     def _refresh(self, layer: int, batch: DecodeBatch, rows: torch.Tensor, n: torch.Tensor, open_chunk: torch.Tensor,
                  dirty: torch.Tensor, dirty_start: torch.Tensor) -> None:
         """Min / max keys of the chunk open before this step's token and of the one open now, from the last
-        chunk_size + max_deviation + 1 slots (they hold both: a chunk closes once that many tokens follow its start).
-        Chunks past the open one (no second chunk this step) are written to row 0."""
+        chunk_size + max_deviation + 1 slots (they hold both: a chunk closes once that many tokens follow its start;
+        its members lie between the chunk starts). Chunks past the open one (no second chunk this step) are written
+        to row 0."""
         state, pool = self._rows, batch.pool
         size = pool.page_size
         span = self.chunk_size + self.max_deviation + 1
         positions = n[:, None] - span + torch.arange(span, device=n.device)  # [B, span]
-        inside = (positions >= dirty_start[:, None]) & (positions >= 0)
-        positions = positions.clamp(min=0)
-        keys = pool.flat()[0][reference.physical_rows(batch.tables[:, layer], positions, size)]  # [B, span, H, D]
-        label = state.labels.flatten()[rows[:, None] * state.labels.shape[-1] + positions]  # [B, span]
+        closed = dirty < open_chunk  # the token closed the dirty chunk: the next one starts within the span
+        following = torch.where(closed, state.start[rows, (dirty + 1).clamp(max=state.chunks - 1)], n)  # [B]
+        bounds = ((dirty_start, following), (following, n))  # [first, end) of the dirty chunk and the next
+        keys = pool.flat()[0][reference.physical_rows(batch.tables[:, layer], positions.clamp(min=0), size)]
         kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
-        for chunk in (dirty, dirty + 1):
-            member = (inside & (label == chunk[:, None]))[..., None, None]  # [B, span, 1, 1]
+        for chunk, (first, end) in zip((dirty, dirty + 1), bounds):
+            member = ((positions >= first[:, None]) & (positions < end[:, None]) & (positions >= 0))[..., None, None]
             held = member.any(1)  # [B, 1, 1]: an empty chunk (just opened) gets zeros
             target = torch.where(chunk <= open_chunk, rows * state.chunks + chunk, 0)
             kmin[target] = torch.where(held, keys.masked_fill(~member, float("inf")).amin(1), 0).to(kmin.dtype)

@@ -69,7 +69,7 @@ class DynSplitState:
         self.previous: list[torch.Tensor | None] = [None] * num_layers
         self.store = store
         self.dependency = None  # AttentionDependency while per-document weights are estimated
-        self.row = 0  # batched path: the sequence's row in `DynSplitRows`
+        self.row = 0  # batched path: the sequence's row in `DynSplitRows` (0 until it is admitted)
         self.dirty = (0, 0)  # batched path: the chunk open before this step's token, and its start
 
     @property

@@ -3,6 +3,7 @@ representative scores and block keys, DynSplit-KV's attended-step stamps): a bat
 copies, and a freed page frees its state with it."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -19,6 +20,14 @@ class PageStorage:
                  dtype: torch.dtype = torch.float32) -> None:
         self.trailing, self.pool_dtype, self.dtype = trailing, pool_dtype, dtype
         self.data: torch.Tensor | None = None
+
+    def growth_bytes(self, pool: KVPool) -> int:
+        """Device bytes `ensure(pool)` allocates."""
+        have = 0 if self.data is None else self.data.shape[0]
+        if have >= pool.num_pages:
+            return 0
+        dtype = pool.dtype if self.pool_dtype else self.dtype
+        return pool.num_pages * math.prod(self.trailing(pool)) * dtype.itemsize
 
     def ensure(self, pool: KVPool) -> bool:
         """Grow with the pool; True when the storage moved (captured graphs must be captured again)."""

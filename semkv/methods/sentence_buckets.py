@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.kernels import reference
-from semkv.methods.state_rows import RowOwners, grown_sizes, regrown
+from semkv.methods.state_rows import DeviceRows, RowOwners
 
 
 def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -27,10 +27,13 @@ def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(bounds, positions.long().contiguous(), right=True) - 1
 
 
-class SentenceRows:
+class SentenceRows(DeviceRows):
     """The device state of every sequence, by row (row 0 serves the padding rows of a graphed step and the
     sequences that keep everything). Shapes grow with the longest row (`ensure`); a move makes captured graphs be
     captured again (the owner bumps its `graph_epoch`)."""
+
+    # rows come one per admitted request (a row is about 200 MB at 32 layers and 1400 buckets): little slack
+    slack = (1, 64, 256)
 
     def __init__(self, layers: int, heads: int, kv_heads: int, dim: int, device: torch.device):
         self.layers, self.heads, self.kv_heads, self.dim, self.device = layers, heads, kv_heads, dim, device
@@ -45,21 +48,18 @@ class SentenceRows:
         """Retained tokens a row can hold: the width of the token -> bucket map."""
         return self.bucket.shape[-1]
 
+    def sizes(self) -> tuple[int, int, int]:
+        return self.vectors.shape[1], self.vectors.shape[3], self.tokens
+
+    def shapes(self, rows: int, buckets: int, tokens: int) -> dict[str, tuple[int, ...]]:
+        layers, heads, dim = self.layers, self.kv_heads, self.dim
+        return dict(vectors=(layers, rows, heads, buckets, dim), count=(layers, rows, heads, buckets),
+                    bucket=(layers, rows, heads, tokens), q_sum=(layers, rows, self.heads, dim))
+
     def ensure(self, rows: int, buckets: int, tokens: int) -> bool:
         """Room for `rows` rows (row ids below it), `buckets` buckets and `tokens` retained tokens per row; True
         when the tensors moved."""
-        # rows come one per admitted request (a row is about 200 MB at 32 layers and 1400 buckets): little slack
-        size = grown_sizes((rows, buckets, tokens), (self.vectors.shape[1], self.vectors.shape[3], self.tokens),
-                           (1, 64, 256))
-        if size is None:
-            return False
-        n_rows, n_buckets, n_tokens = size
-        layers, heads, dim = self.layers, self.kv_heads, self.dim
-        self.vectors = regrown(self.vectors, (layers, n_rows, heads, n_buckets, dim))
-        self.count = regrown(self.count, (layers, n_rows, heads, n_buckets))
-        self.bucket = regrown(self.bucket, (layers, n_rows, heads, n_tokens))
-        self.q_sum = regrown(self.q_sum, (layers, n_rows, self.heads, dim))
-        return True
+        return self.grow((rows, buckets, tokens))
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
@@ -152,7 +152,7 @@ class SentenceState:
     offload: bool
     starts: list[int]  # start position of every bucket, the prompt's then the generated text's
     limit: int  # longest bucket of generated text
-    row: int  # in `SentenceRows` (0 when dense)
+    row: int  # in `SentenceRows` (0 when dense or not admitted yet)
     retained: int  # tokens retained per layer and KV head so far
     store: HostKVStore | None
     loaded: list[torch.Tensor | None] = field(default_factory=list)  # offload: per layer [kv_heads, capacity]

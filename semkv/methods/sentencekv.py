@@ -142,11 +142,24 @@ class SentenceKV(KVMethod):
         if self._rows is None:  # also when every row keeps everything: a graphed step still reads row 0
             self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
                                       pool.device)
-        if not dense:
-            st.row = self._rows.owners.take(seq)
-            self._ensure(st)
-            self._rows.clear(st.row)
         return st
+
+    def admit(self, seq: Sequence) -> None:
+        st: SentenceState = seq.method_state
+        if st.dense or st.row:
+            return
+        st.row = self._rows.owners.take(seq)
+        self._ensure(st)
+        self._rows.clear(st.row)
+
+    def admission_bytes(self, seq: Sequence) -> int:
+        st: SentenceState = seq.method_state
+        if st.dense or st.row:
+            return 0
+        return self._rows.growth_bytes((self._rows.owners.next_row() + 1, len(st.starts), st.retained))
+
+    def state_bytes(self) -> int:
+        return 0 if self._rows is None else self._rows.held_bytes()
 
     def _ensure(self, st: SentenceState, more_tokens: int = 0) -> None:
         """Room in the device state for the row's buckets and `more_tokens` further retained tokens (a move makes

@@ -1,8 +1,10 @@
 """Rows of per-sequence method state kept in batched device tensors (SentenceKV's buckets, DynSplit-KV's chunks):
 which row belongs to which sequence (row 0 is never handed out: the padding rows of a graphed step read and write it;
-a row is free again once its sequence has finished or is gone), and growing the tensors."""
+a row is free again once its sequence has finished or is gone), growing the tensors, and what a growth would cost
+(the engine admits a request only when the device has that memory free beside the KV pool)."""
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -15,15 +17,52 @@ class RowOwners:
     def __init__(self) -> None:
         self.owners: dict[int, weakref.ref] = {}  # row -> its sequence
 
-    def take(self, seq: Sequence) -> int:
-        """A free row (>= 1) for `seq`; the caller empties it (a freed row holds its last owner's state)."""
+    def next_row(self) -> int:
+        """The row `take` would hand out now (>= 1)."""
         for row, ref in list(self.owners.items()):
             owner = ref()
             if owner is None or owner.finished:
                 del self.owners[row]
-        row = next(r for r in range(1, len(self.owners) + 2) if r not in self.owners)
+        return next(r for r in range(1, len(self.owners) + 2) if r not in self.owners)
+
+    def take(self, seq: Sequence) -> int:
+        """A free row (>= 1) for `seq`; the caller empties it (a freed row holds its last owner's state)."""
+        row = self.next_row()
         self.owners[row] = weakref.ref(seq)
         return row
+
+
+class DeviceRows:
+    """Tensors whose shapes follow a few sizes (rows first): a subclass names its sizes now (`sizes`), the minimum
+    growth of each (`slack`) and the shape of every tensor for given sizes (`shapes`)."""
+
+    slack: tuple[int, ...]
+
+    def sizes(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def shapes(self, *sizes: int) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def grow(self, needs: tuple[int, ...]) -> bool:
+        """Room for `needs`; True when the tensors moved."""
+        size = grown_sizes(needs, self.sizes(), self.slack)
+        if size is None:
+            return False
+        for name, shape in self.shapes(*size).items():
+            setattr(self, name, regrown(getattr(self, name), shape))
+        return True
+
+    def growth_bytes(self, needs: tuple[int, ...]) -> int:
+        """Device bytes `grow(needs)` allocates (every grown tensor; each old one is freed once replaced)."""
+        size = grown_sizes(needs, self.sizes(), self.slack)
+        if size is None:
+            return 0
+        return sum(math.prod(shape) * getattr(self, name).element_size() for name, shape in self.shapes(*size).items())
+
+    def held_bytes(self) -> int:
+        """Device bytes of the tensors now."""
+        return sum(getattr(self, name).nbytes for name in self.shapes(*self.sizes()))
 
 
 def grown_sizes(needs: tuple[int, ...], have: tuple[int, ...], slack: tuple[int, ...]) -> list[int] | None:
