@@ -194,6 +194,13 @@ def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=4).generate(PROMPTS[0], chat=False)
 
 
+def test_requests_that_end_at_their_first_token(tiny_llm):
+    """One new token each: every request finishes at its prefill and the scheduler stops without a decode step."""
+    outs = tiny_llm.generate(PROMPTS[:3], max_new_tokens=1, ignore_eos=True, chat=False)
+    assert [len(o.token_ids) for o in outs] == [1, 1, 1]
+    assert [o.token_ids for o in outs] == [g[:1] for g in greedy(tiny_llm, PROMPTS[:3])]
+
+
 def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tiny_model_dir):
     """SentenceKV's device rows are taken when a request is admitted, not when it is submitted; with room beside the
     pool for the state of two requests, four identical ones run two at a time (rows 1 and 2 only) and give the
