@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_chunk_slots, triton_decode,
-                           triton_fused, triton_page_select, triton_prefill, triton_sentence_slots,
-                           triton_summary_dot, triton_token_select)
+from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_chunk_refresh,
+                           triton_chunk_slots, triton_decode, triton_fused, triton_page_select, triton_prefill,
+                           triton_sentence_slots, triton_summary_dot, triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -302,6 +302,29 @@ def check_chunk_slots(gen, batch: int = 16, context: int = 32768) -> list[dict]:
                  reference_ms=do_bench(lambda: reference.chunk_slots(*args)))]
 
 
+def check_chunk_refresh(gen, batch: int = 16, context: int = 32768) -> list[dict]:
+    """DynSplit-KV's per-layer refresh of two chunk summaries from the last 31 slots of each row (chunk_size 16,
+    max_deviation 14), read through page tables from a pool of 16 x 32k tokens. Min / max: exact."""
+    from triton.testing import do_bench
+
+    pages = batch * context // PAGE
+    k_flat = torch.randn(pages * PAGE, HK, D, device="cuda", generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1)
+    n = torch.full((batch,), context, device="cuda")
+    first = n - torch.randint(1, 31, (batch,), device="cuda", generator=gen)
+    split = torch.where(torch.arange(batch, device="cuda") % 2 == 0, n, first + 1)  # half the rows closed a chunk
+    targets = torch.randperm(batch * 4, device="cuda", generator=gen)[: 2 * batch].view(batch, 2) + 1
+    want = [torch.zeros(batch * 4 + 1, HK, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    got = [t.clone() for t in want]
+    args = (k_flat, tables, PAGE, first, split, n, targets, 31)
+    reference.chunk_refresh(*args, *want)
+    triton_chunk_refresh.chunk_refresh(*args, *got)
+    exact = all(torch.equal(a, b) for a, b in zip(want, got))
+    return [dict(kernel="chunk_refresh", batch=batch, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_chunk_refresh.chunk_refresh(*args, *got)),
+                 reference_ms=do_bench(lambda: reference.chunk_refresh(*args, *want)))]
+
+
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
     """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
     so they must agree exactly; device times of both captured in CUDA graphs."""
@@ -337,7 +360,7 @@ def main() -> int:
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen)
-            + check_sentence_slots(gen) + check_chunk_slots(gen) + check_plan_slots(gen)
+            + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_plan_slots(gen)
             + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
@@ -368,6 +391,8 @@ def main() -> int:
         elif r["kernel"] == "sentence_slots":
             print(exact_row("SentenceKV sentence_slots (one layer)", f"B={r['batch']} x {r['tokens']} tokens, budget 2048",
                             r))
+        elif r["kernel"] == "chunk_refresh":
+            print(exact_row("DynSplit-KV chunk_refresh (one layer)", f"B={r['batch']}, 2 chunks, 31 slots", r))
         elif r["kernel"] == "chunk_slots":
             print(exact_row("DynSplit-KV chunk_slots (one layer)",
                             f"B={r['batch']} x {r['chunks']} chunks ({r['context']} positions), budget 2048", r))

@@ -352,3 +352,28 @@ def test_chunk_slots_kernel_matches_reference():
             assert (want_slots[b, h, int(want_lengths[b, h]):] == 0).all()
     got_slots, got_lengths = chunk_slots(*args, block=4, run=4, span=8)
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)
+
+
+def test_chunk_refresh_kernel_matches_reference():
+    """DynSplit-KV's refresh of two chunks from the last `span` slots of each row, read through the page tables: a
+    chunk closed by the token (both chunks held), one still open (the next chunk is empty: zeros), a row shorter than
+    the span, and rows whose empty chunk writes the padding row 0 (not compared). Exact: min and max do not round."""
+    from semkv.kernels.triton_chunk_refresh import chunk_refresh
+
+    gen = torch.Generator().manual_seed(3)
+    pages, page_size, kv_heads, dim, span = 40, 4, 2, 8, 11
+    k_flat = torch.randn(pages * page_size, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    tables = torch.stack([torch.randperm(pages - 1, generator=gen)[:12] + 1 for _ in range(3)])  # [B, 12 pages]
+    n = torch.tensor([37, 6, 20])
+    first = torch.tensor([28, 0, 12])
+    split = torch.tensor([33, 6, 20])  # row 0: a chunk closed at 33; rows 1 and 2: the joined chunk is still open
+    targets = torch.tensor([[5, 9], [7, 0], [3, 0]])
+    want = [torch.zeros(12, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    got = [t.clone() for t in want]
+    reference.chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, *want)
+    chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, *got)
+    for w, g in zip(want, got):
+        assert torch.equal(w[1:], g[1:])
+    keys = k_flat[reference.physical_rows(tables[:1], torch.arange(28, 33)[None], page_size)][0]  # row 0's chunk
+    assert torch.equal(want[0][5], keys.amin(0)) and torch.equal(want[1][5], keys.amax(0))
+    assert want[0][3].abs().sum() > 0 and want[0][7].abs().sum() > 0  # open chunks summarised

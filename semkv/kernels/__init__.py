@@ -110,6 +110,15 @@ def chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, l
     return reference.chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest)
 
 
+def chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, kmin, kmax):
+    """See `reference.chunk_refresh` (in place)."""
+    if use_triton(k_flat.device):
+        from semkv.kernels import triton_chunk_refresh
+
+        return triton_chunk_refresh.chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, kmin, kmax)
+    return reference.chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, kmin, kmax)
+
+
 def summary_dots(sums, pages, directions):
     """See `reference.summary_dots`."""
     if use_triton(sums.device):

@@ -191,6 +191,21 @@ def chunk_slots(lo: torch.Tensor, count: torch.Tensor, before: torch.Tensor, n: 
     return _compact(chosen, n, n_sink, tail, max_sink, width)
 
 
+def chunk_refresh(k_flat: torch.Tensor, tables: torch.Tensor, page_size: int, first: torch.Tensor, split: torch.Tensor,
+                  n: torch.Tensor, targets: torch.Tensor, span: int, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+    """Write the element-wise min / max key of two chunks inside each row's last `span` slots (DynSplit-KV: the chunk
+    the new token joined, slots [first, split), and the next one, [split, n)). k_flat [pool rows, kv_heads, D]
+    (`KVPool.flat`), tables [B, max_pages] (one layer), first / split / n [B]; targets [B, 2] the rows of kmin / kmax
+    [summary rows, kv_heads, D] the two chunks go to. A chunk with no slot gets zeros."""
+    positions = n[:, None] - span + torch.arange(span, device=n.device)  # [B, span]
+    keys = k_flat[physical_rows(tables, positions.clamp(min=0), page_size)]  # [B, span, kv_heads, D]
+    for chunk, (lo, hi) in enumerate(((first, split), (split, n))):
+        member = ((positions >= lo[:, None]) & (positions < hi[:, None]) & (positions >= 0))[..., None, None]
+        held = member.any(1)  # [B, 1, 1]
+        kmin[targets[:, chunk]] = torch.where(held, keys.masked_fill(~member, float("inf")).amin(1), 0).to(kmin.dtype)
+        kmax[targets[:, chunk]] = torch.where(held, keys.masked_fill(~member, float("-inf")).amax(1), 0).to(kmax.dtype)
+
+
 def _compact(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor, max_sink: int,
              width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sinks, the chosen slots (chosen [B, S, T]: slot n_sink + t) and the tail, compacted to the front of

@@ -40,6 +40,8 @@ from semkv.methods.dynsplit_split import (DEFAULT_DELIMITERS, AttentionDependenc
                                           delimiter_candidates, normalise, table7_weight)
 from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, block_summaries, v2f_select
 
+PLAN = ("row", "k", "n_sink", "n_recent", "open_chunk", "dirty_start", "following", "dirty_target", "opened", "step",
+        "first_step")  # columns of the step plan
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
            "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max")}
@@ -118,6 +120,7 @@ class DynSplitKV(KVMethod):
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
         self._rows: DynSplitRows | None = None
         self._step = 0  # decode steps of this method: the stamps of attended slots
+        self._ranges: tuple[torch.Tensor, ...] = ()  # the step's chunk ranges, made at layer 0 (`_chunk_ranges`)
 
     @property
     def graph_safe(self) -> bool:
@@ -231,19 +234,16 @@ class DynSplitKV(KVMethod):
         return min(resolve_budget(self.budget, seq.num_computed + 1), len(seq.method_state.ids))
 
     def begin_step(self, batch: DecodeBatch) -> None:
-        """Extend every split by the new token. Batched path: write the positions whose chunk changed and the starts of
-        chunks just closed into the device rows, and note the chunks the step must summarise again (the one open
-        before the token and the one open now)."""
+        """Extend every split by the new token. Batched path: note the chunks the step must summarise again (the one
+        open before the token and the one open now) and where the token closed the first of them (the plan carries
+        it to the device: the host writes nothing there)."""
         if self.graph_safe:
             for seq in batch.seqs:
-                state, rows = seq.method_state, self._rows
+                state = seq.method_state
                 chunk, start = len(state.ends), state.open_start
-                self._extend(state, [seq.last_token])
+                self._extend(state, [seq.last_token])  # one token closes at most one chunk
                 self._ensure(state.row + 1, len(state.ends) + 2, seq.kv.pool)
-                if len(state.ends) > chunk:
-                    rows.start[state.row, chunk + 1 : len(state.ends) + 1] = torch.tensor(
-                        state.ends[chunk:], dtype=torch.int32, device=rows.device)
-                state.dirty = (chunk, start)
+                state.dirty = (chunk, start, state.ends[chunk] if len(state.ends) > chunk else 0)
             return None
         for seq in batch.seqs:
             self._extend(seq.method_state, [seq.last_token])
@@ -253,24 +253,27 @@ class DynSplitKV(KVMethod):
         return None
 
     def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
-        """Batched path: per row [B, 9]: state row, tokens to attend k, sinks, recent, open chunk, first chunk to
-        summarise again and its start, this step's stamp, 1 at the row's first decode step (no reuse yet)."""
+        """Batched path: per row [B, 11], columns `PLAN`: state row, tokens to attend k, sinks, recent, open chunk;
+        the chunk the token joined (open before it: its start, the start of the chunk after it or the token count,
+        its summary row) and the chunk the token opened (its summary row, which is also its place in the flattened
+        starts; 0: none); this step's stamp; 1 at the row's first decode step (no reuse yet)."""
         if not self.graph_safe:
             return None
         self._step += 1
         self._ensure(1, 1, batch.pool)  # stamps for pages the pool gained
-        plan = []
+        chunks, plan = self._rows.chunks, []
         for seq in batch.seqs:
             state = seq.method_state
             k = self._k(seq)
             recent = min(k, self.n_recent)
-            chunk, start = state.dirty
-            plan.append([state.row, k, min(k - recent, self.n_sink), recent, len(state.ends), chunk, start,
-                         self._step, int(len(seq.output_ids) == 1)])
+            dirty, start, closed_at = state.dirty
+            plan.append([state.row, k, min(k - recent, self.n_sink), recent, len(state.ends), start,
+                         closed_at or len(state.ids), state.row * chunks + dirty,
+                         state.row * chunks + dirty + 1 if closed_at else 0, self._step, int(len(seq.output_ids) == 1)])
         return {"dynsplit": torch.tensor(plan, device=batch.positions.device)}
 
     def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
-        return {"dynsplit": (9, 0)} if self.graph_safe else {}
+        return {"dynsplit": (len(PLAN), 0)} if self.graph_safe else {}
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         if self.graph_safe:
@@ -309,51 +312,41 @@ class DynSplitKV(KVMethod):
     def _select_rows(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection:
         """Every row at once from the device rows and the plan (see the module docstring). q [B, heads, D]."""
         plan = batch.step_plan["dynsplit"]
-        rows, k, sinks, recent, open_chunk, dirty, dirty_start, step, first = plan.unbind(1)
-        n = batch.num_slots[:, layer]  # [B]
+        col = dict(zip(PLAN, plan.unbind(1)))  # [B] each
+        n = batch.num_slots[:, layer]  # [B], the same in every layer
         if batch.seqs is None:  # graphed: the widest any row may attend
             width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
         else:
             width = max(self._k(s) for s in batch.seqs)
-        self._refresh(layer, batch, rows, n, open_chunk, dirty, dirty_start)
-        state, heads = self._rows, batch.model.num_kv_heads
-        chunks = state.chunks
-        index = torch.arange(chunks, device=q.device)
-        table = rows[:, None] * chunks + index  # [B, chunks]: each chunk is a "page" of the summary rows
-        scores = kernels.page_bound(q, state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1), table,
-                                    open_chunk + 2, 1, self.group_reduce)  # [B, kv_heads, chunks]
-        start = state.start[rows].long()  # [B, chunks]
-        end = torch.where(index < open_chunk[:, None], start.roll(-1, dims=1), n[:, None])
-        lo, hi = torch.maximum(start, sinks[:, None]), torch.minimum(end, (n - recent)[:, None])
-        count = torch.where(index <= open_chunk[:, None], (hi - lo).clamp(min=0), 0)  # tokens between the forced
-        before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
-        slots, lengths = kernels.chunk_slots(lo, count, before, n, sinks, k - sinks - recent,
-                                             torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width,
-                                             self.chunk_size + self.max_deviation + 1)
-        self._stamp(layer, batch, rows, n, slots, lengths, step, first)
+        state, pool = self._rows, batch.pool
+        span = self.chunk_size + self.max_deviation + 1  # a chunk closes once that many slots follow its start
+        if layer == 0:
+            state.start.view(-1)[col["opened"]] = col["following"].int()  # a chunk the token opened
+            self._ranges = self._chunk_ranges(col, n)
+        kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
+        kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, col["dirty_start"],
+                              col["following"], n, plan[:, PLAN.index("dirty_target"):][:, :2], span, kmin, kmax)
+        table, lo, count = self._ranges
+        scores = kernels.page_bound(q, kmin, kmax, table, col["open_chunk"] + 2, 1,
+                                    self.group_reduce)  # [B, kv_heads, chunks]
+        before, _ = reference.bucket_ranks(scores, count[:, None].expand_as(scores))
+        sinks, recent = col["n_sink"], col["n_recent"]
+        slots, lengths = kernels.chunk_slots(lo, count, before, n, sinks, col["k"] - sinks - recent,
+                                             torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width, span)
+        self._stamp(layer, batch, col["row"], n, slots, lengths, col["step"], col["first_step"])
         return Selection(slots, lengths)
 
-    def _refresh(self, layer: int, batch: DecodeBatch, rows: torch.Tensor, n: torch.Tensor, open_chunk: torch.Tensor,
-                 dirty: torch.Tensor, dirty_start: torch.Tensor) -> None:
-        """Min / max keys of the chunk open before this step's token and of the one open now, from the last
-        chunk_size + max_deviation + 1 slots (they hold both: a chunk closes once that many tokens follow its start;
-        its members lie between the chunk starts). Chunks past the open one (no second chunk this step) are written
-        to row 0."""
-        state, pool = self._rows, batch.pool
-        size = pool.page_size
-        span = self.chunk_size + self.max_deviation + 1
-        positions = n[:, None] - span + torch.arange(span, device=n.device)  # [B, span]
-        closed = dirty < open_chunk  # the token closed the dirty chunk: the next one starts within the span
-        following = torch.where(closed, state.start[rows, (dirty + 1).clamp(max=state.chunks - 1)], n)  # [B]
-        bounds = ((dirty_start, following), (following, n))  # [first, end) of the dirty chunk and the next
-        keys = pool.flat()[0][reference.physical_rows(batch.tables[:, layer], positions.clamp(min=0), size)]
-        kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
-        for chunk, (first, end) in zip((dirty, dirty + 1), bounds):
-            member = ((positions >= first[:, None]) & (positions < end[:, None]) & (positions >= 0))[..., None, None]
-            held = member.any(1)  # [B, 1, 1]: an empty chunk (just opened) gets zeros
-            target = torch.where(chunk <= open_chunk, rows * state.chunks + chunk, 0)
-            kmin[target] = torch.where(held, keys.masked_fill(~member, float("inf")).amin(1), 0).to(kmin.dtype)
-            kmax[target] = torch.where(held, keys.masked_fill(~member, float("-inf")).amax(1), 0).to(kmax.dtype)
+    def _chunk_ranges(self, col: dict[str, torch.Tensor], n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What every layer of the step shares: each chunk's summary row (`table` [B, chunks], a chunk read as a
+        page of one slot), its first slot between the forced ones and how many it has there (`lo`, `count`)."""
+        state, open_chunk = self._rows, col["open_chunk"][:, None]
+        index = torch.arange(state.chunks, device=n.device)
+        table = col["row"][:, None] * state.chunks + index
+        start = state.start[col["row"]].long()  # [B, chunks]
+        end = torch.where(index < open_chunk, start.roll(-1, dims=1), n[:, None])
+        lo, hi = torch.maximum(start, col["n_sink"][:, None]), torch.minimum(end, (n - col["n_recent"])[:, None])
+        count = torch.where(index <= open_chunk, (hi - lo).clamp(min=0), 0)
+        return table, lo, count
 
     def _stamp(self, layer: int, batch: DecodeBatch, rows: torch.Tensor, n: torch.Tensor, slots: torch.Tensor,
                lengths: torch.Tensor, step: torch.Tensor, first: torch.Tensor) -> None:

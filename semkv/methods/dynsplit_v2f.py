@@ -62,7 +62,8 @@ class DynSplitState:
         self.position_weights: list[float] = []  # weight of each position's token, -1 for non-delimiters
         self.ends: list[int] = []  # ends (exclusive) of the closed chunks
         self.pending = 0  # chunks closed by the latest tokens, not yet summarised
-        self.labels = torch.zeros(64, dtype=torch.long, device=device)  # [capacity] chunk index of each position
+        self._labels = torch.zeros(64, dtype=torch.long, device=device)  # [capacity] chunk index of each position
+        self._labelled = 0  # positions whose entry in `_labels` is up to date
         self.summaries: list[torch.Tensor | None] = [None] * num_layers  # [stats, kv_heads, capacity, D]
         self.open_keys: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads, m, D]
         # device-resident: selected mask [kv_heads, n]; offload: positions held in device slots [kv_heads, r]
@@ -70,7 +71,8 @@ class DynSplitState:
         self.store = store
         self.dependency = None  # AttentionDependency while per-document weights are estimated
         self.row = 0  # batched path: the sequence's row in `DynSplitRows` (0 until it is admitted)
-        self.dirty = (0, 0)  # batched path: the chunk open before this step's token, and its start
+        # batched path: the chunk open before this step's token, its start, and its end if the token closed it (else 0)
+        self.dirty = (0, 0, 0)
 
     @property
     def open_start(self) -> int:
@@ -81,15 +83,24 @@ class DynSplitState:
         self.position_weights.extend(self.token_weights.get(t, -1.0) for t in tokens)
 
     def close(self, ends: list[int]) -> None:
-        """Record the chunks just closed and relabel the positions of the (old) open chunk onwards."""
-        first, n = self.open_start, len(self.ids)
+        """Record the chunks just closed: the positions of the (old) open chunk onwards change chunk."""
+        self._labelled = min(self._labelled, self.open_start)
         self.ends.extend(ends)
         self.pending = len(ends)
-        if n > self.labels.shape[0]:
-            self.labels = torch.cat([self.labels, torch.zeros_like(self.labels).repeat(n // self.labels.shape[0])])
-        ends_t = torch.tensor(self.ends, dtype=torch.long, device=self.labels.device)
-        positions = torch.arange(first, n, device=self.labels.device)
-        self.labels[first:n] = torch.searchsorted(ends_t, positions, right=True)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """[capacity >= positions] the chunk of every position (closed chunks, then the open one), brought up to date
+        when read: the batched path reads it only at prefill."""
+        n = len(self.ids)
+        if self._labelled < n:
+            if n > self._labels.shape[0]:
+                self._labels = torch.cat([self._labels, self._labels.new_zeros(n)])
+            ends = torch.tensor(self.ends, dtype=torch.long, device=self._labels.device)
+            positions = torch.arange(self._labelled, n, device=self._labels.device)
+            self._labels[self._labelled:n] = torch.searchsorted(ends, positions, right=True)
+            self._labelled = n
+        return self._labels
 
     def summarise(self, layer: int, new_keys: torch.Tensor, pooling: str) -> None:
         """Fold the keys of the newest positions [kv_heads, t, D] in: summarise the chunks closed since the last call
