@@ -3,7 +3,8 @@
 pool and the free memory allow, and the method's rows follow the requests running, not those submitted.
 
     python benchmarks/continuous_batching.py --tokenizer DIR --text-file BOOK [--shape llama3-8b] [--method dynsplit]
-        [--budget 2048] [--requests 14] [--context 32k] [--new-tokens 16] [--gpu-memory-utilization 0.9]
+        [--budget 2048] [--param NAME=VALUE] [--requests 14] [--context 32k] [--new-tokens 16]
+        [--gpu-memory-utilization 0.9]
 
 A model of the shape with random weights (speed and memory do not depend on the weights) prefills each request for
 real with a window of the text (so the method sees delimiters) and decodes `--new-tokens` greedy tokens. Printed:
@@ -19,6 +20,7 @@ import torch
 from semkv.bench.cli import load_tokenizer, parse_sizes
 from semkv.bench.run import TextContexts
 from semkv.bench.shapes import random_model
+from semkv.cli.main import parse_params
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--method", default="dynsplit")
     p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
     p.add_argument("--requests", type=int, default=14)
     p.add_argument("--context", default="32k")
     p.add_argument("--new-tokens", type=int, default=16)
@@ -43,7 +46,7 @@ def main() -> None:
     engine = Engine(model, model.config, device, dtype, gpu_memory_utilization=args.gpu_memory_utilization)
     tokenizer = load_tokenizer(args.tokenizer)
     text = TextContexts.from_files([args.text_file], tokenizer)
-    method = get_method(args.method, args.budget)
+    method = get_method(args.method, args.budget, **parse_params(args.param))
     method.bind(model.config, tokenizer, engine.pool.page_size)
     context = parse_sizes(args.context, "context")[0]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
