@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from semkv.bench.device import measured_bandwidth
 from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_chunk_refresh,
                            triton_chunk_slots, triton_decode, triton_fused, triton_page_select, triton_prefill,
-                           triton_sentence_slots, triton_summary_dot, triton_token_select)
+                           triton_sentence_slots, triton_slot_stamps, triton_summary_dot, triton_token_select)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -325,6 +325,30 @@ def check_chunk_refresh(gen, batch: int = 16, context: int = 32768) -> list[dict
                  reference_ms=do_bench(lambda: reference.chunk_refresh(*args, *want)))]
 
 
+def check_slot_stamps(gen, batch: int = 16, context: int = 32768) -> list[dict]:
+    """DynSplit-KV's reuse counting for one layer at budget 2048: each row's 2048 attended slots per KV head (sorted,
+    distinct, out of 32k) through page tables of a pool of 16 x 32k tokens. Integers: they must agree exactly."""
+    from triton.testing import do_bench
+
+    pages = batch * context // PAGE + 1
+    tables = (torch.randperm(pages - 1, device="cuda", generator=gen) + 1).view(batch, -1)  # page 0: scratch
+    slots = torch.sort(torch.rand(batch, HK, context, device="cuda", generator=gen).argsort(-1)[..., :2048],
+                       dim=-1).values
+    lengths = torch.full((batch, HK), 2048, device="cuda")
+    n = torch.full((batch,), context, device="cuda")
+    step, first, rows = torch.full_like(n, 9), torch.zeros_like(n), torch.arange(1, batch + 1, device="cuda")
+    stamps = torch.randint(7, 9, (pages * PAGE, HK), device="cuda", generator=gen, dtype=torch.int32)
+    reuse = torch.zeros(batch + 1, 2, dtype=torch.long, device="cuda")
+    want, got = [stamps.clone(), reuse.clone()], [stamps.clone(), reuse.clone()]
+    args = (tables, PAGE, slots, lengths, n - 1, step, first)
+    reference.slot_stamps(want[0], *args, want[1], rows, 0)
+    triton_slot_stamps.slot_stamps(got[0], *args, got[1], rows, 0)
+    exact = torch.equal(want[0][PAGE:], got[0][PAGE:]) and torch.equal(want[1], got[1])
+    return [dict(kernel="slot_stamps", batch=batch, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_slot_stamps.slot_stamps(got[0], *args, got[1], rows, 0)),
+                 reference_ms=do_bench(lambda: reference.slot_stamps(want[0], *args, want[1], rows, 0)))]
+
+
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
     """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
     so they must agree exactly; device times of both captured in CUDA graphs."""
@@ -360,7 +384,8 @@ def main() -> int:
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen)
-            + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_plan_slots(gen)
+            + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
+            + check_plan_slots(gen)
             + check_token_select(gen, bandwidth))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
@@ -391,6 +416,8 @@ def main() -> int:
         elif r["kernel"] == "sentence_slots":
             print(exact_row("SentenceKV sentence_slots (one layer)", f"B={r['batch']} x {r['tokens']} tokens, budget 2048",
                             r))
+        elif r["kernel"] == "slot_stamps":
+            print(exact_row("DynSplit-KV slot_stamps (one layer)", f"B={r['batch']} x 2048 slots per KV head", r))
         elif r["kernel"] == "chunk_refresh":
             print(exact_row("DynSplit-KV chunk_refresh (one layer)", f"B={r['batch']}, 2 chunks, 31 slots", r))
         elif r["kernel"] == "chunk_slots":

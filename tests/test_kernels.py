@@ -377,3 +377,30 @@ def test_chunk_refresh_kernel_matches_reference():
     keys = k_flat[reference.physical_rows(tables[:1], torch.arange(28, 33)[None], page_size)][0]  # row 0's chunk
     assert torch.equal(want[0][5], keys.amin(0)) and torch.equal(want[1][5], keys.amax(0))
     assert want[0][3].abs().sum() > 0 and want[0][7].abs().sum() > 0  # open chunks summarised
+
+
+def test_slot_stamps_kernel_matches_reference():
+    """DynSplit-KV's reuse counting: slots attended at the previous step count as reused, the new token is not
+    counted, a row at its first step reuses nothing, a padding row (counter row 0) writes only the scratch page; then
+    every attended slot carries this step's stamp."""
+    from semkv.kernels.triton_slot_stamps import slot_stamps
+
+    gen = torch.Generator().manual_seed(5)
+    pages, page_size, heads, width = 30, 4, 2, 9
+    tables = torch.stack([torch.randperm(pages - 1, generator=gen)[:6] + 1 for _ in range(4)])  # page 0: scratch
+    tables[3] = 0  # the padding row
+    slots = torch.sort(torch.stack([torch.stack([torch.randperm(24, generator=gen)[:width] for _ in range(heads)])
+                                    for _ in range(4)]), dim=-1).values  # [B, S, width] ascending, distinct
+    lengths = torch.tensor([[9, 5], [7, 7], [3, 8], [1, 1]])
+    current = slots.gather(2, (lengths[:, :1] - 1)[..., None])[:, 0, 0]  # a row's last slot of head 0: the new token
+    step, first, rows = torch.tensor([7, 7, 7, 7]), torch.tensor([0, 0, 1, 0]), torch.tensor([2, 1, 3, 0])
+    stamps = torch.randint(5, 7, (pages * page_size, heads), generator=gen, dtype=torch.int32)  # steps 5 and 6
+    reuse = torch.randint(0, 50, (4, 2), generator=gen)
+    want = [stamps.clone(), reuse.clone()]
+    got = [stamps.clone(), reuse.clone()]
+    args = (tables, page_size, slots, lengths, current, step, first)
+    reference.slot_stamps(want[0], *args, want[1], rows, 0)
+    slot_stamps(got[0], *args, got[1], rows, 0, block=4)
+    assert torch.equal(want[0][page_size:], got[0][page_size:]) and torch.equal(want[1][1:], got[1][1:])
+    assert (want[1][1:] - reuse[1:]).sum() > 0 and (want[1][2:] - reuse[2:])[:, 0].sum() >= 0
+    assert want[1][3, 0] == reuse[3, 0]  # first step: nothing reused

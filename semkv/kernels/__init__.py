@@ -119,6 +119,16 @@ def chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, kmi
     return reference.chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, kmin, kmax)
 
 
+def slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first, reuse, rows, scratch):
+    """See `reference.slot_stamps` (in place)."""
+    if use_triton(stamps.device):
+        from semkv.kernels import triton_slot_stamps
+
+        return triton_slot_stamps.slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first, reuse,
+                                              rows, scratch)
+    return reference.slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first, reuse, rows, scratch)
+
+
 def summary_dots(sums, pages, directions):
     """See `reference.summary_dots`."""
     if use_triton(sums.device):

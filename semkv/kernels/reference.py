@@ -206,6 +206,25 @@ def chunk_refresh(k_flat: torch.Tensor, tables: torch.Tensor, page_size: int, fi
         kmax[targets[:, chunk]] = torch.where(held, keys.masked_fill(~member, float("-inf")).amax(1), 0).to(kmax.dtype)
 
 
+def slot_stamps(stamps: torch.Tensor, tables: torch.Tensor, page_size: int, slots: torch.Tensor, lengths: torch.Tensor,
+                current: torch.Tensor, step: torch.Tensor, first: torch.Tensor, reuse: torch.Tensor, rows: torch.Tensor,
+                scratch: int) -> None:
+    """Reuse counting from per-slot stamps (DynSplit-KV): of each row's attended slots (slots [B, S, width], the first
+    lengths [B, S] of each list; `current` [B] the slot not counted: the new token), count those whose stamp in
+    stamps [pool rows, S] (int32, by physical row through tables [B, max_pages]) is step - 1 (never at a row's first
+    step: first [B] = 1) as reused and the others as reloaded, added to reuse [rows, 2] at rows [B]; then stamp every
+    attended slot with step [B]. Entries past a list's length write the scratch page."""
+    heads = slots.shape[1]
+    held = torch.arange(slots.shape[-1], device=slots.device) < lengths[..., None]  # [B, S, width]
+    flat = torch.where(held, physical_rows(tables, slots, page_size), scratch * page_size)
+    head = torch.arange(heads, device=slots.device)[None, :, None]
+    counted = held & (slots != current[:, None, None])
+    reused = counted & (stamps[flat, head] == (step - 1)[:, None, None]) & (first == 0)[:, None, None]
+    reused, counted = reused.sum((1, 2)), counted.sum((1, 2))
+    reuse.index_put_((rows,), torch.stack([reused, counted - reused], 1), accumulate=True)
+    stamps[flat, head] = step.int()[:, None, None].expand_as(flat)
+
+
 def _compact(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor, max_sink: int,
              width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sinks, the chosen slots (chosen [B, S, T]: slot n_sink + t) and the tail, compacted to the front of

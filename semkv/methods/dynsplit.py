@@ -17,7 +17,8 @@ writes the starts of chunks it closed; each layer refreshes the summaries of the
 the last chunk_size + max_deviation + 1 keys), bounds every chunk with `kernels.page_bound` (a chunk read as a page
 of one slot), ranks the chunks with one sort and writes the slot lists with `kernels.chunk_slots` (a walk over
 chunks, each taking its leading slots): the same selection as V2F's token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading
-tokens). Reuse is counted on the device from per-slot stamps. Offload and mean pooling keep the per-sequence path.
+tokens). Reuse is counted on the device from per-slot stamps (`kernels.slot_stamps`). Offload and mean pooling
+keep the per-sequence path.
 """
 from __future__ import annotations
 
@@ -333,7 +334,9 @@ class DynSplitKV(KVMethod):
         sinks, recent = col["n_sink"], col["n_recent"]
         slots, lengths = kernels.chunk_slots(lo, count, before, n, sinks, col["k"] - sinks - recent,
                                              torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width, span)
-        self._stamp(layer, batch, col["row"], n, slots, lengths, col["step"], col["first_step"])
+        kernels.slot_stamps(state.stamps.data.view(-1, pool.num_kv_heads), batch.tables[:, layer], pool.page_size,
+                            slots, lengths, n - 1, col["step"], col["first_step"], state.reuse, col["row"],
+                            pool.scratch)  # reuse counts
         return Selection(slots, lengths)
 
     def _chunk_ranges(self, col: dict[str, torch.Tensor], n: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -347,23 +350,6 @@ class DynSplitKV(KVMethod):
         lo, hi = torch.maximum(start, col["n_sink"][:, None]), torch.minimum(end, (n - col["n_recent"])[:, None])
         count = torch.where(index <= open_chunk, (hi - lo).clamp(min=0), 0)
         return table, lo, count
-
-    def _stamp(self, layer: int, batch: DecodeBatch, rows: torch.Tensor, n: torch.Tensor, slots: torch.Tensor,
-               lengths: torch.Tensor, step: torch.Tensor, first: torch.Tensor) -> None:
-        """Count the attended slots (the current token aside) that were / were not attended at the row's previous
-        step of this layer, then stamp the attended ones with this step."""
-        pool = batch.pool
-        size, heads = pool.page_size, pool.num_kv_heads
-        held = torch.arange(slots.shape[-1], device=slots.device) < lengths[..., None]  # [B, kv_heads, width]
-        flat = torch.where(held, reference.physical_rows(batch.tables[:, layer], slots, size),
-                           pool.scratch * size)  # pool rows; padding: scratch
-        stamps = self._rows.stamps.data.view(-1, heads)
-        head = torch.arange(heads, device=slots.device)[None, :, None]
-        counted = held & (slots != (n - 1)[:, None, None])
-        reused = (counted & (stamps[flat, head] == (step - 1)[:, None, None]) & (first == 0)[:, None, None])
-        reused, counted = reused.sum((1, 2)), counted.sum((1, 2))
-        self._rows.reuse.index_put_((rows,), torch.stack([reused, counted - reused], 1), accumulate=True)
-        stamps[flat, head] = step.int()[:, None, None].expand_as(flat)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Batched path: the rows' reuse counters into the sequences' statistics (one small read)."""
