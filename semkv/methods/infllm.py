@@ -55,6 +55,7 @@ from semkv import kernels
 from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
+from semkv.kernels import reference
 from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
 from semkv.methods.page_storage import PageStorage, slot_scores
 
@@ -177,12 +178,12 @@ class InfLLM(KVMethod):
         size, bs, heads = pool.page_size, self.block_size, pool.num_kv_heads
         kf = pool.flat()[0]  # [pages * page_size, kv_heads, D]
         slots = blocks.clamp(min=0)[..., None] * bs + torch.arange(bs, device=blocks.device)  # [B, m, bs]
-        pages = torch.gather(tables, 1, (slots // size).clamp(max=tables.shape[1] - 1).flatten(1)).view_as(slots)
-        rows = pages * size + slots % size  # [B, m, bs] flat pool rows
+        slots = slots.clamp(max=tables.shape[1] * size - 1)  # "no block" reads block 0, which may outrun a short table
+        rows = reference.physical_rows(tables, slots, size)  # [B, m, bs] flat pool rows
         top = scores.view(-1, heads)[rows].topk(self.n_repr, dim=2).indices  # [B, m, n_repr, kv_heads]
         key_rows = torch.gather(rows[..., None].expand(-1, -1, -1, heads), 2, top)
         keys = kf[key_rows, torch.arange(heads, device=blocks.device)]  # [B, m, n_repr, kv_heads, D]
-        first = torch.where(blocks >= 0, pages[..., 0], pool.scratch)  # [B, m]
+        first = torch.where(blocks >= 0, rows[..., 0] // size, pool.scratch)  # [B, m]
         block_keys[first, slots[..., 0] % size // bs] = keys.float().mean(2).to(block_keys.dtype)
 
     # -- decode -----------------------------------------------------------------------------------------------------

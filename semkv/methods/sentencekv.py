@@ -4,12 +4,13 @@ Sentence-Level Semantic KV Caching", https://arxiv.org/abs/2504.00970).
 At the end of prefill the prompt is cut into sentence buckets; the last `window` prompt queries score every token (the
 attention it receives, summed over the window and the query heads of its KV group), the top floor(keep_factor *
 budget) tokens of each KV head are retained across all sentences and the rest are dropped for good; each bucket gets
-a sentence vector per KV head (the mean of its retained keys, kept on the device) and the retained K/V move to host
-memory. At every decode step the mean query of the tokens generated since the last sentence end is scored against
-the sentence vectors (dot product per KV head), the best buckets are loaded until the budget is filled, and
-attention runs over them plus the attention sinks and the recent window.
+a sentence vector per KV head (the mean of its retained keys, kept on the device); with `offload` the retained K/V
+move to host memory (by default they stay on the device). At every decode step the mean query of the tokens
+generated since the last sentence end is scored against the sentence vectors (dot product per KV head), the best
+buckets are taken (with offload: loaded) until the budget is filled, and attention runs over them plus the attention
+sinks and the recent window.
 
-Device memory during decoding: `n_sink` sinks + a working set of `budget - n_sink - n_recent` slots (the loaded
+Device memory during decoding with offload: `n_sink` sinks + a working set of `budget - n_sink - n_recent` slots (the loaded
 buckets; a bucket that stays chosen stays loaded, so only newly chosen tokens are copied) + the recent window, which
 holds up to `offload_chunk` more tokens on their way out: tokens leaving the recent window are offloaded
 `offload_chunk` at a time and join the bucket of the sentence they belong to (generated text is bucketed like the
@@ -46,8 +47,11 @@ query: "mean" (mean query of the current generated sentence, the paper) or "curr
     the paper's ablation, section 6.2).
 buckets: "sentences" (the paper) or "chunks" (as many equal-size chunks as there are sentences, the ablation of
     section 6.1; generated text is chunked the same way).
-offload: keep retained K/V in host memory and copy chosen tokens to the device (True), or keep them all resident
-    and select in place (False); None: on when the engine runs on a GPU.
+offload: False (the default) keeps the retained K/V resident and selects in place: the same tokens as offloading,
+    batched and replayed in CUDA graphs (1.7x Full KV's throughput at 11 x 32k on an H100), and most of the memory
+    saving already comes from dropping the unretained tokens at prefill. True keeps retained K/V in host memory and
+    copies chosen tokens to the device (the paper's setting: less device memory, eager steps, ~50 ms a sequence at
+    32k); None: on when the engine runs on a GPU.
 offload_chunk: tokens leaving the recent window are moved to the host this many at a time; 16 (one copy per
     layer every 16 steps instead of every step).
 """
@@ -83,7 +87,7 @@ class SentenceKV(KVMethod):
     max_sentence: int = 128
     query: str = "mean"
     buckets: str = "sentences"
-    offload: bool | None = None
+    offload: bool | None = False
     offload_chunk: int = 16
 
     name = "sentencekv"
