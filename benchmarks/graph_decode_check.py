@@ -39,8 +39,8 @@ METHODS = {  # label -> (method, budget, parameters); budgets below the prompts 
     "h2o 0.2": ("h2o", 0.2, {}),
     "infllm": ("infllm", 512, {}),
     "infllm 0.2": ("infllm", 0.2, dict(per_head=True)),
-    "sentencekv": ("sentencekv", 512, dict(offload=False)),
-    "sentencekv 0.2": ("sentencekv", 0.2, dict(offload=False, query="current", offload_chunk=4)),
+    "sentencekv": ("sentencekv", 512, {}),
+    "sentencekv 0.2": ("sentencekv", 0.2, dict(query="current", offload_chunk=4)),
     "dynsplit": ("dynsplit", 512, {}),
     "dynsplit 0.2": ("dynsplit", 0.2, dict(n_sink=16, group_reduce="max")),
 }

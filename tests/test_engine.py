@@ -131,8 +131,8 @@ GRAPH_SAFE = {
     "infllm": dict(budget=40, n_init=4, block_size=4, n_repr=2),  # scores and block keys beside the pool
     "infllm-fraction": dict(budget=0.3, n_init=4, block_size=8, n_repr=2, per_head=True),  # W in the step plan
     # buckets ranked from device rows, tokens leaving the window join them between steps
-    "sentencekv": dict(budget=40, offload=False, window=8, n_sink=4, n_recent=4, offload_chunk=4),
-    "sentencekv-fraction": dict(budget=0.3, offload=False, n_sink=4, n_recent=4, query="current", offload_chunk=2),
+    "sentencekv": dict(budget=40, window=8, n_sink=4, n_recent=4, offload_chunk=4),
+    "sentencekv-fraction": dict(budget=0.3, n_sink=4, n_recent=4, query="current", offload_chunk=2),
     # chunk summaries, starts and map in device rows; DD-Select on the host between steps; reuse stamps by slot
     "dynsplit": dict(budget=40, chunk_size=6, max_deviation=3),
     "dynsplit-fraction": dict(budget=0.3, chunk_size=8, max_deviation=4, n_sink=2, group_reduce="max"),
