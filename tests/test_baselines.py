@@ -39,6 +39,7 @@ class Run:
         pool = KVPool(LAYERS, KV_HEADS, DIM, PAGE, torch.float32, torch.device("cpu"))
         self.seq = seq = Sequence(0, list(range(n)), SamplingParams(), SeqKV(pool))
         seq.method_state = method.new_state(seq)
+        method.admit(seq)  # as the engine does when a request is admitted
         spans = plan_chunks(0, n, chunk, method.window_size())
         for a, b in spans:
             seq.num_computed = b

@@ -239,6 +239,28 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
         run(growth // 2)
 
 
+@pytest.mark.parametrize("name", ["h2o", "infllm"])
+def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, name):
+    """H2O's prompt attention sums are taken at admission, not at submission; what H2O and InfLLM keep beside a fixed
+    pool (scores, block keys: by page, for every page) is announced by the first request's `admission_bytes` and
+    held afterwards, and nothing more is announced for the next request."""
+    from semkv.methods import get_method
+
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=400)
+    method = get_method(name, 32)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    ids = llm.encode(PROMPTS[0], chat=False)[0]
+    seqs = [Sequence(i, ids, SamplingParams(max_new_tokens=4), SeqKV(llm.engine.pool)) for i in range(2)]
+    states = [method.new_state(s) for s in seqs]
+    assert method.state_bytes() == 0 and not getattr(states[0], "prefill_scores", [])
+    pool = llm.engine.pool
+    prompt_sums = pool.num_layers * pool.num_kv_heads * len(ids) * 4 if name == "h2o" else 0
+    announced = method.admission_bytes(seqs[0])
+    llm.generate(PROMPTS[0], method=method, max_new_tokens=4, chat=False)
+    assert method.state_bytes() == announced - prompt_sums > 0
+    assert method.admission_bytes(seqs[1]) == prompt_sums
+
+
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():
     """`append_slots` over a batch (one allocation, one copy of the new page ids) leaves every sequence with the
     pages, tables and slot counts that appending one sequence at a time gives, across page boundaries reached at

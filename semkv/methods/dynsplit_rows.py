@@ -51,8 +51,7 @@ class DynSplitRows(DeviceRows):
         return super().growth_bytes(needs) + self.stamps.growth_bytes(pool)
 
     def held_bytes(self) -> int:
-        stamps = 0 if self.stamps.data is None else self.stamps.data.nbytes
-        return super().held_bytes() + stamps
+        return super().held_bytes() + self.stamps.held_bytes()
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""

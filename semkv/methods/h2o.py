@@ -72,9 +72,20 @@ class H2O(KVMethod):
         return int(budget * self.recent_ratio)
 
     def new_state(self, seq: Sequence) -> H2OState:
-        layers, heads = seq.kv.pool.num_layers, seq.kv.pool.num_kv_heads
-        n = len(seq.prompt_ids)
-        return H2OState(prefill_scores=[torch.zeros(heads, n, device=seq.kv.pool.device) for _ in range(layers)])
+        return H2OState()
+
+    def admit(self, seq: Sequence) -> None:
+        """The prompt's attention sums, one [kv_heads, n] per layer, until its prefill ends."""
+        pool, n = seq.kv.pool, len(seq.prompt_ids)
+        seq.method_state.prefill_scores = [torch.zeros(pool.num_kv_heads, n, device=pool.device)
+                                           for _ in range(pool.num_layers)]
+
+    def admission_bytes(self, seq: Sequence) -> int:
+        pool = seq.kv.pool
+        return pool.num_layers * pool.num_kv_heads * len(seq.prompt_ids) * 4 + self.scores.growth_bytes(pool)
+
+    def state_bytes(self) -> int:
+        return self.scores.held_bytes()
 
     # -- prefill ----------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:

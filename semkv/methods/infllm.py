@@ -138,6 +138,12 @@ class InfLLM(KVMethod):
             return None
         return InfLLMState(self.split(resolve_budget(self.budget, len(seq.prompt_ids)))[1])
 
+    def admission_bytes(self, seq: Sequence) -> int:
+        return self.scores.growth_bytes(seq.kv.pool) + self.block_keys.growth_bytes(seq.kv.pool)
+
+    def state_bytes(self) -> int:
+        return self.scores.held_bytes() + self.block_keys.held_bytes()
+
     def _storage(self, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [pages, page_size, kv_heads] and block keys, grown with the pool first (a move makes captured
         graphs be captured again)."""

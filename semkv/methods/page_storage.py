@@ -21,6 +21,9 @@ class PageStorage:
         self.trailing, self.pool_dtype, self.dtype = trailing, pool_dtype, dtype
         self.data: torch.Tensor | None = None
 
+    def held_bytes(self) -> int:
+        return 0 if self.data is None else self.data.nbytes
+
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates."""
         have = 0 if self.data is None else self.data.shape[0]
