@@ -239,11 +239,11 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
         run(growth // 2)
 
 
-@pytest.mark.parametrize("name", ["h2o", "infllm"])
+@pytest.mark.parametrize("name", ["h2o", "infllm", "quest", "chess"])
 def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, name):
-    """H2O's prompt attention sums are taken at admission, not at submission; what H2O and InfLLM keep beside a fixed
-    pool (scores, block keys: by page, for every page) is announced by the first request's `admission_bytes` and
-    held afterwards, and nothing more is announced for the next request."""
+    """H2O's prompt attention sums are taken at admission, not at submission; what H2O, InfLLM, Quest and CHESS keep
+    beside a fixed pool (scores, block keys, page summaries: for every page) is announced by the first request's
+    `admission_bytes` and held afterwards, and nothing more is announced for the next request."""
     from semkv.methods import get_method
 
     llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=400)

@@ -182,6 +182,12 @@ class Chess(KVMethod):
         seq.stats.extra["reselections"] = 0
         return ChessState()
 
+    def admission_bytes(self, seq: Sequence) -> int:
+        return self.summaries.growth_bytes(seq.kv.pool)
+
+    def state_bytes(self) -> int:
+        return self.summaries.held_bytes()
+
     @classmethod
     def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:
         """99th percentiles of the mean entropy and the varentropy of next-token distributions over pages of the

@@ -27,18 +27,30 @@ class PageSummaries:
         self.transform = transform
         self.data: dict[str, torch.Tensor] = {}
 
+    def _dtype(self, stat: str, pool: KVPool) -> torch.dtype:
+        # min / max of stored keys are stored keys: exact in the pool's dtype (half the bytes Quest reads)
+        exact = stat in ("min", "max") and self.transform is None
+        return pool.dtype if exact else torch.float32
+
     def ensure(self, pool: KVPool) -> None:
         """Grow the summary tables with the pool."""
         for stat in self.stats:
             old = self.data.get(stat)
             have = 0 if old is None else old.shape[0]
             if have < pool.num_pages:
-                # min / max of stored keys are stored keys: exact in the pool's dtype (half the bytes Quest reads)
-                exact = stat in ("min", "max") and self.transform is None
-                dtype = pool.dtype if exact else torch.float32
-                new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim, dtype=dtype,
-                                  device=pool.device)
+                new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim,
+                                  dtype=self._dtype(stat, pool), device=pool.device)
                 self.data[stat] = new if old is None else torch.cat([old, new])
+
+    def growth_bytes(self, pool: KVPool) -> int:
+        """Device bytes `ensure(pool)` allocates (a grown table is a new one, the old one freed after)."""
+        grown = [stat for stat in self.stats if (0 if stat not in self.data else self.data[stat].shape[0]) <
+                 pool.num_pages]
+        return sum(pool.num_pages * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
+                   for stat in grown)
+
+    def held_bytes(self) -> int:
+        return sum(t.nbytes for t in self.data.values())
 
     def build(self, kv: SeqKV, layer: int) -> None:
         """Summaries of every page of one sequence and layer, from its stored keys."""
