@@ -484,7 +484,7 @@ class Engine:
                 return (f"request {seq.seq_id} needs {need} KV pages; the pool has {self.pool.num_pages - 1} (raise "
                         "gpu_memory_utilization or shorten it)")
         state = method.admission_bytes(seq)
-        room = self.state_room(method)
+        room = self.state_room(method) if state else math.inf  # most admissions allocate nothing: no device query
         if state > room:
             return (f"request {seq.seq_id} needs {state / 2**30:.2f} GiB of {method.name} state beside the KV pool; "
                     f"{max(room, 0) / 2**30:.2f} GiB is free there (lower gpu_memory_utilization or shorten it)")
