@@ -414,8 +414,8 @@ def main() -> int:
         elif r["kernel"] == "block_slots":
             print(exact_row("InfLLM block_slots (one layer)", f"B={r['batch']} S={r['shared']} budget 2048", r))
         elif r["kernel"] == "sentence_slots":
-            print(exact_row("SentenceKV sentence_slots (one layer)", f"B={r['batch']} x {r['tokens']} tokens, budget 2048",
-                            r))
+            print(exact_row("SentenceKV sentence_slots (one layer)",
+                            f"B={r['batch']} x {r['tokens']} tokens, budget 2048", r))
         elif r["kernel"] == "slot_stamps":
             print(exact_row("DynSplit-KV slot_stamps (one layer)", f"B={r['batch']} x 2048 slots per KV head", r))
         elif r["kernel"] == "chunk_refresh":

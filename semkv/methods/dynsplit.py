@@ -12,13 +12,14 @@ The method class is `DynSplitKV`; its helpers are `dynsplit_split.py` (delimiter
 state) and `dynsplit_offload.py` (host offload with KV reuse).
 
 With K/V resident and min/max pooling, decoding is batched and captured in CUDA graphs: every sequence's chunk
-summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs on the host in `begin_step` and
-writes the starts of chunks it closed; each layer refreshes the summaries of the chunks the new token touched (from
-the last chunk_size + max_deviation + 1 keys), bounds every chunk with `kernels.page_bound` (a chunk read as a page
-of one slot), ranks the chunks with one sort and writes the slot lists with `kernels.chunk_slots` (a walk over
-chunks, each taking its leading slots): the same selection as V2F's token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading
-tokens). Reuse is counted on the device from per-slot stamps (`kernels.slot_stamps`). Offload and mean pooling
-keep the per-sequence path.
+summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs on the host in `begin_step` and the
+start of a chunk it closed reaches the device in the step plan; each layer refreshes the summaries of the chunks the
+new token touched (`kernels.chunk_refresh`, from the last chunk_size + max_deviation + 1 keys), bounds every chunk
+with `kernels.page_bound` (a chunk read as a page of one slot), ranks the chunks with one sort and writes the slot
+lists with `kernels.chunk_slots` (a walk over chunks, each taking its leading slots): the same selection as V2F's
+token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading tokens). Reuse is
+counted on the device from per-slot stamps (`kernels.slot_stamps`). Offload and mean pooling keep the per-sequence
+path.
 """
 from __future__ import annotations
 
@@ -212,7 +213,7 @@ class DynSplitKV(KVMethod):
             seq.stats.d2h_bytes = state.store.d2h_bytes
 
     def _prefill_rows(self, seq: Sequence, state: DynSplitState) -> None:
-        """The prompt's chunk map, chunk starts and every layer's chunk summaries into the sequence's device row."""
+        """The prompt's chunk starts and every layer's chunk summaries into the sequence's device row."""
         kv, rows, n = seq.kv, self._rows, len(state.ids)
         chunks = len(state.ends) + 1
         self._ensure(state.row + 1, chunks + 2, kv.pool)
