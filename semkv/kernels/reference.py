@@ -126,13 +126,9 @@ def block_slots(top: torch.Tensor, chosen: torch.Tensor, init: torch.Tensor, loc
         parts.append((slots, (blocks >= 0).repeat_interleave(block_size, dim=-1) & inside))
     window = (n - local)[:, None] + slot  # [B, capacity]
     parts.append((window[:, None], ((window >= init[:, None]) & (window < n[:, None]))[:, None]))
-    # the valid entries of [initial | blocks | local] are ascending: compact them to the front
     slots = torch.cat([p.expand(-1, shared, -1) for p, _ in parts], -1)  # [B, S, all candidates]
     valid = torch.cat([v.expand(-1, shared, -1) for _, v in parts], -1)
-    position = valid.cumsum(-1) - 1
-    out = torch.zeros(batch, shared, capacity + 1, dtype=torch.long, device=device)
-    out.scatter_(-1, torch.where(valid, position, capacity), slots)  # invalid entries land in the last column
-    return out[..., :capacity], position[..., -1] + 1
+    return compact_slots(slots, valid, capacity)  # [initial | blocks | local]
 
 
 def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,8 +232,14 @@ def _compact(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: 
     slots = torch.cat([per_row(sinks.expand(batch, -1)), per_row(n_sink[:, None] + torch.arange(tokens, device=device)),
                        per_row(n[:, None] - width + recent)], -1)  # [B, S, max_sink + T + width]
     valid = torch.cat([per_row(sinks < n_sink[:, None]), chosen, per_row(recent >= width - tail[:, None])], -1)
-    position = valid.cumsum(-1) - 1  # the valid entries are ascending: compact them to the front
-    out = torch.zeros(batch, shared, width + 1, dtype=torch.long, device=device)
+    return compact_slots(slots, valid, width)
+
+
+def compact_slots(slots: torch.Tensor, valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate slots [B, S, m] whose valid entries (valid [B, S, m]) are ascending, compacted to the front by a
+    scan: slots [B, S, width] (then 0) and lengths [B, S]."""
+    position = valid.cumsum(-1) - 1
+    out = torch.zeros(*slots.shape[:2], width + 1, dtype=torch.long, device=slots.device)
     out.scatter_(-1, torch.where(valid, position, width), slots)  # invalid entries land in the last column
     return out[..., :width], position[..., -1] + 1
 

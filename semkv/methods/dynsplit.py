@@ -326,8 +326,9 @@ class DynSplitKV(KVMethod):
             state.start.view(-1)[col["opened"]] = col["following"].int()  # a chunk the token opened
             self._ranges = self._chunk_ranges(col, n)
         kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
+        targets = plan[:, PLAN.index("dirty_target") : PLAN.index("opened") + 1]  # [B, 2] the two chunks' rows
         kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, col["dirty_start"],
-                              col["following"], n, plan[:, PLAN.index("dirty_target"):][:, :2], span, kmin, kmax)
+                              col["following"], n, targets, span, kmin, kmax)
         table, lo, count = self._ranges
         scores = kernels.page_bound(q, kmin, kmax, table, col["open_chunk"] + 2, 1,
                                     self.group_reduce)  # [B, kv_heads, chunks]

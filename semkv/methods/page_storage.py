@@ -1,6 +1,6 @@
 """Method state stored beside the KV pool, by physical page like the keys (H2O's accumulated attention, InfLLM's
-representative scores and block keys, DynSplit-KV's attended-step stamps): a batch reads and writes it through its page tables, with no per-sequence
-copies, and a freed page frees its state with it."""
+representative scores and block keys, DynSplit-KV's attended-step stamps): a batch reads and writes it through its
+page tables, with no per-sequence copies, and a freed page frees its state with it."""
 from __future__ import annotations
 
 import math
@@ -21,25 +21,29 @@ class PageStorage:
         self.trailing, self.pool_dtype, self.dtype = trailing, pool_dtype, dtype
         self.data: torch.Tensor | None = None
 
+    @property
+    def pages(self) -> int:
+        return 0 if self.data is None else self.data.shape[0]
+
+    def _dtype(self, pool: KVPool) -> torch.dtype:
+        return pool.dtype if self.pool_dtype else self.dtype
+
     def held_bytes(self) -> int:
         return 0 if self.data is None else self.data.nbytes
 
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates."""
-        have = 0 if self.data is None else self.data.shape[0]
-        if have >= pool.num_pages:
+        if self.pages >= pool.num_pages:
             return 0
-        dtype = pool.dtype if self.pool_dtype else self.dtype
-        return pool.num_pages * math.prod(self.trailing(pool)) * dtype.itemsize
+        return pool.num_pages * math.prod(self.trailing(pool)) * self._dtype(pool).itemsize
 
     def ensure(self, pool: KVPool) -> bool:
         """Grow with the pool; True when the storage moved (captured graphs must be captured again)."""
-        have = 0 if self.data is None else self.data.shape[0]
+        have = self.pages
         if have >= pool.num_pages:
             return False
         with torch.inference_mode(False):  # a normal tensor, written outside generation too
-            dtype = pool.dtype if self.pool_dtype else self.dtype
-            grown = torch.zeros(pool.num_pages, *self.trailing(pool), dtype=dtype, device=pool.device)
+            grown = torch.zeros(pool.num_pages, *self.trailing(pool), dtype=self._dtype(pool), device=pool.device)
             if self.data is not None:
                 grown[:have] = self.data
         self.data = grown

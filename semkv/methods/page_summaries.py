@@ -32,22 +32,23 @@ class PageSummaries:
         exact = stat in ("min", "max") and self.transform is None
         return pool.dtype if exact else torch.float32
 
+    def _short(self, pool: KVPool) -> list[str]:
+        """The statistics whose tables hold fewer pages than the pool."""
+        return [stat for stat in self.stats if stat not in self.data or self.data[stat].shape[0] < pool.num_pages]
+
     def ensure(self, pool: KVPool) -> None:
         """Grow the summary tables with the pool."""
-        for stat in self.stats:
+        for stat in self._short(pool):
             old = self.data.get(stat)
             have = 0 if old is None else old.shape[0]
-            if have < pool.num_pages:
-                new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim,
-                                  dtype=self._dtype(stat, pool), device=pool.device)
-                self.data[stat] = new if old is None else torch.cat([old, new])
+            new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim, dtype=self._dtype(stat, pool),
+                              device=pool.device)
+            self.data[stat] = new if old is None else torch.cat([old, new])
 
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates (a grown table is a new one, the old one freed after)."""
-        grown = [stat for stat in self.stats if (0 if stat not in self.data else self.data[stat].shape[0]) <
-                 pool.num_pages]
         return sum(pool.num_pages * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
-                   for stat in grown)
+                   for stat in self._short(pool))
 
     def held_bytes(self) -> int:
         return sum(t.nbytes for t in self.data.values())

@@ -97,7 +97,7 @@ class SentenceRows(DeviceRows):
 
     def row_bytes(self) -> int:
         """Device bytes of one row: sentence vectors, counts, token -> bucket map and query sum."""
-        return sum(t[:, 0].numel() * t.element_size() for t in (self.vectors, self.count, self.bucket, self.q_sum))
+        return self.held_bytes() // self.sizes()[0]
 
 
 def load_working_set(loaded: torch.Tensor, kv: SeqKV, store: HostKVStore, layer: int, wanted: torch.Tensor,

@@ -10,9 +10,9 @@ generated since the last sentence end is scored against the sentence vectors (do
 buckets are taken (with offload: loaded) until the budget is filled, and attention runs over them plus the attention
 sinks and the recent window.
 
-Device memory during decoding with offload: `n_sink` sinks + a working set of `budget - n_sink - n_recent` slots (the loaded
-buckets; a bucket that stays chosen stays loaded, so only newly chosen tokens are copied) + the recent window, which
-holds up to `offload_chunk` more tokens on their way out: tokens leaving the recent window are offloaded
+Device memory during decoding with offload: `n_sink` sinks + a working set of `budget - n_sink - n_recent` slots
+(the loaded buckets; a bucket that stays chosen stays loaded, so only newly chosen tokens are copied) + the recent
+window, which holds up to `offload_chunk` more tokens on their way out: tokens leaving the recent window are offloaded
 `offload_chunk` at a time and join the bucket of the sentence they belong to (generated text is bucketed like the
 prompt), so they can be retrieved later. Plus the sentence vectors and a token -> bucket map (one int per retained
 token). Bytes moved are counted in `stats.h2d_bytes` / `d2h_bytes` (`h2d_bytes_step_max`: the largest decode step).
@@ -296,9 +296,8 @@ class SentenceKV(KVMethod):
         """The m oldest tokens of the recent window join their buckets, every layer at once (and move to the host
         when offloading)."""
         kv, start = seq.kv, st.tail_start
-        size = kv.pool.page_size
-        slots = torch.arange(start, start + m, device=kv.table.device)
-        rows = kv.table[:, slots // size] * size + slots % size  # [layers, m] flat pool rows
+        slots = torch.arange(start, start + m, device=kv.table.device).expand(kv.pool.num_layers, -1)
+        rows = reference.physical_rows(kv.table, slots, kv.pool.page_size)  # [layers, m] flat pool rows
         kf, vf, pf = kv.pool.flat()
         k, pos = kf[rows].transpose(1, 2), pf[rows].transpose(1, 2)  # [layers, kv_heads, m, D], [layers, kv_heads, m]
         self._ensure(st, m)
