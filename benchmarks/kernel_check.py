@@ -229,6 +229,23 @@ def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32
                  miss_ms=miss_ms, hit_ms=hit_ms, floor_ms=1e3 * key_bytes / bandwidth)]
 
 
+def check_prompt_sums(gen) -> list[dict]:
+    """H2O's prompt scores for one layer: the last 512-query chunk of a 32k prompt, whose queries see every key."""
+    from triton.testing import do_bench
+
+    context, chunk = 32768, 512
+    k, _, tables = pool(context, 1, gen)
+    q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (q, k, tables[0], context - chunk, D**-0.5)
+    want = reference.prompt_attention_sums(q.float(), k.float(), *args[2:])
+    got = triton_attention_scores.prompt_attention_sums(*args)
+    triton_ms = do_bench(lambda: triton_attention_scores.prompt_attention_sums(*args))
+    flops = 2 * 2 * H * chunk * context * D  # q . k twice: the log-sum-exp pass and the column sums
+    return [dict(kernel="prompt_attention_sums", context=context, chunk=chunk, err=rel_err(got, want),
+                 triton_ms=triton_ms, reference_ms=do_bench(lambda: reference.prompt_attention_sums(*args)),
+                 triton_tflops=flops / triton_ms / 1e9)]
+
+
 def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int = 11) -> list[dict]:
     """InfLLM's slot list for one layer at budget 2048 (128 initial tokens, 11 blocks of 128, the local window) over
     32k contexts of different lengths, one set per layer and one per KV head: integers, so they must agree exactly."""
@@ -383,7 +400,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_block_slots(gen)
+            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
             + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
             + check_plan_slots(gen)
             + check_token_select(gen, bandwidth))
@@ -426,6 +443,10 @@ def main() -> int:
         elif r["kernel"] == "accumulate_attention":
             print(f"| H2O accumulate_attention (one layer) | B={r['batch']} x {r['width']} slots | {r['err']:.1e} | "
                   f"{r['triton_ms']:.4f} | {r['reference_ms']:.4f} | - |")
+        elif r["kernel"] == "prompt_attention_sums":
+            print(f"| H2O prompt_attention_sums (one layer) | {r['chunk']} queries x {r['context']} keys | "
+                  f"{r['err']:.1e} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | "
+                  f"{r['triton_tflops']:.0f} TFLOP/s |")
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:

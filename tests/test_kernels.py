@@ -255,6 +255,30 @@ def test_accumulate_attention_kernel_matches_reference(group):
     assert torch.equal(scores[1][untouched], before[untouched])
 
 
+@pytest.mark.parametrize("start,chunk", [(0, 37), (45, 20), (70, 64)])
+def test_prompt_attention_sums_kernel_matches_reference(start, chunk):
+    """H2O's prompt scores: a first chunk (causal only), later chunks whose first key block is seen by part of the
+    chunk, chunks and contexts that are not multiples of the blocks, pages in random order, a query group of 3. Every
+    query gives each KV group's heads a mass of one each, and the keys after a query get none of it."""
+    from semkv.kernels import triton_attention_scores
+
+    k, _, gen = random_pool(pages=40, page=4, kv_heads=2, dim=16, seed=3)
+    heads, kv_heads = 6, 2
+    table = torch.randperm(40, generator=gen)
+    q = torch.randn(chunk, heads, 16, generator=gen) * 2
+    want = reference.prompt_attention_sums(q, k, table, start, 0.25, query_block=16)
+    direct = reference.prompt_attention_sums(q, k, table, start, 0.25)
+    assert want.shape == (kv_heads, start + chunk) and torch.allclose(want, direct, atol=1e-5)
+    assert want.sum(1).tolist() == pytest.approx([chunk * heads / kv_heads] * kv_heads, rel=1e-5)
+    got = triton_attention_scores.prompt_attention_sums(q, k, table, start, 0.25, block_m=16, block_n=16)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    # the chunk's last key is seen by its last query only, which sees every key
+    slots = torch.arange(start + chunk)
+    keys = k.view(-1, kv_heads, 16)[table[slots // 4] * 4 + slots % 4]  # [n, kv_heads, D]
+    probs = torch.softmax(torch.einsum("hd,nhd->hn", q[-1], keys.repeat_interleave(3, 1)) * 0.25, -1)  # [heads, n]
+    assert want[:, -1].tolist() == pytest.approx(probs[:, -1].view(kv_heads, 3).sum(1).tolist(), rel=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [4, 6])
 def test_block_slots_kernel_matches_reference(block_size):
     """InfLLM's slot lists: blocks given best first and taken ascending, a block overlapping the initial tokens, one

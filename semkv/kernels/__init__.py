@@ -82,6 +82,15 @@ def accumulate_attention(logits, counts, pages, positions, pos_pool, scores):
     return reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores)
 
 
+def prompt_attention_sums(q, k_pool, table, start, scale):
+    """See `reference.prompt_attention_sums`."""
+    if use_triton(q.device):
+        from semkv.kernels import triton_attention_scores
+
+        return triton_attention_scores.prompt_attention_sums(q, k_pool, table, start, scale)
+    return reference.prompt_attention_sums(q, k_pool, table, start, scale)
+
+
 def block_slots(top, chosen, init, local, n, block_size, capacity):
     """See `reference.block_slots`."""
     if use_triton(top.device):

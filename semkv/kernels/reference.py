@@ -383,6 +383,29 @@ def accumulate_attention(logits: torch.Tensor, counts: torch.Tensor, pages: torc
     scores[pages] = new.view(batch, pages.shape[1], -1, kv_heads)
 
 
+def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, start: int, scale: float,
+                          query_block: int = 256) -> torch.Tensor:
+    """The attention each key of one sequence and layer receives from a prefill chunk (H2O's prompt scores).
+
+    q [C, heads, D]: the chunk's queries, stored at slots [start, start + C), slot = position; table [max_pages];
+    k_pool [pages, page_size, kv_heads, D] holds the keys of slots [0, start + C). Each query's causal softmax over
+    those keys (logits `scale * q . k`, float32) is summed over the chunk's queries and each KV group's query heads:
+    float32 [kv_heads, start + C]. Queries are taken `query_block` at a time, so at most [heads, query_block,
+    start + C] logits exist at once."""
+    chunk, n_heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    end = start + chunk
+    slots = torch.arange(end, device=q.device)
+    keys = k_pool.view(-1, kv_heads, dim)[physical_rows(table[None], slots[None], k_pool.shape[1])[0]]  # [end, KH, D]
+    grouped = q.view(chunk, kv_heads, n_heads // kv_heads, dim).float()
+    sums = torch.zeros(kv_heads, end, dtype=torch.float32, device=q.device)
+    for a in range(0, chunk, query_block):
+        logits = torch.einsum("wkgd,nkd->kgwn", grouped[a : a + query_block], keys.float()) * scale
+        future = slots[None, :] > start + torch.arange(a, a + logits.shape[2], device=q.device)[:, None]  # [w, end]
+        sums += torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((1, 2))
+    return sums
+
+
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,

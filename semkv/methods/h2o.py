@@ -8,7 +8,7 @@ lowest accumulated score outside the recent window.
 
 Readings of the paper (each a choice a careful reimplementation makes):
 - Prefill: the attention each prompt key receives from all prompt queries is accumulated chunk by chunk (never the
-  full L x L matrix); at the end of prefill each KV head keeps its `budget - n_recent` top-scored tokens plus the last
+  full L x L matrix; on the GPU two Triton passes over the paged keys, `kernels.prompt_attention_sums`); at the end of prefill each KV head keeps its `budget - n_recent` top-scored tokens plus the last
   `n_recent` prompt tokens (the reference code's prompt-time selection).
 - Decode: the victim is chosen in `begin_step`, before the new token's query is seen, so the cache never exceeds the
   budget and attention covers exactly `budget` tokens (the reference code attends over budget + 1 and evicts after).
@@ -40,11 +40,8 @@ import torch
 from semkv import kernels
 from semkv.engine.kv_cache import KVPool, stack_tables
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import DecodeBatch, KVMethod, check_range, keep_top, per_kv_head, resolve_budget, \
-    window_attention
+from semkv.methods.base import DecodeBatch, KVMethod, check_range, keep_top, resolve_budget
 from semkv.methods.page_storage import resident_pages, slot_scores
-
-QUERY_BLOCK = 256  # prompt queries scored at once, so a chunk's scores stay [heads, 256, n]
 
 
 @dataclass
@@ -89,16 +86,10 @@ class H2O(KVMethod):
 
     # -- prefill ----------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
-        """Add the attention the chunk's queries give every stored key (causal), block of queries by block."""
-        kv, end = seq.kv, start + q.shape[0]
-        keys = kv.gather(layer, torch.arange(end, device=q.device)[None])[0]  # [kv_heads, end, D]
-        key_positions = torch.arange(end, device=q.device)[None].expand(keys.shape[0], -1)
-        total = seq.method_state.prefill_scores[layer]
-        for a in range(0, q.shape[0], QUERY_BLOCK):
-            block = q[a : a + QUERY_BLOCK]
-            probs = window_attention(block, keys, key_positions, torch.arange(start + a, start + a + len(block),
-                                                                              device=q.device))  # [heads, w, end]
-            total[:, :end] += per_kv_head(probs.sum(1), keys.shape[0], reduce="sum")
+        """Add the attention the chunk's queries give every stored key (causal; `kernels.prompt_attention_sums`)."""
+        kv = seq.kv
+        received = kernels.prompt_attention_sums(q, kv.pool.k, kv.table[layer], start, q.shape[-1] ** -0.5)
+        seq.method_state.prefill_scores[layer][:, : received.shape[1]] += received
 
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
         n = seq.kv.num_slots[layer]
