@@ -58,19 +58,21 @@ class HostKVStore:
 
     def fetch(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """index [kv_heads or 1, m] into the layer's store -> keys, values [kv_heads, m, D] and positions
-        [kv_heads, m] on the device."""
+        [kv_heads, m] on the device. The rows are gathered on the host by `index_select` straight into pinned
+        buffers (whole rows at a time, no second copy to pin them), which the device then copies asynchronously;
+        the host allocator keeps a buffer until its copy is done."""
         index = index.to("cpu")
-        heads = self.k[layer].shape[0]
-        if index.shape[0] == 1:
-            index = index.expand(heads, -1)
-        rows = torch.arange(heads)[:, None]
-        k, v, pos = self.k[layer][rows, index], self.v[layer][rows, index], self.pos[layer][rows, index]
+        heads, capacity, dim = self.k[layer].shape
+        flat = (torch.arange(heads)[:, None] * capacity + index).flatten()  # [kv_heads * m] rows of the store
+        m = flat.shape[0] // heads
+        gathered = []
+        for store, row_shape in ((self.k[layer], (dim,)), (self.v[layer], (dim,)), (self.pos[layer], ())):
+            out = torch.empty(flat.shape[0], *row_shape, dtype=store.dtype, pin_memory=self.pin)
+            torch.index_select(store.view(heads * capacity, *row_shape), 0, flat, out=out)
+            gathered.append(out.view(heads, m, *row_shape).to(self.device, non_blocking=self.pin))
+        k, v, pos = gathered
         self.h2d_bytes += (k.numel() + v.numel()) * k.element_size()
-        if self.pin:
-            k, v = k.pin_memory(), v.pin_memory()
-        non_blocking = self.device.type == "cuda"
-        return (k.to(self.device, non_blocking=non_blocking), v.to(self.device, non_blocking=non_blocking),
-                pos.to(self.device, non_blocking=non_blocking))
+        return k, v, pos
 
     def nbytes(self) -> int:
         """Host bytes held (keys and values)."""
