@@ -8,8 +8,9 @@ lowest accumulated score outside the recent window.
 
 Readings of the paper (each a choice a careful reimplementation makes):
 - Prefill: the attention each prompt key receives from all prompt queries is accumulated chunk by chunk (never the
-  full L x L matrix; on the GPU two Triton passes over the paged keys, `kernels.prompt_attention_sums`); at the end of prefill each KV head keeps its `budget - n_recent` top-scored tokens plus the last
-  `n_recent` prompt tokens (the reference code's prompt-time selection).
+  full L x L matrix; on the GPU two Triton passes over the paged keys, `kernels.prompt_attention_sums`); at the end
+  of prefill each KV head keeps its `budget - n_recent` top-scored tokens plus the last `n_recent` prompt tokens (the
+  reference code's prompt-time selection).
 - Decode: the victim is chosen in `begin_step`, before the new token's query is seen, so the cache never exceeds the
   budget and attention covers exactly `budget` tokens (the reference code attends over budget + 1 and evicts after).
   The new token's own attention is accumulated once it has attended, in `select`.
