@@ -396,11 +396,12 @@ def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Te
     kv_heads = k_pool.shape[2]
     end = start + chunk
     slots = torch.arange(end, device=q.device)
-    keys = k_pool.view(-1, kv_heads, dim)[physical_rows(table[None], slots[None], k_pool.shape[1])[0]]  # [end, KH, D]
+    rows = physical_rows(table[None], slots[None], k_pool.shape[1])[0]
+    keys = k_pool.view(-1, kv_heads, dim)[rows].float()  # [end, kv_heads, D]
     grouped = q.view(chunk, kv_heads, n_heads // kv_heads, dim).float()
     sums = torch.zeros(kv_heads, end, dtype=torch.float32, device=q.device)
     for a in range(0, chunk, query_block):
-        logits = torch.einsum("wkgd,nkd->kgwn", grouped[a : a + query_block], keys.float()) * scale
+        logits = torch.einsum("wkgd,nkd->kgwn", grouped[a : a + query_block], keys) * scale  # [KH, group, w, end]
         future = slots[None, :] > start + torch.arange(a, a + logits.shape[2], device=q.device)[:, None]  # [w, end]
         sums += torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((1, 2))
     return sums
