@@ -263,7 +263,7 @@ def test_offload_equals_device_resident_and_counts_reuse(llm):
 
 
 def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):
-    """The batched path's rows (chunk summaries, starts, chunk map) and the stamps beside the pool are allocated when
+    """The batched path's rows (chunk summaries, starts, reuse counters) and the stamps beside the pool are allocated when
     the request is admitted, by exactly the bytes `admission_bytes` announced (the engine admits on that number);
     a second request of the same length then fits in the slack."""
     method = DynSplitKV(budget=40)

@@ -133,7 +133,7 @@ GRAPH_SAFE = {
     # buckets ranked from device rows, tokens leaving the window join them between steps
     "sentencekv": dict(budget=40, window=8, n_sink=4, n_recent=4, offload_chunk=4),
     "sentencekv-fraction": dict(budget=0.3, n_sink=4, n_recent=4, query="current", offload_chunk=2),
-    # chunk summaries, starts and map in device rows; DD-Select on the host between steps; reuse stamps by slot
+    # chunk summaries and starts in device rows; DD-Select on the host between steps; reuse stamps by slot
     "dynsplit": dict(budget=40, chunk_size=6, max_deviation=3),
     "dynsplit-fraction": dict(budget=0.3, chunk_size=8, max_deviation=4, n_sink=2, group_reduce="max"),
 }

@@ -75,6 +75,14 @@ def accumulate_attention(logits: torch.Tensor, counts: torch.Tensor, pages: torc
 
 
 @triton.jit
+def _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE: tl.constexpr):
+    """Keys of logical slots j [BLOCK] (0 where not valid) of one KV head, through the page table: [BLOCK, D]."""
+    page = tl.load(TABLE + j // PAGE, mask=valid, other=0).to(tl.int64)
+    return tl.load(K + (page * PAGE + j % PAGE)[:, None] * stride_kr + kv_head * stride_kh + d[None, :],
+                   mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _prompt_lse(Q, K, TABLE, LSE, stride_qm, stride_qh, stride_kr, stride_kh, start, chunk, scale,
                 GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE: tl.constexpr):
@@ -91,9 +99,7 @@ def _prompt_lse(Q, K, TABLE, LSE, stride_qm, stride_qh, stride_kr, stride_kh, st
     for n0 in range(0, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         valid = j < end
-        page = tl.load(TABLE + j // PAGE, mask=valid, other=0).to(tl.int64)
-        k = tl.load(K + (page * PAGE + j % PAGE)[:, None] * stride_kr + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None], other=0.0)
+        k = _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :] & (j[None, :] <= start + rows[:, None]), s, float("-inf"))
         new_top = tl.maximum(top, tl.max(s, 1))  # finite: key 0 is visible to every query
@@ -112,9 +118,7 @@ def _prompt_column_sums(Q, K, TABLE, LSE, OUT, stride_qm, stride_qh, stride_kr, 
     j = block * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's keys
     valid = j < n_keys
     d = tl.arange(0, D)
-    page = tl.load(TABLE + j // PAGE, mask=valid, other=0).to(tl.int64)
-    k = tl.load(K + (page * PAGE + j % PAGE)[:, None] * stride_kr + kv_head * stride_kh + d[None, :],
-                mask=valid[:, None], other=0.0)
+    k = _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE)
     received = tl.zeros([BLOCK_N], tl.float32)
     first = tl.maximum(block * BLOCK_N - start, 0) // BLOCK_M * BLOCK_M  # earlier queries see none of these keys
     for g in range(GROUP):

@@ -160,15 +160,21 @@ class SentenceKV(KVMethod):
         st: SentenceState = seq.method_state
         if st.dense or st.row:
             return 0
-        return self._rows.growth_bytes((self._rows.owners.next_row() + 1, len(st.starts), st.retained))
+        return self._rows.growth_bytes(self._row_needs(st, self._rows.owners.next_row()))
 
     def state_bytes(self) -> int:
         return 0 if self._rows is None else self._rows.held_bytes()
 
+    @staticmethod
+    def _row_needs(st: SentenceState, row: int, more_tokens: int = 0) -> tuple[int, int, int]:
+        """(rows, buckets, retained tokens) the device state needs for `st` in `row` with `more_tokens` further
+        retained tokens."""
+        return row + 1, len(st.starts), st.retained + more_tokens
+
     def _ensure(self, st: SentenceState, more_tokens: int = 0) -> None:
         """Room in the device state for the row's buckets and `more_tokens` further retained tokens (a move makes
         captured graphs be captured again)."""
-        if self._rows.ensure(st.row + 1, len(st.starts), st.retained + more_tokens):
+        if self._rows.ensure(*self._row_needs(st, st.row, more_tokens)):
             self.graph_epoch += 1
 
     # -- prefill --------------------------------------------------------------------------------------------------
