@@ -28,7 +28,7 @@ import torch
 
 import semkv
 from semkv.methods import Chess, FullKV, Quest, SnapKV
-from semkv.methods.chess import PRESETS
+from semkv.methods.chess.method import PRESETS
 
 SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 ESSAYS = SHARED / "data" / "paul_graham" / "gkamradt_essays"

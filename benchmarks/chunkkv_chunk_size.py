@@ -19,7 +19,7 @@ from pathlib import Path
 
 import semkv
 from chunkkv_index_similarity import add_common_args, essay_context, load_llm
-from semkv.cli.main import parse_budget
+from semkv.cli.args import parse_budget
 from semkv.engine.sequence import Sequence
 from semkv.methods import KVMethod, get_method
 

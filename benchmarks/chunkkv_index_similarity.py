@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import semkv
-from semkv.cli.main import parse_budget, parse_params
+from semkv.cli.args import parse_budget, parse_params
 from semkv.engine.sequence import Sequence
 from semkv.methods import METHODS, KVMethod, get_method
 

@@ -20,7 +20,7 @@ import torch
 from semkv.bench.cli import load_tokenizer, parse_sizes
 from semkv.bench.run import TextContexts
 from semkv.bench.shapes import random_model
-from semkv.cli.main import parse_params
+from semkv.cli.args import parse_params
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence

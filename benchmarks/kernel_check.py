@@ -16,9 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (reference, triton_attention_scores, triton_block_slots, triton_chunk_refresh,
-                           triton_chunk_slots, triton_decode, triton_fused, triton_page_select, triton_prefill,
-                           triton_sentence_slots, triton_slot_stamps, triton_summary_dot, triton_token_select)
+from semkv.kernels import reference, triton_decode, triton_fused, triton_page_select, triton_prefill
+from semkv.methods.chess import reference as chess_reference, triton_summary_dot
+from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chunk_refresh, triton_chunk_slots,
+                                    triton_slot_stamps)
+from semkv.methods.h2o import reference as h2o_reference, triton_attention_scores
+from semkv.methods.infllm import reference as infllm_reference, triton_block_slots
+from semkv.methods.sentencekv import reference as sentencekv_reference, triton_sentence_slots
+from semkv.methods.tokenselect import reference as tokenselect_reference, triton_token_select
 
 H, HK, D, PAGE = 32, 8, 128, 16
 
@@ -140,11 +145,11 @@ def check_accumulate(gen, batch: int = 16, width: int = 2048) -> list[dict]:
     start = torch.rand(batch * n_pages + 1, PAGE, HK, device="cuda", generator=gen) * 5
     want, got = start.clone(), start.clone()
     args = (logits, counts, pages, positions, pos_pool)
-    reference.accumulate_attention(*args, want)
+    h2o_reference.accumulate_attention(*args, want)
     triton_attention_scores.accumulate_attention(*args, got)
     return [dict(kernel="accumulate_attention", batch=batch, width=width, err=rel_err(got[1:], want[1:]),
                  triton_ms=do_bench(lambda: triton_attention_scores.accumulate_attention(*args, got)),
-                 reference_ms=do_bench(lambda: reference.accumulate_attention(*args, want)))]
+                 reference_ms=do_bench(lambda: h2o_reference.accumulate_attention(*args, want)))]
 
 
 def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, pages: int = 2050) -> list[dict]:
@@ -154,11 +159,11 @@ def check_summary(gen, bandwidth: float, batch: int = 25, layers: int = 32, page
     sums = torch.randn(batch * layers * pages + 1, HK, D, device="cuda", generator=gen)
     ids = torch.randperm(sums.shape[0] - 1, device="cuda", generator=gen).view(batch, layers, pages) + 1
     directions = torch.randn(batch, 1, layers, HK, D, device="cuda", generator=gen)
-    want = reference.summary_dots(sums, ids, directions)
+    want = chess_reference.summary_dots(sums, ids, directions)
     got = triton_summary_dot.summary_dots(sums, ids, directions)
     return [dict(kernel="summary_dots", batch=batch, pages=pages, err=rel_err(got, want),
                  triton_ms=do_bench(lambda: triton_summary_dot.summary_dots(sums, ids, directions)),
-                 reference_ms=do_bench(lambda: reference.summary_dots(sums, ids, directions)),
+                 reference_ms=do_bench(lambda: chess_reference.summary_dots(sums, ids, directions)),
                  floor_ms=1e3 * ids.numel() * HK * D * 4 / bandwidth)]
 
 
@@ -211,11 +216,11 @@ def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32
     sink, k, recent = 128, 2048, 512
 
     def fresh():
-        return reference.SelectionCacheBuffers.allocate(batch + 1, 2, H * D, 1, k, torch.device("cuda"))
+        return tokenselect_reference.SelectionCacheBuffers.allocate(batch + 1, 2, H * D, 1, k, torch.device("cuda"))
 
     args = (k_pool, tables, num_slots, width, rows)
     ref_cache, got_cache = fresh(), fresh()
-    want = reference.token_select(q, *args, ref_cache, 1, sink, recent, 0.9, "soft_vote", None)
+    want = tokenselect_reference.token_select(q, *args, ref_cache, 1, sink, recent, 0.9, "soft_vote", None)
     got = triton_token_select.token_select(q, *args, got_cache, 1, sink, recent, 0.9, "soft_vote", None)
     differ = sum(len(set(want[b, 0].tolist()) - set(got[b, 0].tolist())) for b in range(batch)) / (batch * k)
     state_equal = all(torch.equal(getattr(ref_cache, n), getattr(got_cache, n)) for n in ("q", "valid", "counts"))
@@ -237,12 +242,12 @@ def check_prompt_sums(gen) -> list[dict]:
     k, _, tables = pool(context, 1, gen)
     q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     args = (q, k, tables[0], context - chunk, D**-0.5)
-    want = reference.prompt_attention_sums(q.float(), k.float(), *args[2:])
+    want = h2o_reference.prompt_attention_sums(q.float(), k.float(), *args[2:])
     got = triton_attention_scores.prompt_attention_sums(*args)
     triton_ms = do_bench(lambda: triton_attention_scores.prompt_attention_sums(*args))
     flops = 2 * 2 * H * chunk * context * D  # q . k twice: the log-sum-exp pass and the column sums
     return [dict(kernel="prompt_attention_sums", context=context, chunk=chunk, err=rel_err(got, want),
-                 triton_ms=triton_ms, reference_ms=do_bench(lambda: reference.prompt_attention_sums(*args)),
+                 triton_ms=triton_ms, reference_ms=do_bench(lambda: h2o_reference.prompt_attention_sums(*args)),
                  triton_tflops=flops / triton_ms / 1e9)]
 
 
@@ -261,11 +266,11 @@ def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int =
         init = torch.full((batch,), 128, device="cuda")
         local = 2048 - init - chosen * 128
         args = (top, chosen, init, local, n, 128, 2048)
-        want, got = reference.block_slots(*args), triton_block_slots.block_slots(*args)
+        want, got = infllm_reference.block_slots(*args), triton_block_slots.block_slots(*args)
         exact = all(torch.equal(a, b) for a, b in zip(want, got))
         rows.append(dict(kernel="block_slots", shared=shared, batch=batch, err=0.0 if exact else float("inf"),
                          triton_ms=do_bench(lambda: triton_block_slots.block_slots(*args)),
-                         reference_ms=do_bench(lambda: reference.block_slots(*args))))
+                         reference_ms=do_bench(lambda: infllm_reference.block_slots(*args))))
     return rows
 
 
@@ -287,11 +292,11 @@ def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int 
     first = count.cumsum(-1, dtype=torch.int32) - count
     args = (bucket, rows, before, first, 32 + full + 40, torch.full_like(full, 32), full, torch.full_like(full, 1984),
             torch.full_like(full, 32), 32, 2048)
-    want, got = reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
+    want, got = sentencekv_reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
     exact = all(torch.equal(a, b) for a, b in zip(want, got))
     return [dict(kernel="sentence_slots", batch=batch, tokens=tokens, err=0.0 if exact else float("inf"),
                  triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
-                 reference_ms=do_bench(lambda: reference.sentence_slots(*args)))]
+                 reference_ms=do_bench(lambda: sentencekv_reference.sentence_slots(*args)))]
 
 
 def check_chunk_slots(gen, batch: int = 16, context: int = 32768) -> list[dict]:
@@ -312,11 +317,11 @@ def check_chunk_slots(gen, batch: int = 16, context: int = 32768) -> list[dict]:
     scores = torch.randn(batch, HK, chunks, device="cuda", generator=gen)
     before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, HK, -1))
     args = (lo, count, before, n, sinks, torch.full_like(n, 2048 - 16), recent, 0, 2048, 31)
-    want, got = reference.chunk_slots(*args), triton_chunk_slots.chunk_slots(*args)
+    want, got = dynsplit_reference.chunk_slots(*args), triton_chunk_slots.chunk_slots(*args)
     exact = all(torch.equal(a, b) for a, b in zip(want, got))
     return [dict(kernel="chunk_slots", batch=batch, chunks=chunks, context=context, err=0.0 if exact else float("inf"),
                  triton_ms=do_bench(lambda: triton_chunk_slots.chunk_slots(*args)),
-                 reference_ms=do_bench(lambda: reference.chunk_slots(*args)))]
+                 reference_ms=do_bench(lambda: dynsplit_reference.chunk_slots(*args)))]
 
 
 def check_chunk_refresh(gen, batch: int = 16, context: int = 32768) -> list[dict]:
@@ -334,12 +339,12 @@ def check_chunk_refresh(gen, batch: int = 16, context: int = 32768) -> list[dict
     want = [torch.zeros(batch * 4 + 1, HK, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     got = [t.clone() for t in want]
     args = (k_flat, tables, PAGE, first, split, n, targets, 31)
-    reference.chunk_refresh(*args, *want)
+    dynsplit_reference.chunk_refresh(*args, *want)
     triton_chunk_refresh.chunk_refresh(*args, *got)
     exact = all(torch.equal(a, b) for a, b in zip(want, got))
     return [dict(kernel="chunk_refresh", batch=batch, err=0.0 if exact else float("inf"),
                  triton_ms=do_bench(lambda: triton_chunk_refresh.chunk_refresh(*args, *got)),
-                 reference_ms=do_bench(lambda: reference.chunk_refresh(*args, *want)))]
+                 reference_ms=do_bench(lambda: dynsplit_reference.chunk_refresh(*args, *want)))]
 
 
 def check_slot_stamps(gen, batch: int = 16, context: int = 32768) -> list[dict]:
@@ -358,18 +363,18 @@ def check_slot_stamps(gen, batch: int = 16, context: int = 32768) -> list[dict]:
     reuse = torch.zeros(batch + 1, 2, dtype=torch.long, device="cuda")
     want, got = [stamps.clone(), reuse.clone()], [stamps.clone(), reuse.clone()]
     args = (tables, PAGE, slots, lengths, n - 1, step, first)
-    reference.slot_stamps(want[0], *args, want[1], rows, 0)
+    dynsplit_reference.slot_stamps(want[0], *args, want[1], rows, 0)
     triton_slot_stamps.slot_stamps(got[0], *args, got[1], rows, 0)
     exact = torch.equal(want[0][PAGE:], got[0][PAGE:]) and torch.equal(want[1], got[1])
     return [dict(kernel="slot_stamps", batch=batch, err=0.0 if exact else float("inf"),
                  triton_ms=do_bench(lambda: triton_slot_stamps.slot_stamps(got[0], *args, got[1], rows, 0)),
-                 reference_ms=do_bench(lambda: reference.slot_stamps(want[0], *args, want[1], rows, 0)))]
+                 reference_ms=do_bench(lambda: dynsplit_reference.slot_stamps(want[0], *args, want[1], rows, 0)))]
 
 
 def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
     """CHESS's step slots (`plan_slots`) compiled by torch.compile against the same function run eagerly: integers,
     so they must agree exactly; device times of both captured in CUDA graphs."""
-    from semkv.methods.chess import plan_slots, plan_slots_function
+    from semkv.methods.chess.method import plan_slots, plan_slots_function
 
     n = torch.randint(20000, 40000, (batch,), device="cuda", generator=gen)
     start = n // 32 - 2

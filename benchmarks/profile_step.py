@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from semkv.bench.cli import build_engine, load_tokenizer, method_params, parse_sizes
 from semkv.bench.run import WARMUP_STEPS, TextContexts, largest_full_batch, never_stop, prefilled_batch, sync
-from semkv.cli.main import parse_budget
+from semkv.cli.args import parse_budget
 from semkv.methods import get_method
 
 

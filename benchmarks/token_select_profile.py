@@ -1,4 +1,4 @@
-"""Per-kernel device times of TokenSelect's decode selection (`kernels/triton_token_select.py`) for one layer at
+"""Per-kernel device times of TokenSelect's decode selection (`methods/tokenselect/triton_token_select.py`) for one layer at
 25 sequences x 32k tokens, Llama-3.1-8B heads, the paper's budget 2688 and 1% (328), in three cases: every row
 missing the Selection Cache (theta above 1), every row hitting it (theta -2), and 4 of the 25 rows missing (theta 0.5
 with those rows' queries alternating between two unrelated ones, the others repeating theirs). Needs a CUDA device.
@@ -7,7 +7,7 @@ with those rows' queries alternating between two unrelated ones, the others repe
 """
 import torch
 from torch.profiler import profile, ProfilerActivity
-from semkv.kernels import reference, triton_token_select as tts
+from semkv.methods.tokenselect import reference as tokenselect_reference, triton_token_select as tts
 
 B, H, HK, D, PAGE, ctx, MISSING, REPEAT = 25, 32, 8, 128, 16, 32768, 4, 10
 gen = torch.Generator(device="cuda").manual_seed(0)
@@ -22,7 +22,7 @@ rows = torch.arange(1, B + 1, device="cuda")
 for budget in (2688, 328):
     sink, recent = min(128, budget // 8), min(512, budget // 4)
     k = budget - sink - recent
-    cache = reference.SelectionCacheBuffers.allocate(B + 1, 2, H * D, 1, k, torch.device("cuda"))
+    cache = tokenselect_reference.SelectionCacheBuffers.allocate(B + 1, 2, H * D, 1, k, torch.device("cuda"))
     for theta, label, queries in ((1.5, "miss", (q, q)), (-2.0, "hit", (q, q)),
                                   (0.5, f"{MISSING} of {B} miss", (q, q_other))):
         def select(i):

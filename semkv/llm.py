@@ -113,8 +113,8 @@ class LLM:
         if questions is not None and len(questions) != len(prompts):
             raise SemkvError(f"{len(questions)} questions for {len(prompts)} prompts; give one per prompt")
         params = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
-        kv_method = get_method(method, budget, **(method_params or {}))
-        kv_method.bind(self.config, self.tokenizer, self.engine.pool.page_size)
+        kv_method = get_method(method, budget, **(method_params or {})).bound(self.config, self.tokenizer,
+                                                                              self.engine.pool.page_size)
         seqs = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str) or not prompt.strip():
@@ -176,7 +176,7 @@ class LLM:
         params = self._sampling(max_new_tokens, 0.0, 0, 1.0, 0, stop, continuation is not None)
         shared, own = [], []
         for i, m in enumerate(methods):
-            m.bind(self.config, self.tokenizer, self.engine.pool.page_size)
+            m = m.bound(self.config, self.tokenizer, self.engine.pool.page_size)
             self._check_length(0, len(ids), max_new_tokens, allow_overlong or getattr(m, "extrapolates", False))
             (own if m.own_prefill(question_start is not None) else shared).append((i, m))
         if len(shared) == 1:  # nothing to share: a copy of the cache would only cost time

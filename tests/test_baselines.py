@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from semkv.engine.engine import evict_layer, plan_chunks
+from semkv.engine.step import evict_layer, plan_chunks
+from semkv.engine.hooks import DecodeBatch
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import get_method
-from semkv.methods.base import DecodeBatch
 from semkv.methods.pyramidkv import pyramid_budgets
 from semkv.models.config import ModelConfig
 
@@ -245,7 +245,7 @@ def test_keydiff_keeps_the_keys_least_similar_to_the_mean_key(window):
 @pytest.mark.parametrize("per_head", [False, True])
 def test_infllm_attends_initial_local_and_the_top_blocks_by_representative_keys(per_head):
     budget, n, steps, block, n_repr = 40, 71, 3, 4, 2  # a block leaves the window at the last step
-    method = get_method("infllm", budget, n_init=4, block_size=block, n_repr=n_repr, per_head=per_head)
+    method = get_method("infllm", budget, n_sink=4, block_size=block, n_repr=n_repr, per_head=per_head)
     run = Run(method, n, steps)
     init, window, most = 4, 10, (budget - 4 - 10) // block  # init = min(4, 40 / 8), local >= 40 / 4
     t = n + steps - 1
@@ -284,7 +284,7 @@ def test_a_batch_of_a_short_and_a_long_prompt_equals_one_by_one(tiny_llm, name):
     prompts = ["Hello there.", "Numbers: " + " ".join(str(i) for i in range(90))]  # ~10 and ~190 tokens
     kw = dict(method=name, budget=24, max_new_tokens=6, chat=False, ignore_eos=True)
     if name == "infllm":
-        kw["method_params"] = dict(block_size=4, n_init=4)
+        kw["method_params"] = dict(block_size=4, n_sink=4)
     batched = [o.token_ids for o in tiny_llm.generate(prompts, **kw)]
     assert batched == [tiny_llm.generate([p], **kw)[0].token_ids for p in prompts]
 
@@ -292,7 +292,7 @@ def test_a_batch_of_a_short_and_a_long_prompt_equals_one_by_one(tiny_llm, name):
 def test_page_summaries_of_a_bf16_cache_are_its_exact_min_and_max():
     """Quest's min / max summaries live in the pool's dtype (they are stored keys, so nothing rounds), built at
     prefill and folded forward token by token during decoding; sums stay float32."""
-    from semkv.methods.page_summaries import PageSummaries
+    from semkv.methods.state.page_summaries import PageSummaries
 
     pool = KVPool(1, KV_HEADS, DIM, PAGE, torch.bfloat16, torch.device("cpu"))
     kv = SeqKV(pool)

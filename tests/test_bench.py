@@ -35,7 +35,7 @@ def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
 def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--methods", "full,chess",
-            "--budget", "48", "--param", "chess.page_size=16", "--batches", "1,2", "--contexts", "160",
+            "--budget", "48", "--param", "chess.block_size=16", "--batches", "1,2", "--contexts", "160",
             "--steps", "2", "--out", str(out)]
     assert main(args) == 0
     results = json.loads((out / "results.json").read_text())

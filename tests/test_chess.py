@@ -13,9 +13,9 @@ from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.methods import Chess, FullKV, calibration
-from semkv.methods.cascade import cascade, cascade_ratios, level_scores
-from semkv.methods.chess import PRESETS
-from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.methods.chess.cascade import cascade, cascade_ratios, level_scores
+from semkv.methods.chess.method import PRESETS, PagePlan
+from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
 from semkv.models.rotary import RotaryEmbedding
 
 TEXT = "Paged attention stores keys and values in fixed-size pages, and a page table maps positions to pages. " * 6
@@ -94,19 +94,19 @@ def test_budget_maps_onto_the_ratios():
 def test_plan_selection_is_the_sink_the_best_kept_pages_and_the_window(tiny_llm):
     """The step's slots, computed by index arithmetic from the plan, against a direct construction: the sink page,
     the best k of the kept pages (k from what the budget leaves) and the recent window from its start."""
-    from semkv.methods.base import DecodeBatch
+    from semkv.engine.hooks import DecodeBatch
 
     layers = tiny_llm.config.num_layers
     for budget in (0.25, 100, 10_000):
-        method = Chess(budget=budget, page_size=16)
+        method = Chess(budget=budget, block_size=16)
         method.bind(tiny_llm.config, tiny_llm.tokenizer, 16)
         n = [300, 200, 150, 1]
         window = [17, 11, 8, 0]  # first page of each row's window (row 3: a padding row)
         ranked = [[5, 2, 9, 1, 14, 3], [7, 1, 4], [], []]  # kept pages, best first
         pages = torch.tensor([r + [-1] * (6 - len(r)) for r in ranked])
         counts = torch.tensor(n)
-        batch = DecodeBatch(None, counts - 1, counts[:, None].expand(-1, layers), tiny_llm.config, max_slots=300)
-        selection = method.plan_selection(batch, {"pages": pages, "window": torch.tensor(window)[:, None]})
+        batch = DecodeBatch([], counts - 1, counts[:, None].expand(-1, layers), tiny_llm.config, max_slots=300)
+        selection = method.plan_selection(batch, PagePlan(pages, torch.tensor(window)))
         for b in range(4):
             limit = math.ceil(budget * n[b]) if isinstance(budget, float) else budget
             recent = min(n[b] - 16 * window[b], limit)
@@ -120,12 +120,12 @@ def test_plan_selection_is_the_sink_the_best_kept_pages_and_the_window(tiny_llm)
 
 
 def test_parameters_are_validated(tiny_llm):
-    for bad in (dict(preset="greedy"), dict(mode="never"), dict(window=0), dict(page_size=0), dict(trigger="all"),
+    for bad in (dict(preset="greedy"), dict(mode="never"), dict(recent_pages=0), dict(block_size=0), dict(trigger="all"),
                 dict(entropy_threshold=-1.0), dict(center=1)):
         with pytest.raises(SemkvError):
             Chess(budget=64, **bad)
     with pytest.raises(SemkvError, match="multiple"):
-        Chess(budget=64, page_size=24).bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+        Chess(budget=64, block_size=24).bind(tiny_llm.config, tiny_llm.tokenizer, 16)
 
 
 def test_one_fold_brings_the_page_sums_of_a_batch_up_to_date(tiny_llm):
@@ -133,7 +133,7 @@ def test_one_fold_brings_the_page_sums_of_a_batch_up_to_date(tiny_llm):
     amounts (to 100, 65, 300, 300) gives, page by page and layer by layer, the sums of the stored keys (the folded range of one
     sequence reaching past the stacked tables' width)."""
     engine, cfg = tiny_llm.engine, tiny_llm.config
-    method = Chess(budget=64, page_size=32)
+    method = Chess(budget=64, block_size=32)
     method.bind(cfg, tiny_llm.tokenizer, engine.pool.page_size)
     gen = torch.Generator().manual_seed(0)
     spans = [(40, 100), (64, 65), (5, 300), (280, 300)]
@@ -181,7 +181,7 @@ class Probe(Chess):
         kv = seq.kv
         n = seq.num_computed + 1  # keys stored: this step's token too (the next step's slot may be prepared already)
         self.fold([seq], [n])  # the page sums are brought up to date lazily (at a selection)
-        pages = -(-n // self.page_size)
+        pages = -(-n // self.block_size)
         keys = torch.stack([kv.keys(layer)[:, :n] for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
         if self.rope_free:  # RoPE undone: rotating forward again, as the model does, gives the stored keys back
             positions = torch.stack([kv.positions(layer)[:, :n] for layer in range(kv.pool.num_layers)])
@@ -189,9 +189,9 @@ class Probe(Chess):
             cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
             again = RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, sin).view_as(keys)
             assert torch.allclose(again, stored, atol=1e-4) and not torch.allclose(keys, stored, atol=1e-2)
-        keys = torch.nn.functional.pad(keys, (0, 0, 0, pages * self.page_size - n))
-        sums = keys.view(*keys.shape[:2], pages, self.page_size, -1).sum(3).permute(2, 0, 1, 3)  # [pages, L, H, D]
-        counts = (n - torch.arange(pages) * self.page_size).clamp(max=self.page_size)
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pages * self.block_size - n))
+        sums = keys.view(*keys.shape[:2], pages, self.block_size, -1).sum(3).permute(2, 0, 1, 3)  # [pages, L, H, D]
+        counts = (n - torch.arange(pages) * self.block_size).clamp(max=self.block_size)
         direct = sums / counts[:, None, None, None]  # Eq. 1
         directions = torch.randn(1, 2, *direct.shape[1:], generator=torch.Generator().manual_seed(len(self.seen)))
         chosen = torch.arange(pages) % 2 == 0
@@ -205,7 +205,7 @@ class Probe(Chess):
 
 @pytest.mark.parametrize("rope_free", [False, True])
 def test_page_vectors_follow_the_keys_and_entropies_the_logits(tiny_llm, rope_free):
-    probe = Probe(budget=64, page_size=32, rope_free=rope_free, center=rope_free, entropy_threshold=1e9,
+    probe = Probe(budget=64, block_size=32, rope_free=rope_free, center=rope_free, entropy_threshold=1e9,
                   varentropy_threshold=1e9)
     tiny_llm.generate(TEXT, method=probe, max_new_tokens=40, chat=False, ignore_eos=True)
     assert len(probe.seen) == 39
@@ -213,7 +213,7 @@ def test_page_vectors_follow_the_keys_and_entropies_the_logits(tiny_llm, rope_fr
         for x, y in zip(got, want):  # Eq. 1, brought up to date across page boundaries
             assert torch.allclose(x, y, atol=1e-3)
         p = torch.softmax(logits.double(), -1)
-        if len(before) + 1 == probe.page_size:  # a page of generated tokens is complete: its entropies are used up
+        if len(before) + 1 == probe.block_size:  # a page of generated tokens is complete: its entropies are used up
             assert after == []
         else:
             assert after[:-1] == before and after[-1] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-4)
@@ -233,7 +233,7 @@ def test_entropy_and_varentropy_match_a_direct_computation():
 
 
 def run(llm, new, **params):
-    probe = Probe(budget=64, page_size=16, **params)
+    probe = Probe(budget=64, block_size=16, **params)
     out = llm.generate(TEXT, method=probe, max_new_tokens=new, chat=False, ignore_eos=True)[0]
     return probe, out.stats.extra["reselections"]
 

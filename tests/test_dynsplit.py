@@ -12,10 +12,10 @@ from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import DynSplitKV, calibration
-from semkv.methods.dynsplit import prefilled_state
-from semkv.methods.dynsplit_offload import load_region
-from semkv.methods.dynsplit_split import AttentionDependency, dd_select
-from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, block_summaries, v2f_select
+from semkv.methods.dynsplit.method import prefilled_state
+from semkv.methods.dynsplit.offload import load_region
+from semkv.methods.dynsplit.split import AttentionDependency, dd_select
+from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
 
 TEXT = ("The cache is split into chunks. Each chunk ends at a delimiter; the weight decides which one! Does it work? "
         "Yes: it does, mostly (as far as we know).\n") * 12  # 456 tokens: each delimiter 7 times past R = 128

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import semkv
-from semkv.engine.engine import plan_chunks
+from semkv.engine.step import plan_chunks
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots
 from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.methods import METHODS, get_method
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 12,
@@ -119,7 +120,7 @@ def test_question_start_marks_the_question(tiny_llm):
 
 GRAPH_SAFE = {
     "full": dict(),
-    "chess": dict(budget=64, page_size=16, window=1, chunk_pages=2, grid_chunks=2, mode="always"),
+    "chess": dict(budget=64, block_size=16, recent_pages=1, chunk_pages=2, grid_chunks=2, mode="always"),
     "tokenselect": dict(budget=24, n_sink=4, n_recent=4, theta=0.5),  # Selection Cache rows on the device
     "quest": dict(budget=48),
     "quest-fraction": dict(budget=0.3),  # each row's budget from its own context, on the device
@@ -128,8 +129,8 @@ GRAPH_SAFE = {
     "streaming_llm": dict(budget=40),  # write slots chosen before the forward
     "h2o": dict(budget=40),  # victims chosen before the forward, scores accumulated beside the pool
     "h2o-fraction": dict(budget=0.3, recent_ratio=0.25),  # the cache grows with each row's context
-    "infllm": dict(budget=40, n_init=4, block_size=4, n_repr=2),  # scores and block keys beside the pool
-    "infllm-fraction": dict(budget=0.3, n_init=4, block_size=8, n_repr=2, per_head=True),  # W in the step plan
+    "infllm": dict(budget=40, n_sink=4, block_size=4, n_repr=2),  # scores and block keys beside the pool
+    "infllm-fraction": dict(budget=0.3, n_sink=4, block_size=8, n_repr=2, per_head=True),  # W in the step plan
     # buckets ranked from device rows, tokens leaving the window join them between steps
     "sentencekv": dict(budget=40, window=8, n_sink=4, n_recent=4, offload_chunk=4),
     "sentencekv-fraction": dict(budget=0.3, n_sink=4, n_recent=4, query="current", offload_chunk=2),
@@ -137,6 +138,18 @@ GRAPH_SAFE = {
     "dynsplit": dict(budget=40, chunk_size=6, max_deviation=3),
     "dynsplit-fraction": dict(budget=0.3, chunk_size=8, max_deviation=4, n_sink=2, group_reduce="max"),
 }
+# every registered method whose defaults are graph-safe joins at budget 40 unless configured above
+GRAPH_SAFE = {**{name: dict(budget=40) for name, cls in METHODS.items() if name != "full" and cls(budget=40).graph_safe},
+              **GRAPH_SAFE}
+
+
+def test_every_graph_safe_method_is_checked():
+    """A registered method whose defaults are graph-safe is in the static-buffer test, as every config listed is."""
+    for name, cls in METHODS.items():
+        if (cls(budget=40) if name != "full" else cls()).graph_safe:
+            assert name in GRAPH_SAFE
+    for name, params in GRAPH_SAFE.items():
+        assert get_method(name.split("-")[0], **params).graph_safe, name
 
 
 @pytest.mark.parametrize("name", GRAPH_SAFE)
@@ -206,16 +219,22 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
     pool for the state of two requests, four identical ones run two at a time (rows 1 and 2 only) and give the
     tokens of the unlimited run, in which all four run at once; a request whose state cannot fit even alone is an
     error that says so."""
-    from semkv.methods.sentencekv import SentenceKV
+    from semkv.methods.sentencekv.method import SentenceKV
 
     prompts = [PROMPTS[0]] * 4
+
+    class Recorded(SentenceKV):  # the copy `generate` binds holds the run's state: keep a handle on it
+        def bind(self, *args) -> None:
+            super().bind(*args)
+            bound.append(self)
+
+    bound = []
 
     def run(state_memory):
         llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
         llm.engine.state_memory = state_memory
-        method = SentenceKV(budget=48, offload=False)
-        tokens = greedy(llm, prompts, method=method)
-        return tokens, method._rows
+        tokens = greedy(llm, prompts, method=Recorded(budget=48, offload=False))
+        return tokens, bound[-1]._rows
 
     free_tokens, free_rows = run(None)
     assert free_rows.sizes()[0] >= 5  # rows 1..4 held at once

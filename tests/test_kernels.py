@@ -10,6 +10,11 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported: keep this before any triton import
 
 from semkv.kernels import reference  # noqa: E402
+from semkv.methods.chess import reference as chess_reference
+from semkv.methods.dynsplit import reference as dynsplit_reference
+from semkv.methods.h2o import reference as h2o_reference
+from semkv.methods.infllm import reference as infllm_reference
+from semkv.methods.sentencekv import reference as sentencekv_reference
 
 triton = pytest.importorskip("triton")
 
@@ -133,7 +138,7 @@ def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim,
     of each row is folded into its page first, as `PageSummaries.add_tokens` does (one row starts a fresh page)."""
     from semkv.engine.kv_cache import KVPool
     from semkv.kernels.triton_page_select import page_bound
-    from semkv.methods.page_summaries import PageSummaries
+    from semkv.methods.state.page_summaries import PageSummaries
 
     gen = torch.Generator().manual_seed(dim)
     a, b = torch.randn(2, 150, kv_heads, dim, generator=gen)
@@ -199,13 +204,13 @@ def test_page_slots_kernel_matches_reference():
 def test_summary_dot_kernel_matches_reference(r, kv_heads, dim):
     """CHESS's page scoring: summaries read through page ids of every layer (shared ids included), dotted with one
     direction per sequence, layer and row; kv_heads * dim not a power of two in the second case."""
-    from semkv.kernels.triton_summary_dot import summary_dots
+    from semkv.methods.chess.triton_summary_dot import summary_dots
 
     gen = torch.Generator().manual_seed(r)
     sums = torch.randn(60, kv_heads, dim, generator=gen)
     pages = torch.randint(0, 60, (3, 4, 37), generator=gen)  # [B, layers, w]
     directions = torch.randn(3, r, 4, kv_heads, dim, generator=gen)
-    want = reference.summary_dots(sums, pages, directions)
+    want = chess_reference.summary_dots(sums, pages, directions)
     direct = torch.einsum("bljhd,brlhd->bjr", sums[pages], directions)
     assert torch.allclose(want, direct, atol=1e-4)
     got = summary_dots(sums, pages, directions, block_w=16, block_hd=16, layers_per=3)
@@ -216,7 +221,7 @@ def test_summary_dot_kernel_matches_reference(r, kv_heads, dim):
 def test_accumulate_attention_kernel_matches_reference(group):
     """H2O's score update: resident slots only (a padded width and pages past each row's count are ignored), the
     slot holding the current token restarted at zero, query groups that are not a power of two."""
-    from semkv.kernels import triton_attention_scores
+    from semkv.methods.h2o import triton_attention_scores
 
     gen = torch.Generator().manual_seed(7)
     batch, kv_heads, page, n_pages, width_pages = 3, 2, 4, 40, 6
@@ -234,7 +239,7 @@ def test_accumulate_attention_kernel_matches_reference(group):
     scores = [torch.rand(n_pages, page, kv_heads, generator=gen) * 5 for _ in range(2)]
     scores[1].copy_(scores[0])
     before = scores[0].clone()
-    reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[0])
+    h2o_reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[0])
     triton_attention_scores.accumulate_attention(logits, counts, pages, positions, pos_pool, scores[1], block=4,
                                                  chunk=8)
     real = torch.ones(n_pages, dtype=torch.bool)
@@ -260,14 +265,14 @@ def test_prompt_attention_sums_kernel_matches_reference(start, chunk):
     """H2O's prompt scores: a first chunk (causal only), later chunks whose first key block is seen by part of the
     chunk, chunks and contexts that are not multiples of the blocks, pages in random order, a query group of 3. Every
     query gives each KV group's heads a mass of one each, and the keys after a query get none of it."""
-    from semkv.kernels import triton_attention_scores
+    from semkv.methods.h2o import triton_attention_scores
 
     k, _, gen = random_pool(pages=40, page=4, kv_heads=2, dim=16, seed=3)
     heads, kv_heads = 6, 2
     table = torch.randperm(40, generator=gen)
     q = torch.randn(chunk, heads, 16, generator=gen) * 2
-    want = reference.prompt_attention_sums(q, k, table, start, 0.25, query_block=16)
-    direct = reference.prompt_attention_sums(q, k, table, start, 0.25)
+    want = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25, query_block=16)
+    direct = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25)
     assert want.shape == (kv_heads, start + chunk) and torch.allclose(want, direct, atol=1e-5)
     assert want.sum(1).tolist() == pytest.approx([chunk * heads / kv_heads] * kv_heads, rel=1e-5)
     got = triton_attention_scores.prompt_attention_sums(q, k, table, start, 0.25, block_m=16, block_n=16)
@@ -283,7 +288,7 @@ def test_prompt_attention_sums_kernel_matches_reference(start, chunk):
 def test_block_slots_kernel_matches_reference(block_size):
     """InfLLM's slot lists: blocks given best first and taken ascending, a block overlapping the initial tokens, one
     overlapping the local window, a dense row (n <= init + local), a row taking no block, per-head sets."""
-    from semkv.kernels.triton_block_slots import block_slots
+    from semkv.methods.infllm.triton_block_slots import block_slots
 
     bs = block_size
     top = torch.tensor([[[9, 2, 5, 7]], [[3, 1, 8, 0]], [[4, 6, 0, 1]], [[2, 3, 4, 5]]]).repeat(1, 2, 1)
@@ -293,7 +298,7 @@ def test_block_slots_kernel_matches_reference(block_size):
     n = torch.tensor([12 * bs + 3, 9 * bs, 20, 6 * bs])
     local = torch.tensor([bs + 3, bs, 20, 2 * bs - 1])  # row 2: dense; row 3: its last block overlaps the window
     capacity = 5 + 4 * bs + 3 * bs
-    want_slots, want_lengths = reference.block_slots(top, chosen, init, local, n, bs, capacity)
+    want_slots, want_lengths = infllm_reference.block_slots(top, chosen, init, local, n, bs, capacity)
     for b in range(4):
         for s in range(2):
             expected = set(range(min(int(init[b]), int(n[b])))) | set(range(int(n[b] - local[b]), int(n[b])))
@@ -310,7 +315,7 @@ def test_sentence_slots_kernel_matches_reference():
     """SentenceKV's slot lists from bucket ranks: buckets fill the capacity in rank order and the last one keeps its
     leading tokens; rows read their own state rows (one twice, one padding row on row 0), a row with fewer retained
     tokens than the map holds, a row with no sinks, a row whose capacity covers everything it retained."""
-    from semkv.kernels.triton_sentence_slots import sentence_slots
+    from semkv.methods.sentencekv.triton_sentence_slots import sentence_slots
 
     gen = torch.Generator().manual_seed(0)
     heads, tokens, buckets = 2, 40, 9
@@ -333,7 +338,7 @@ def test_sentence_slots_kernel_matches_reference():
     n = n_sink + retained + tail + torch.tensor([2, 0, 0, 7, 1])  # tokens waiting between the retained and the tail
     width = 4 + 25 + 6
     args = (bucket, rows, before, first, n, n_sink, retained, capacity, tail, 4, width)
-    want_slots, want_lengths = reference.sentence_slots(*args)
+    want_slots, want_lengths = sentencekv_reference.sentence_slots(*args)
     for b in range(len(rows)):
         for h in range(heads):
             ids = bucket[rows[b], h, : int(retained[b])].tolist()
@@ -352,7 +357,7 @@ def test_chunk_slots_kernel_matches_reference():
     its leading slots); a chunk cut by the sinks, chunks cut or emptied by a shorter context and the recent window,
     unused chunk columns, a capacity that covers everything; the kernel walks blocks of chunks (some taking nothing)
     and long chunks in runs."""
-    from semkv.kernels.triton_chunk_slots import chunk_slots
+    from semkv.methods.dynsplit.triton_chunk_slots import chunk_slots
 
     gen = torch.Generator().manual_seed(1)
     heads = 3
@@ -365,7 +370,7 @@ def test_chunk_slots_kernel_matches_reference():
     before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
     capacity = torch.tensor([20, 13, 100])
     args = (lo, count, before, n, n_sink, capacity, tail, 4, 64, 11)
-    want_slots, want_lengths = reference.chunk_slots(*args)
+    want_slots, want_lengths = dynsplit_reference.chunk_slots(*args)
     labels = torch.bucketize(torch.arange(60), ends[1:], right=True)
     for b in range(3):
         for h in range(heads):
@@ -382,7 +387,7 @@ def test_chunk_refresh_kernel_matches_reference():
     """DynSplit-KV's refresh of two chunks from the last `span` slots of each row, read through the page tables: a
     chunk closed by the token (both chunks held), one still open (the next chunk is empty: zeros), a row shorter than
     the span, and rows whose empty chunk writes the padding row 0 (not compared). Exact: min and max do not round."""
-    from semkv.kernels.triton_chunk_refresh import chunk_refresh
+    from semkv.methods.dynsplit.triton_chunk_refresh import chunk_refresh
 
     gen = torch.Generator().manual_seed(3)
     pages, page_size, kv_heads, dim, span = 40, 4, 2, 8, 11
@@ -394,7 +399,7 @@ def test_chunk_refresh_kernel_matches_reference():
     targets = torch.tensor([[5, 9], [7, 0], [3, 0]])
     want = [torch.zeros(12, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
     got = [t.clone() for t in want]
-    reference.chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, *want)
+    dynsplit_reference.chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, *want)
     chunk_refresh(k_flat, tables, page_size, first, split, n, targets, span, *got)
     for w, g in zip(want, got):
         assert torch.equal(w[1:], g[1:])
@@ -407,7 +412,7 @@ def test_slot_stamps_kernel_matches_reference():
     """DynSplit-KV's reuse counting: slots attended at the previous step count as reused, the new token is not
     counted, a row at its first step reuses nothing, a padding row (counter row 0) writes only the scratch page; then
     every attended slot carries this step's stamp."""
-    from semkv.kernels.triton_slot_stamps import slot_stamps
+    from semkv.methods.dynsplit.triton_slot_stamps import slot_stamps
 
     gen = torch.Generator().manual_seed(5)
     pages, page_size, heads, width = 30, 4, 2, 9
@@ -423,7 +428,7 @@ def test_slot_stamps_kernel_matches_reference():
     want = [stamps.clone(), reuse.clone()]
     got = [stamps.clone(), reuse.clone()]
     args = (tables, page_size, slots, lengths, current, step, first)
-    reference.slot_stamps(want[0], *args, want[1], rows, 0)
+    dynsplit_reference.slot_stamps(want[0], *args, want[1], rows, 0)
     slot_stamps(got[0], *args, got[1], rows, 0, block=4)
     assert torch.equal(want[0][page_size:], got[0][page_size:]) and torch.equal(want[1][1:], got[1][1:])
     assert (want[1][1:] - reuse[1:]).sum() > 0 and (want[1][2:] - reuse[2:])[:, 0].sum() >= 0

@@ -13,8 +13,8 @@ from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.methods import SentenceKV, get_method
-from semkv.methods.sentences import SentenceRule, is_terminal, length_limit, segment
-from semkv.methods.vocab import token_texts, vocab_mask
+from semkv.methods.sentencekv.sentences import SentenceRule, is_terminal, length_limit, segment
+from semkv.methods.sentencekv.vocab import token_texts, vocab_mask
 
 BOOK = DATA / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
 

@@ -14,8 +14,9 @@ from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.kernels import reference
+from semkv.methods.tokenselect import reference as tokenselect_reference
 from semkv.methods import DecodeBatch, TokenSelect
-from semkv.kernels.reference import head_vote as vote
+from semkv.methods.tokenselect.reference import head_vote as vote
 
 PROMPT = "The passkey is 4821. Remember it. " + "Grass is green and the sky is blue. " * 14
 NEW = 8
@@ -26,7 +27,7 @@ def interpreted():
     """Import a Triton kernel module under TRITON_INTERPRET=1 (read when its kernels are decorated, so the module and
     `triton_paged_dot`, whose `key_dots` the TokenSelect kernels call, are imported afresh); afterwards sys.modules
     holds what it held before."""
-    names = ("semkv.kernels.triton_token_select", "semkv.kernels.triton_paged_dot")
+    names = ("semkv.methods.tokenselect.triton_token_select", "semkv.kernels.triton_paged_dot")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
@@ -105,13 +106,13 @@ def test_triton_kernel_equals_reference_in_interpreter(interpreted, heads, kv_he
 def test_token_select_kernel_equals_reference_in_interpreter(interpreted, selection, sets):
     """Three steps of one layer for a batch (a row below the budget, a padding row, rows that hit, miss and hit
     again): the kernels return the reference's slots and leave the Selection Cache in the same state."""
-    kernel = interpreted("semkv.kernels.triton_token_select")
+    kernel = interpreted("semkv.methods.tokenselect.triton_token_select")
     heads, kv_heads, dim, page_size, pages = 8, 2, 16, 4, 80
     gen = torch.Generator().manual_seed(3)
     k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
     tables = torch.stack([torch.randperm(pages, generator=gen) for _ in range(4)])  # [4, pages]
     n_sink, k, n_recent, layer, width = 3, 20, 5, 1, 200
-    caches = [reference.SelectionCacheBuffers.allocate(6, 2, heads * dim, sets, k, torch.device("cpu"))
+    caches = [tokenselect_reference.SelectionCacheBuffers.allocate(6, 2, heads * dim, sets, k, torch.device("cpu"))
               for _ in range(2)]
     rows = torch.tensor([2, 5, 3, 0])  # the last row is padding (cache row 0)
     q = torch.randn(4, heads, dim, generator=gen)
@@ -122,7 +123,7 @@ def test_token_select_kernel_equals_reference_in_interpreter(interpreted, select
         got = kernel.token_select(q, k_pool, tables, num_slots, width, rows, caches[0], layer, n_sink, n_recent,
                                   0.9, selection, kv_heads if sets > 1 else None, block_n=16, block_t=32,
                                   num_warps=4, splits=3, vote_splits=3, block_c=2)  # programs loop over blocks
-        want = reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, n_sink,
+        want = tokenselect_reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, n_sink,
                                       n_recent, 0.9, selection, kv_heads if sets > 1 else None)
         assert torch.equal(got[:3], want[:3])
         for name in ("q", "top", "valid", "counts"):
@@ -135,7 +136,7 @@ def test_token_select_kernel_equals_reference_in_interpreter(interpreted, select
 def test_token_select_kernel_breaks_ties_to_lower_slots(interpreted, selection):
     """Every candidate has the same key except six strong ones in the last chunks: the radix select spread over
     chunks must take the strong slots and then the lowest equal slots, in slot order, whatever the chunk size."""
-    kernel = interpreted("semkv.kernels.triton_token_select")
+    kernel = interpreted("semkv.methods.tokenselect.triton_token_select")
     heads, kv_heads, dim, page_size, pages = 4, 2, 16, 4, 60
     base = torch.randn(dim, generator=torch.Generator().manual_seed(5))
     table = torch.randperm(pages, generator=torch.Generator().manual_seed(6))
@@ -148,7 +149,7 @@ def test_token_select_kernel_breaks_ties_to_lower_slots(interpreted, selection):
     q = base.expand(1, heads, dim).clone()  # q . key > 0, larger for the strong keys
     want = torch.cat([torch.arange(n_sink, n_sink + k - len(strong)), strong])
     for block_t, block_c in ((16, 2), (32, 4), (64, 32)):  # block_c: earlier chunks read a tile at a time
-        cache = reference.SelectionCacheBuffers.allocate(2, 1, heads * dim, 1, k, torch.device("cpu"))
+        cache = tokenselect_reference.SelectionCacheBuffers.allocate(2, 1, heads * dim, 1, k, torch.device("cpu"))
         got = kernel.token_select(q, k_pool, table[None], torch.tensor([190]), width, torch.tensor([1]), cache, 0,
                                   n_sink, n_recent, 0.9, selection, None, block_n=16, block_t=block_t, num_warps=4,
                                   splits=3, vote_splits=3, block_c=block_c)
@@ -332,7 +333,7 @@ def test_selection_cache_rows_follow_the_batch(tiny_llm):
         return method.step_plan(batch)
 
     def rows(p):
-        return p["cache_row"][:, 0].tolist()
+        return p.cache_row.tolist()
 
     a, b, c = (Sequence(i, [1, 2], SamplingParams(), SeqKV(engine.pool)) for i in range(3))
     first = plan([a, b])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from semkv.cli.args import parse_budget, parse_params
 from semkv.errors import SemkvError
 
 
@@ -69,7 +70,6 @@ def parse_hf_points(text: str) -> list[tuple[int | str, int]]:
 
 
 def method_params(items: list[str] | None) -> dict[str, dict]:
-    from semkv.cli.main import parse_params
 
     out: dict[str, dict] = {}
     for item in items or []:
@@ -84,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
     from semkv.bench import report
     from semkv.bench.device import device_info
     from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch
-    from semkv.cli.main import parse_budget
     from semkv.methods import METHODS
 
     methods = [m.strip() for m in args.methods.split(",")]

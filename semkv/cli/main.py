@@ -5,47 +5,14 @@ Bad input prints one line `semkv: error: ...` and exits with code 2; no tracebac
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from semkv.cli.args import add_model_args, parse_budget, parse_params
 from semkv.errors import SemkvError
-
-def parse_budget(text: str | None) -> int | float | None:
-    """'512' -> 512 tokens, '0.1' or '10%' -> fraction 0.1, None -> None."""
-    if text is None:
-        return None
-    try:
-        if text.endswith("%"):
-            return float(text[:-1]) / 100
-        return float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        raise SemkvError(f"budget {text!r} is not a number; give tokens (512) or a fraction (0.1 or 10%)") from None
-
-
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """['window=64', 'pooling=max'] -> {'window': 64, 'pooling': 'max'}."""
-    params: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SemkvError(f"--param {item!r} must look like name=value")
-        try:
-            params[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            params[key] = value
-    return params
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (1..256)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -155,16 +122,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(p: argparse.ArgumentParser) -> None:
-    from semkv.bench import cli
-
-    cli.add_arguments(p)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from semkv.bench import cli
-
-    return cli.run(args)
 def _lazy(module: str, name: str) -> Callable:
     """A function of another module, imported on first call (`semkv.eval.cli` imports the helpers above)."""
     return lambda *args: getattr(importlib.import_module(module), name)(*args)

@@ -2,9 +2,10 @@
 against DecodeBatch tensors).
 
 One graph per batch-size bucket, captured over static buffers: token ids, positions, slot counts and write slots
-(one int64 buffer), page tables, and the method's step plan. Before each replay the step's inputs are copied in
-from the device (`Engine.prepare_step` sent them in one copy); a row's page table is copied again only when the
-row holds another sequence or its sequence got new pages (`SeqKV.version`), and the plan only when it changed.
+(one int64 buffer), page tables, and the method's step plan (`KVMethod.plan_buffers`). Before each replay the step's
+inputs are copied in from the device (`Engine.prepare_step` sent them in one copy and made the plan); a row's page
+table is copied again only when the row holds another sequence or its sequence got new pages (`SeqKV.version`), and
+the plan only when it changed.
 Batches smaller than the bucket are padded with rows that point at the pool's scratch page. Shapes are fixed by
 capacity (`max_slots`), so nothing in the captured step reads a device value back. Without CUDA the same
 static-buffer step runs eagerly, which is how the CPU tests check the padding and reuse logic.
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import stack_tables
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import DecodeBatch, KVMethod
+from semkv.engine.step import DecodeStep, StepInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -38,19 +40,15 @@ class GraphedStep:
         self.table_versions: list[int | None] = [None] * size  # `SeqKV.version` of the table each row holds
         self.rows = 0  # rows holding sequences at the last replay
         max_slots = max_pages * engine.pool.page_size
-        self.plan_fill = method.plan_widths(max_slots)
-        self.plan = {name: torch.full((size, w), fill, dtype=torch.long, device=device)
-                     for name, (w, fill) in self.plan_fill.items()} or None
+        self.plan = method.plan_buffers(size, max_slots, device)
         self.last_plan, self.plan_rows = None, 0  # the plan the buffers hold, for how many rows
-        self.batch = DecodeBatch(None, self.positions, self.num_slots, engine.config, self.tables, max_slots,
-                                 self.plan, engine.pool)
+        self.batch = DecodeBatch([], self.positions, self.num_slots, engine.config, self.tables, max_slots,
+                                 self.plan, engine.pool, graphed=True)
         self.graph = None
         if capture:
             self._capture()
 
     def _forward(self):
-        from semkv.engine.engine import DecodeStep
-
         self.step = DecodeStep(self.engine, self.batch, self.method, self.write)
         self.logits = self.engine.model(self.tokens, self.step)
         self.step.finish()
@@ -67,7 +65,7 @@ class GraphedStep:
             self._forward()
         self.step.selection_s = 0.0  # host timing means nothing under replay; benches time selection with events
 
-    def run(self, seqs: list[Sequence], inputs, plan: dict | None) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], inputs: StepInputs, plan: StepPlan | None) -> torch.Tensor:
         n, layers = len(seqs), self.engine.config.num_layers
         self.inputs[:n, : 2 + layers] = inputs.packed
         self.write[:n] = inputs.write
@@ -86,11 +84,7 @@ class GraphedStep:
             for b in stale:
                 self.table_versions[b] = seqs[b].kv.version
         if self.plan is not None and (plan is not self.last_plan or n != self.plan_rows):
-            for name, (_, fill) in self.plan_fill.items():
-                given = plan[name]
-                self.plan[name][:n, : given.shape[1]] = given
-                self.plan[name][:n, given.shape[1] :] = fill
-                self.plan[name][n:] = fill
+            plan.copy_to(self.plan, n)
             self.last_plan, self.plan_rows = plan, n
         if self.graph is not None:
             self.graph.replay()
@@ -116,14 +110,13 @@ class GraphRunner:
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
         """`Engine.decode_step` through the graph of the batch's bucket."""
-        logits, step = self.forward_step(seqs)
+        logits, step = self.forward_step(seqs, *self.engine.prepare_step(seqs, self.method))
         self.engine.finish_step(seqs, step)
         return logits
 
     @torch.inference_mode()
-    def forward_step(self, seqs: list[Sequence], inputs=None):
+    def forward_step(self, seqs: list[Sequence], inputs: StepInputs, plan: StepPlan | None):
         """`Engine.forward_step` through the graph: logits [B, vocab] and the captured step (its statistics)."""
-        inputs, plan = self.engine.prepare_step(seqs, self.method, inputs)
         if self.epoch != self.method.graph_epoch:
             self.steps.clear()
             self.epoch = self.method.graph_epoch

@@ -1,26 +1,24 @@
-"""The inference loop: chunked prefill of each request, then batched decode steps, through the paged cache.
+"""The inference loop: chunked prefill of each request, then batched decode steps, through the paged cache, with
+continuous batching and admission on free pool pages and device memory.
 
-At every attention call the engine asks the KV method which cached slots to attend to and hands that decision to
-the one sparse attention path (`semkv.kernels`); it never inspects what a method does.
+A decode step is prepared once on the host (`prepare_step`: its inputs and the method's plan) and handed to the
+graphed path (`GraphRunner`) or the eager one (`forward_step`); the attention contexts are in `step.py`.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from semkv.engine.cuda_graph import GraphRunner
+from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
-from semkv.engine.trace import attended_positions
-from semkv import kernels
-from semkv.kernels import reference
-from semkv.methods.base import DecodeBatch, KVMethod, Selection
+from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
@@ -28,173 +26,8 @@ from semkv.models.rotary import RotaryEmbedding
 ACTIVATION_RESERVE = 2 * 2**30  # device bytes kept free for activations and captured graphs beside the KV pool
 
 
-def plan_chunks(lo: int, hi: int, chunk: int, min_last: int) -> list[tuple[int, int]]:
-    """Split [lo, hi) into chunks of `chunk` tokens whose last one holds at least min(min_last, hi - lo) tokens."""
-    bounds = list(range(lo, hi, chunk)) + [hi]
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    need = min(min_last, hi - lo)
-    if spans and spans[-1][1] - spans[-1][0] < need:
-        last_start = hi - need
-        spans = [(a, min(b, last_start)) for a, b in spans if a < last_start] + [(last_start, hi)]
-    return spans
-
-
-class PrefillStep:
-    """AttentionContext for one chunk of one sequence."""
-
-    def __init__(self, engine: "Engine", seq: Sequence, method: KVMethod, positions: torch.Tensor, evict: bool,
-                 record_window: int = 0):
-        self.engine, self.seq, self.method, self.evict = engine, seq, method, evict
-        self.positions = positions
-        self.record_window = record_window  # keep the last queries of each layer for methods applied later
-        self.cos, self.sin = engine.rotary.cos_sin(positions, engine.dtype, seq_len=len(seq.prompt_ids))
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        by_rank = self.method.rope_by_rank()
-        kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
-        start = kv.num_slots[layer]
-        kv.ensure_slots(layer, start + chunk)
-        rows = kv.physical(layer, torch.arange(start, start + chunk, device=q.device))
-        rows = rows[:, None].expand(-1, k.shape[1])
-        if by_rank:  # keys stay unrotated; queries are rotated by rank below
-            reference.store(k, v, rows, self.positions, *pool.flat())
-        else:
-            q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, self.positions, *pool.flat())
-        kv.num_slots[layer] = start + chunk
-        self.method.observe_prefill(layer, self.seq, q, start)
-        context = self.method.prefill_context(layer, self.seq, q, start)
-        key_rope = None
-        if by_rank:  # ranks: the context slots first, then the chunk
-            n_ctx = start if context is None else context.shape[1]
-            key_rope = self.engine.rank_rope(n_ctx + chunk)
-            q = self.engine.rotary.rotate(q, key_rope[0][n_ctx:], key_rope[1][n_ctx:])
-            out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
-                                              key_rope)
-        else:
-            out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
-        if self.record_window:
-            self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
-        if self.evict:
-            evict_layer(self.method, self.seq, layer, q)
-        return out
-
-
-def evict_layer(method: KVMethod, seq: Sequence, layer: int, q_last: torch.Tensor) -> None:
-    """Prefill-time eviction of one layer, given the queries of the last prompt tokens [w', heads, D]."""
-    stats = seq.stats
-    stats.kv_resident_prefill_peak = max(stats.kv_resident_prefill_peak, seq.kv.resident_slots())
-    window = min(method.window_size(), q_last.shape[0])
-    keep = method.evict_prefill(layer, seq, q_last[q_last.shape[0] - window:])
-    if keep is not None:
-        seq.kv.compact(layer, keep)
-
-
-class DecodeStep:
-    """AttentionContext for one decode step of a batch."""
-
-    def __init__(self, engine: "Engine", batch: DecodeBatch, method: KVMethod, write_slots: torch.Tensor):
-        self.engine, self.batch, self.method = engine, batch, method
-        self.tables = batch.tables  # [B, layers, max_pages]
-        size = engine.pool.page_size
-        # pool rows of the new tokens' K/V, every layer at once: [B, layers, kv_heads] (write_slots: logical slots)
-        self.rows = torch.gather(self.tables, 2, write_slots // size) * size + write_slots % size
-        self.cos, self.sin = engine.rotary.cos_sin(batch.positions, engine.dtype)
-        self.lengths: list[torch.Tensor] = []  # attended slots of each layer [B, S]
-        self.attended_sum = self.attended_max = None  # [B] set by `finish`
-        self.selection_s = 0.0
-        self.traced = [(b, s) for b, s in enumerate(batch.seqs or ())  # no seqs: a captured CUDA-graph step
-                       if s.trace is not None and s.trace.wants(s.num_computed - len(s.prompt_ids))]
-        self.step_selection = None  # one selection for every layer (methods with a step plan)
-        if batch.step_plan is not None:
-            self.step_selection = self._timed(lambda: method.plan_selection(batch, batch.step_plan))
-
-    def _timed(self, select):
-        timer = self.engine.timer
-        span = timer.start("selection") if timer else None
-        started = time.perf_counter()
-        selection = select()
-        self.selection_s += time.perf_counter() - started
-        if timer:
-            timer.stop(span)
-        return selection
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        engine, pool, batch = self.engine, self.engine.pool, self.batch
-        by_rank = self.method.rope_by_rank()
-        tables = self.tables[:, layer]  # [B, max_pages]
-        rows = self.rows[:, layer]  # [B, kv_heads]
-        if by_rank:
-            reference.store(k, v, rows, batch.positions, *pool.flat())
-        else:
-            q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, batch.positions, *pool.flat())
-        selection = self.step_selection
-        if selection is None:
-            selection = self._timed(lambda: self.method.select(layer, batch, q))
-        timer = engine.timer
-        span = timer.start("attention") if timer else None
-        slots = None if selection is None else selection.slots
-        lengths = batch.num_slots[:, layer : layer + 1] if selection is None else selection.lengths  # [B, S]
-        if by_rank:  # the query takes the rank of the last attended key, its own
-            key_rope = engine.rank_rope(int(lengths.max()))
-            ranks = (lengths - 1).repeat_interleave(q.shape[1] // lengths.shape[1], dim=1).flatten()  # [B * heads]
-            q = engine.rotary.rotate(q.reshape(-1, 1, q.shape[-1]), key_rope[0][ranks], key_rope[1][ranks]).view_as(q)
-            out = reference.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale,
-                                             key_rope=key_rope)
-        else:
-            max_len = batch.max_slots if selection is None else 0
-            out = kernels.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale, max_len)
-        if timer:
-            timer.stop(span)
-        self.lengths.append(lengths)
-        if self.traced:
-            self._record(layer, tables, selection, None if by_rank else q)
-        return out
-
-    def finish(self) -> None:
-        """Statistics of the step, on the device (inside a captured graph): attended slots per head summed over
-        layers and the most slots any head attended, both [B]."""
-        if len({x.shape for x in self.lengths}) == 1:
-            per_layer = torch.stack(self.lengths, 1)  # [B, layers, S]
-            self.attended_sum = per_layer.float().mean(-1).sum(1)
-            self.attended_max = per_layer.amax((1, 2))
-        else:
-            self.attended_sum = torch.stack([x.float().mean(-1) for x in self.lengths], 1).sum(1)
-            self.attended_max = torch.stack([x.amax(-1) for x in self.lengths], 1).amax(1)
-
-    def _record(self, layer: int, tables: torch.Tensor, selection: Selection | None, q: torch.Tensor | None) -> None:
-        for b, seq in self.traced:
-            slots = None if selection is None else selection.slots[b]
-            lengths = None if selection is None else selection.lengths[b]
-            query = q[b] if q is not None and seq.trace.weights else None
-            positions, probs = attended_positions(self.engine.pool, tables[b], slots, lengths,
-                                                  int(self.batch.num_slots[b, layer]), query, self.engine.scale)
-            seq.trace.record_attended(seq.num_computed - len(seq.prompt_ids), layer, positions, probs)
-
-
 def _sample(seq: Sequence, logits: torch.Tensor) -> int:
     return sample(logits, seq.params, seq.generator)
-
-
-@dataclass
-class StepInputs:
-    """What the host decided for one decode step, on the device: `packed` [B, 2 + layers] holds side by side the
-    tokens, positions and slot counts after the append (the current token included); `write` [B, layers, kv_heads]
-    the slots the new tokens are written to (derived from the counts where every layer appends)."""
-
-    packed: torch.Tensor
-    write: torch.Tensor
-
-    @property
-    def tokens(self) -> torch.Tensor:  # [B]
-        return self.packed[:, 0]
-
-    @property
-    def positions(self) -> torch.Tensor:  # [B]
-        return self.packed[:, 1]
-
-    @property
-    def num_slots(self) -> torch.Tensor:  # [B, layers]
-        return self.packed[:, 2:]
 
 
 class Engine:
@@ -303,26 +136,24 @@ class Engine:
     # -- decode ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], method: KVMethod) -> torch.Tensor:
-        """Feed each sequence's last sampled token; return next-token logits [B, vocab]."""
-        logits, step = self.forward_step(seqs, method)
+        """Feed each sequence's last sampled token; return next-token logits [B, vocab] (an eager step)."""
+        logits, step = self.forward_step(seqs, method, *self.prepare_step(seqs, method))
         self.finish_step(seqs, step)
         return logits
 
     @torch.inference_mode()
-    def forward_step(self, seqs: list[Sequence], method: KVMethod,
-                     inputs: StepInputs | None = None) -> tuple[torch.Tensor, DecodeStep]:
-        """The eager forward of a decode step (nothing read back yet): logits [B, vocab] and the step. `inputs`:
-        prepared ahead for these sequences (`step_inputs`)."""
-        inputs, plan = self.prepare_step(seqs, method, inputs)
+    def forward_step(self, seqs: list[Sequence], method: KVMethod, inputs: StepInputs,
+                     plan: StepPlan | None) -> tuple[torch.Tensor, DecodeStep]:
+        """The eager forward of a prepared decode step (nothing read back yet): logits [B, vocab] and the step."""
         step = DecodeStep(self, self.step_batch(seqs, inputs, plan), method, inputs.write)
         logits = self.model(inputs.tokens, step)
         step.finish()
         return logits, step
 
     def prepare_step(self, seqs: list[Sequence], method: KVMethod,
-                     inputs: StepInputs | None = None) -> tuple[StepInputs, dict | None]:
-        """Host-side work before a decode step: its inputs (`step_inputs`, unless prepared ahead), then the method's
-        plan of the step's selection (`step_plan`)."""
+                     inputs: StepInputs | None = None) -> tuple[StepInputs, StepPlan | None]:
+        """Host-side work before a decode step, done once for either path: its inputs (`step_inputs`, unless
+        prepared ahead), then the method's plan of the step's selection (`step_plan`)."""
         if inputs is None:
             inputs = self.step_inputs(seqs, method)
         span = self.timer.start("selection") if self.timer else None
@@ -362,7 +193,7 @@ class Engine:
             write = (packed[:, 2:] - 1)[:, :, None].expand(-1, -1, self.config.num_kv_heads)
         return StepInputs(packed, write)
 
-    def step_batch(self, seqs: list[Sequence], inputs: StepInputs, plan: dict | None) -> DecodeBatch:
+    def step_batch(self, seqs: list[Sequence], inputs: StepInputs, plan: StepPlan | None) -> DecodeBatch:
         """The batch of a prepared eager step as `select` sees it (page tables stacked, shapes from the lengths)."""
         tables = stack_tables([s.kv.table for s in seqs])
         return DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, tables,
@@ -433,10 +264,11 @@ class Engine:
         if inputs is not None:  # this step consumes the slots prepared for it
             for seq in running:
                 seq.slot_ready = False
+        inputs, plan = self.prepare_step(running, method, inputs)
         if graphs is not None and graphs.fits(running):
-            logits, step = graphs.forward_step(running, inputs)
+            logits, step = graphs.forward_step(running, inputs, plan)
         else:
-            logits, step = self.forward_step(running, method, inputs)
+            logits, step = self.forward_step(running, method, inputs, plan)
         greedy = pick is _sample and all(s.params.temperature <= 0 for s in running)
         chosen = logits.argmax(-1) if greedy else None
         if greedy and method.graph_safe and type(method).begin_step is KVMethod.begin_step:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from semkv.cli.main import add_model_args, parse_budget, parse_params
+from semkv.cli.args import add_model_args, parse_budget, parse_params
 from semkv.errors import SemkvError
 
 DEFAULTS = dict(lengths="2k", budgets="128,512", samples=4)

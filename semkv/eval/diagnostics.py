@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from semkv.engine.hooks import resolve_budget
 from semkv.engine.trace import Trace
-from semkv.methods.base import resolve_budget
 
 
 def _occurrences(text: str, piece: str, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:

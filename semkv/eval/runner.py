@@ -21,14 +21,14 @@ from typing import Any, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from semkv.engine.hooks import validate_budget
 from semkv.errors import SemkvError
 from semkv.eval import diagnostics, html, perplexity_data, report
 from semkv.eval.perplexity import PerplexityTask
-from semkv.eval.tasks import GROUPS, TASKS, get_task
 from semkv.eval.store import ResultsDir, row_key
 from semkv.eval.task import Sample, Task
+from semkv.eval.tasks import GROUPS, TASKS, get_task
 from semkv.methods import METHODS, KVMethod, get_method
-from semkv.methods.base import validate_budget
 
 DIAG_STEPS = 8  # decode steps traced for the diagnostics: the answer's first tokens
 QUICK = dict(tasks=["passkey", "perplexity"], lengths=[512, 1024], budgets=[64, 256], samples=2, ppl_tokens=32)

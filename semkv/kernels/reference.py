@@ -7,8 +7,6 @@ list; the caller rotates the queries by theirs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -35,21 +33,6 @@ def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, slots:
     keys = k_pool.view(-1, kv_heads, dim)[rows]  # [B, n, kv_heads, D]
     grouped = q.view(batch, kv_heads, n_heads // kv_heads, dim).float()
     return torch.einsum("bkgd,bnkd->bkgn", grouped, keys.float()).reshape(batch, n_heads, -1)
-
-
-def summary_dots(sums: torch.Tensor, pages: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-    """Dot products of per-page key summaries with one direction per sequence and layer, summed over layers.
-
-    sums [pool_pages, kv_heads, D] float32, one summary per physical page; pages [B, layers, w] physical page ids of
-    each sequence's pages in each layer; directions [B, r, layers, kv_heads, D]. Returns float32 [B, w, r] with
-    out[b, j, i] = sum over layers l of <sums[pages[b, l, j]], directions[b, i, l]>. This reference gathers one
-    layer's summaries at a time; `kernels/triton_summary_dot.py` reads them in place on the GPU."""
-    batch, layers, w = pages.shape
-    dirs = directions.float().flatten(3)  # [B, r, layers, kv_heads * D]
-    out = torch.zeros(batch, w, directions.shape[1], dtype=torch.float32, device=sums.device)
-    for layer in range(layers):
-        out += torch.bmm(sums[pages[:, layer]].flatten(2), dirs[:, :, layer].transpose(1, 2))
-    return out
 
 
 def min_max_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_reduce: str) -> torch.Tensor:
@@ -107,35 +90,11 @@ def page_slots(top: torch.Tensor, budget: torch.Tensor, num_slots: torch.Tensor,
     return slots, lengths[:, None].expand(-1, top.shape[1]).contiguous()
 
 
-def block_slots(top: torch.Tensor, chosen: torch.Tensor, init: torch.Tensor, local: torch.Tensor, n: torch.Tensor,
-                block_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """InfLLM's attended slots: the initial tokens [0, init), the chosen blocks and the local window [n - local, n).
-    top [B, S, k] block indices, best first (a top-k of the block scores); chosen [B] how many of them each row takes
-    (<= k); init / local / n [B] the row's initial tokens, local window and stored slots. A block's slots that also
-    lie in the initial tokens or the local window count once; with n <= init + local a row attends to [0, n).
-    Returns slots [B, S, capacity], ascending and then 0, and lengths [B, S]."""
-    batch, shared, k = top.shape
-    device = top.device
-    slot = torch.arange(capacity, device=device)
-    parts = [(slot.expand(batch, 1, -1), (slot < torch.minimum(init, n)[:, None])[:, None])]
-    if k:
-        taken = torch.arange(k, device=device) < chosen[:, None, None]  # [B, 1, k]
-        blocks = torch.where(taken, top, -1).sort(dim=-1).values  # the chosen ones ascending, after the -1s
-        slots = (blocks[..., None] * block_size + torch.arange(block_size, device=device)).flatten(2)
-        inside = (slots >= init[:, None, None]) & (slots < (n - local)[:, None, None])
-        parts.append((slots, (blocks >= 0).repeat_interleave(block_size, dim=-1) & inside))
-    window = (n - local)[:, None] + slot  # [B, capacity]
-    parts.append((window[:, None], ((window >= init[:, None]) & (window < n[:, None]))[:, None]))
-    slots = torch.cat([p.expand(-1, shared, -1) for p, _ in parts], -1)  # [B, S, all candidates]
-    valid = torch.cat([v.expand(-1, shared, -1) for _, v in parts], -1)
-    return compact_slots(slots, valid, capacity)  # [initial | blocks | local]
-
-
 def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Buckets (SentenceKV's sentences, DynSplit-KV's chunks) ranked by descending score, ties by bucket id (the order
     of a stable sort): scores / count [B, S, buckets] (float, tokens) -> for every bucket the tokens of the buckets
     ranked before it and the index of its first token (buckets are contiguous token ranges in id order), int32
-    [B, S, buckets] each. What `sentence_tokens` and `kernels.sentence_slots` take."""
+    [B, S, buckets] each. What SentenceKV's `sentence_tokens` and `sentence_slots` take."""
     count = count.int()
     order = torch.sort(scores.masked_fill(count == 0, float("-inf")), dim=-1, descending=True, stable=True).indices
     ranked = count.gather(-1, order)
@@ -143,86 +102,8 @@ def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tenso
     return before, count.cumsum(-1, dtype=torch.int32) - count
 
 
-def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
-                    retained: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
-    """The tokens that ranked buckets take up to a capacity: buckets fill it in rank order and the last one keeps its
-    leading tokens (token t of bucket k is taken when before[k] + t - first[k] < capacity). bucket [rows, S or 1, T]
-    the bucket of every token of each state row (one map per KV head or one shared), rows [B] the batch's state rows,
-    before / first [B, S, buckets] (`bucket_ranks`), retained / capacity [B]. -> bool [B, S, T] (token t:
-    t < retained)."""
-    index = torch.arange(bucket.shape[-1], device=bucket.device)
-    bucket = bucket[rows].long().expand(-1, before.shape[1], -1)  # [B, S, T]
-    offset_in_bucket = index - first.gather(-1, bucket)
-    taken = before.gather(-1, bucket) + offset_in_bucket < capacity[:, None, None]
-    return taken & (index < retained[:, None, None])
-
-
-def sentence_slots(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
-                   n: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, capacity: torch.Tensor,
-                   tail: torch.Tensor, max_sink: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attended slots from ranked buckets (SentenceKV): the sinks [0, n_sink), the tokens the buckets take
-    (`sentence_tokens`; token t at slot n_sink + t) and the last `tail` slots [n - tail, n). Arguments as
-    `sentence_tokens`, plus n / n_sink / tail [B]; max_sink bounds n_sink, width bounds a row's total. Returns slots
-    [B, S, width], ascending and then 0, and lengths [B, S]."""
-    chosen = sentence_tokens(bucket, rows, before, first, retained, capacity)  # [B, S, T]
-    return _compact(chosen, n, n_sink, tail, max_sink, width)
-
-
-def chunk_slots(lo: torch.Tensor, count: torch.Tensor, before: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor,
-                capacity: torch.Tensor, tail: torch.Tensor, max_sink: int, width: int,
-                longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attended slots from ranked chunks (DynSplit-KV): chunks are ascending, disjoint slot ranges [lo, lo + count)
-    (lo / count [B, chunks], at most `longest` slots each) inside [n_sink, n - tail); each takes its leading
-    clamp(capacity - before, 0, count) slots (before [B, S, chunks]: `bucket_ranks`), between the sinks [0, n_sink)
-    and the last `tail` slots. n / n_sink / capacity / tail [B]; max_sink bounds n_sink, width a row's total. Returns
-    slots [B, S, width], ascending and then 0, and lengths [B, S]."""
-    take = (capacity[:, None, None] - before).clamp(min=0).minimum(count[:, None])  # [B, S, chunks]
-    lo = lo[:, None].expand_as(take)
-    tokens = max(int((n - n_sink).max()), 1)  # slots after the sinks: token t is slot n_sink + t
-    edges = torch.zeros(*take.shape[:2], tokens + 1, dtype=torch.long, device=take.device)
-    start = (lo - n_sink[:, None, None]).clamp(0, tokens)
-    edges.scatter_add_(-1, start, (take > 0).long())
-    edges.scatter_add_(-1, (start + take).clamp(max=tokens), -(take > 0).long())
-    chosen = edges.cumsum(-1)[..., :tokens] > 0  # [B, S, T]: inside a chunk's taken slots
-    return _compact(chosen, n, n_sink, tail, max_sink, width)
-
-
-def chunk_refresh(k_flat: torch.Tensor, tables: torch.Tensor, page_size: int, first: torch.Tensor, split: torch.Tensor,
-                  n: torch.Tensor, targets: torch.Tensor, span: int, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
-    """Write the element-wise min / max key of two chunks inside each row's last `span` slots (DynSplit-KV: the chunk
-    the new token joined, slots [first, split), and the next one, [split, n)). k_flat [pool rows, kv_heads, D]
-    (`KVPool.flat`), tables [B, max_pages] (one layer), first / split / n [B]; targets [B, 2] the rows of kmin / kmax
-    [summary rows, kv_heads, D] the two chunks go to. A chunk with no slot gets zeros."""
-    positions = n[:, None] - span + torch.arange(span, device=n.device)  # [B, span]
-    keys = k_flat[physical_rows(tables, positions.clamp(min=0), page_size)]  # [B, span, kv_heads, D]
-    for chunk, (lo, hi) in enumerate(((first, split), (split, n))):
-        member = ((positions >= lo[:, None]) & (positions < hi[:, None]) & (positions >= 0))[..., None, None]
-        held = member.any(1)  # [B, 1, 1]
-        kmin[targets[:, chunk]] = torch.where(held, keys.masked_fill(~member, float("inf")).amin(1), 0).to(kmin.dtype)
-        kmax[targets[:, chunk]] = torch.where(held, keys.masked_fill(~member, float("-inf")).amax(1), 0).to(kmax.dtype)
-
-
-def slot_stamps(stamps: torch.Tensor, tables: torch.Tensor, page_size: int, slots: torch.Tensor, lengths: torch.Tensor,
-                current: torch.Tensor, step: torch.Tensor, first: torch.Tensor, reuse: torch.Tensor, rows: torch.Tensor,
-                scratch: int) -> None:
-    """Reuse counting from per-slot stamps (DynSplit-KV): of each row's attended slots (slots [B, S, width], the first
-    lengths [B, S] of each list; `current` [B] the slot not counted: the new token), count those whose stamp in
-    stamps [pool rows, S] (int32, by physical row through tables [B, max_pages]) is step - 1 (never at a row's first
-    step: first [B] = 1) as reused and the others as reloaded, added to reuse [rows, 2] at rows [B]; then stamp every
-    attended slot with step [B]. Entries past a list's length write the scratch page."""
-    heads = slots.shape[1]
-    held = torch.arange(slots.shape[-1], device=slots.device) < lengths[..., None]  # [B, S, width]
-    flat = torch.where(held, physical_rows(tables, slots, page_size), scratch * page_size)
-    head = torch.arange(heads, device=slots.device)[None, :, None]
-    counted = held & (slots != current[:, None, None])
-    reused = counted & (stamps[flat, head] == (step - 1)[:, None, None]) & (first == 0)[:, None, None]
-    reused, counted = reused.sum((1, 2)), counted.sum((1, 2))
-    reuse.index_put_((rows,), torch.stack([reused, counted - reused], 1), accumulate=True)
-    stamps[flat, head] = step.int()[:, None, None].expand_as(flat)
-
-
-def _compact(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor, max_sink: int,
-             width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_chosen(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor,
+                   max_sink: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sinks, the chosen slots (chosen [B, S, T]: slot n_sink + t) and the tail, compacted to the front of
     [B, S, width] (then 0), with lengths [B, S]."""
     batch, shared, tokens = chosen.shape
@@ -242,84 +123,6 @@ def compact_slots(slots: torch.Tensor, valid: torch.Tensor, width: int) -> tuple
     out = torch.zeros(*slots.shape[:2], width + 1, dtype=torch.long, device=slots.device)
     out.scatter_(-1, torch.where(valid, position, width), slots)  # invalid entries land in the last column
     return out[..., :width], position[..., -1] + 1
-
-
-def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
-    """TokenSelect's selection functions (Eqs. 5-7): scores [..., heads, n] (q_h . k of each candidate, -inf where
-    not a candidate) -> indices of the k chosen candidates [..., S, k], ascending. "soft_vote": softmax per head,
-    summed over the heads; "top_k": the logits summed; "hard_vote": each head's top-k counted, ties broken by the
-    soft vote. kv_heads None: one vote over all heads (S = 1); otherwise one per KV group (S = kv_heads)."""
-    def over_heads(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
-        return x.sum(-2, keepdim=True) if kv_heads is None else x.unflatten(-2, (kv_heads, -1)).sum(-2)
-
-    if selection == "top_k":
-        total = over_heads(scores)
-    else:
-        soft = over_heads(torch.softmax(scores, dim=-1))
-        if selection == "soft_vote":
-            total = soft
-        else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
-            hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
-            voters = scores.shape[-2] // soft.shape[-2]
-            total = over_heads(hits) + soft / (2 * voters)
-    return total.topk(k, dim=-1).indices.sort(dim=-1).values
-
-
-@dataclass
-class SelectionCacheBuffers:
-    """TokenSelect's Selection Cache on the device, one row per running sequence (row 0 is scratch for padding
-    rows): the query of each layer's last selection q [rows, layers, heads * D] float32, its top-k slots
-    top [rows, layers, S, k], whether that entry may be reused valid [rows, layers] int8, and per row the hits and
-    lookups so far counts [rows, 2]."""
-
-    q: torch.Tensor
-    top: torch.Tensor
-    valid: torch.Tensor
-    counts: torch.Tensor
-
-    @classmethod
-    def allocate(cls, rows: int, layers: int, query_size: int, sets: int, k: int,
-                 device: torch.device) -> "SelectionCacheBuffers":
-        return cls(q=torch.zeros(rows, layers, query_size, dtype=torch.float32, device=device),
-                   top=torch.zeros(rows, layers, sets, k, dtype=torch.long, device=device),
-                   valid=torch.zeros(rows, layers, dtype=torch.int8, device=device),
-                   counts=torch.zeros(rows, 2, dtype=torch.long, device=device))
-
-
-def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
-                 rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, n_sink: int, n_recent: int,
-                 theta: float, selection: str, kv_heads: int | None) -> torch.Tensor:
-    """One layer of TokenSelect's decode selection for a batch, Selection Cache included (Algorithm 1).
-
-    q [B, heads, D] current queries; tables [B, max_pages]; num_slots [B] stored slots (current token included);
-    width >= num_slots; rows [B] each sequence's row in `cache`. With k = cache.top.shape[-1] and
-    budget = n_sink + k + n_recent, a row with more than `budget` slots is sparse: it looks its query up in the
-    cache (a hit: the entry is valid and cos(q, cached q) >= theta) and on a miss votes anew among the candidates
-    [n_sink, num_slots - n_recent) and stores query and top-k. Returns slots [B, S, budget] ascending: the sinks,
-    the top-k and the recent slots of a sparse row, 0..budget-1 for the others (the caller masks by length).
-    Updates `cache` in place; `kernels/triton_token_select.py` does the same in kernels that skip hit rows."""
-    batch, n_heads, _ = q.shape
-    k = cache.top.shape[-1]
-    budget = n_sink + k + n_recent
-    flat = q.flatten(1).float()  # [B, heads * D]
-    cached = cache.q[rows, layer]
-    sparse = num_slots > budget  # [B]
-    similar = F.cosine_similarity(flat, cached, dim=-1) >= theta
-    hit = sparse & (cache.valid[rows, layer] != 0) & similar
-    refresh = sparse & ~hit
-    slot = torch.arange(width, device=q.device)
-    scores = paged_dot(q, k_pool, tables, slot)  # [B, heads, width]
-    candidate = (slot >= n_sink) & (slot < (num_slots - n_recent)[:, None])  # [B, width]
-    scores = scores.masked_fill(~candidate[:, None], float("-inf"))
-    top = torch.where(refresh[:, None, None], head_vote(scores, k, selection, kv_heads), cache.top[rows, layer])
-    cache.top[rows, layer] = top  # [B, S, k]
-    cache.q[rows, layer] = torch.where(refresh[:, None], flat, cached)
-    cache.valid[rows, layer] = sparse.to(torch.int8)
-    cache.counts[rows] += torch.stack([hit, sparse], 1).long()
-    sets = top.shape[1]
-    recent = (num_slots - n_recent)[:, None] + torch.arange(n_recent, device=q.device)  # [B, n_recent]
-    chosen = torch.cat([slot[:n_sink].expand(batch, sets, -1), top, recent[:, None].expand(-1, sets, -1)], dim=-1)
-    return torch.where(sparse[:, None, None], chosen, slot[:budget].expand(batch, sets, -1))
 
 
 def _rotate_keys(k: torch.Tensor, key_rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -361,50 +164,6 @@ def gather_kv(
             k, v = kf[rows, head_idx], vf[rows, head_idx]
     mask = torch.arange(n, device=lengths.device)[None, None, :] < lengths[:, :, None]
     return k, v, mask
-
-
-def accumulate_attention(logits: torch.Tensor, counts: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor,
-                         pos_pool: torch.Tensor, scores: torch.Tensor) -> None:
-    """H2O's accumulated attention, updated in place. logits [B, heads, W] float32: scaled q . k of the logical slots
-    [0, W) of each row, W = P * page_size; counts [B] resident slots (<= W); pages [B, P] physical pages of those
-    slots (pages holding no resident slot must be the scratch page, which this reference may write); positions [B]
-    the current token's position; pos_pool [pages, page_size, kv_heads] stored positions; scores [pages, page_size,
-    kv_heads] float32. Each resident slot's score becomes (0 where its stored position is the current one, else its
-    score) + the softmax of the row's logits over its resident slots, summed over the KV head's query group; other
-    slots keep their scores. Normalised in float64, so that the result does not depend on the padded width."""
-    batch, heads, width = logits.shape
-    kv_heads = scores.shape[-1]
-    resident = torch.arange(width, device=logits.device) < counts[:, None]  # [B, W]
-    probs = torch.softmax(logits.double().masked_fill(~resident[:, None], float("-inf")), -1).float()
-    added = probs.view(batch, kv_heads, -1, width).sum(2).transpose(1, 2)  # [B, W, kv_heads]
-    old = scores[pages].flatten(1, 2)  # [B, W, kv_heads]
-    fresh = pos_pool[pages].flatten(1, 2) == positions[:, None, None]
-    new = torch.where(resident[..., None], torch.where(fresh, 0.0, old) + added, old)
-    scores[pages] = new.view(batch, pages.shape[1], -1, kv_heads)
-
-
-def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, start: int, scale: float,
-                          query_block: int = 256) -> torch.Tensor:
-    """The attention each key of one sequence and layer receives from a prefill chunk (H2O's prompt scores).
-
-    q [C, heads, D]: the chunk's queries, stored at slots [start, start + C), slot = position; table [max_pages];
-    k_pool [pages, page_size, kv_heads, D] holds the keys of slots [0, start + C). Each query's causal softmax over
-    those keys (logits `scale * q . k`, float32) is summed over the chunk's queries and each KV group's query heads:
-    float32 [kv_heads, start + C]. Queries are taken `query_block` at a time, so at most [heads, query_block,
-    start + C] logits exist at once."""
-    chunk, n_heads, dim = q.shape
-    kv_heads = k_pool.shape[2]
-    end = start + chunk
-    slots = torch.arange(end, device=q.device)
-    rows = physical_rows(table[None], slots[None], k_pool.shape[1])[0]
-    keys = k_pool.view(-1, kv_heads, dim)[rows].float()  # [end, kv_heads, D]
-    grouped = q.view(chunk, kv_heads, n_heads // kv_heads, dim).float()
-    sums = torch.zeros(kv_heads, end, dtype=torch.float32, device=q.device)
-    for a in range(0, chunk, query_block):
-        logits = torch.einsum("wkgd,nkd->kgwn", grouped[a : a + query_block], keys) * scale  # [KH, group, w, end]
-        future = slots[None, :] > start + torch.arange(a, a + logits.shape[2], device=q.device)[:, None]  # [w, end]
-        sums += torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((1, 2))
-    return sums
 
 
 def decode_attention(

@@ -1,23 +1,27 @@
-"""KV-selection methods, one module each, and the name -> class registry used by the API and the CLI."""
+"""KV-selection methods: a module for a method that fits one file, a package (method, state, references, kernels) for
+one that does not, and the name -> class registry used by the API, the CLI and the shared tests. A new method is a
+`KVMethod` subclass (`semkv.engine.hooks`) and one line in `METHODS`."""
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
 from typing import Any
 
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection
 from semkv.errors import SemkvError
-from semkv.methods.base import DecodeBatch, KVMethod, Selection
-from semkv.methods.chess import Chess
+from semkv.methods.chess.method import Chess
 from semkv.methods.chunkkv import ChunkKV
-from semkv.methods.dynsplit import DynSplitKV
+from semkv.methods.dynsplit.method import DynSplitKV
 from semkv.methods.full import FullKV
-from semkv.methods.h2o import H2O
-from semkv.methods.infllm import InfLLM
+from semkv.methods.h2o.method import H2O
+from semkv.methods.infllm.method import InfLLM
 from semkv.methods.keydiff import KeyDiff
 from semkv.methods.pyramidkv import PyramidKV
 from semkv.methods.quest import Quest
-from semkv.methods.sentencekv import SentenceKV
+from semkv.methods.sentencekv.method import SentenceKV
 from semkv.methods.snapkv import SnapKV
 from semkv.methods.streaming_llm import StreamingLLM
-from semkv.methods.tokenselect import TokenSelect
+from semkv.methods.tokenselect.method import TokenSelect
 
 # baselines first, then the five methods of the papers semkv is built around
 METHODS: dict[str, type[KVMethod]] = {
@@ -33,17 +37,21 @@ __all__ = [
 
 
 def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:
-    """A method object from a name (or an object, returned as is with `budget` filled in if it had none)."""
+    """A method object from a name, or a given object (a copy with `budget` filled in if it had none; the object
+    itself is never changed). Old parameter names (`KVMethod.renamed`) are accepted with a DeprecationWarning."""
     if isinstance(method, KVMethod):
         if params:
             raise SemkvError(f"method parameters {sorted(params)} go into the method object, not generate()")
         if budget is not None and method.budget is None:
-            method.budget = budget
-            method.__post_init__()
+            return replace(method, budget=budget)
         return method
     if not isinstance(method, str) or method not in METHODS:
         raise SemkvError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     cls = METHODS[method]
+    for old in set(params) & set(cls.renamed):
+        new = cls.renamed[old]
+        warnings.warn(f"{method} parameter {old!r} is now {new!r}", DeprecationWarning, stacklevel=2)
+        params[new] = params.pop(old)
     allowed = cls.parameters()
     unknown = sorted(set(params) - set(allowed))
     if unknown:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import check_range, per_kv_head, window_attention
+from semkv.errors import check_range
+from semkv.methods.base import per_kv_head, window_attention
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
 

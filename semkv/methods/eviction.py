@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from semkv.engine.hooks import KVMethod, resolve_budget
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import KVMethod, check_range, keep_top, resolve_budget
+from semkv.errors import check_range
+from semkv.methods.base import keep_top
 
 
 @dataclass

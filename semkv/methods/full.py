@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from semkv.methods.base import KVMethod
+from semkv.engine.hooks import KVMethod
 
 
 @dataclass

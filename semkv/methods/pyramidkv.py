@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from semkv.methods.base import check_range, resolve_budget
+from semkv.engine.hooks import resolve_budget
+from semkv.errors import check_range
 from semkv.methods.snapkv import SnapKV
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from semkv import kernels
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, budget_tokens, resolve_budget
 from semkv.engine.sequence import Sequence
-from semkv.errors import SemkvError
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
-from semkv.methods.page_summaries import PageSummaries
+from semkv.errors import check_choice, check_range
+from semkv.methods.state.page_summaries import PageSummaries
 
 
 @dataclass
@@ -42,8 +42,7 @@ class Quest(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.group_reduce not in ("mean", "max"):
-            raise SemkvError(f"group_reduce={self.group_reduce!r}; allowed: 'mean', 'max'")
+        check_choice("group_reduce", self.group_reduce, ("mean", "max"))
         check_range("dense_layers", self.dense_layers, 0, None, int)
         self.summaries = PageSummaries(("min", "max"))
 
@@ -68,7 +67,7 @@ class Quest(KVMethod):
         tables = batch.tables[:, layer, :width]  # [B, width]
         capacity = resolve_budget(self.budget, batch.max_slots)  # the largest budget of any row
         dense = layer < self.dense_layers or (not isinstance(self.budget, float) and capacity >= batch.max_slots)
-        if not dense and batch.seqs is not None:  # eager step: dense rows are known on the host
+        if not dense and not batch.graphed:  # eager step: dense rows are known on the host
             dense = all(resolve_budget(self.budget, s.num_computed + 1) >= s.kv.num_slots[layer] for s in batch.seqs)
         if dense:  # every row attends to all its slots; the summaries still take the current key
             self.summaries.add_tokens(pool, tables, (n - 1)[:, None].expand(-1, kv_heads))

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
-from semkv.errors import SemkvError
-from semkv.methods.base import check_range, per_kv_head, window_attention
+from semkv.errors import SemkvError, check_choice, check_range
+from semkv.methods.base import per_kv_head, window_attention
 from semkv.methods.eviction import ScoredEviction, window_positions
 
 
@@ -55,8 +55,7 @@ class SnapKV(ScoredEviction):
         check_range("kernel_size", self.kernel_size, 1, 63, int)
         if self.kernel_size % 2 == 0:
             raise SemkvError(f"kernel_size={self.kernel_size} must be odd")
-        if self.pooling not in ("avg", "max"):
-            raise SemkvError(f"pooling={self.pooling!r}; allowed: 'avg', 'max'")
+        check_choice("pooling", self.pooling, ("avg", "max"))
 
     def score(self, layer: int, seq: Sequence, q_window: torch.Tensor, keys: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from semkv.engine.hooks import DecodeBatch, KVMethod, resolve_budget
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import DecodeBatch, KVMethod, check_range, resolve_budget
+from semkv.errors import check_range
 
 
 @dataclass

@@ -20,8 +20,8 @@ Readings of the paper and its reference code:
 - Prefill is dense: the budget binds decode steps (the paper also applies the memory to prompt chunks, for length
   extrapolation; keys keep their original positions here, no position re-assignment).
 - Budget split (the paper's 128 initial + 4096 local + top-k x 128 assume budgets of several thousand tokens): with
-  budget B, init = min(n_init, floor(B * init_ratio)); the local window gets at least
-  min(n_local, floor(B * local_ratio)) (at least 1: the current token); whole blocks take as much of the rest as there
+  budget B, init = min(n_sink, floor(B * init_ratio)); the local window gets at least
+  min(n_recent, floor(B * local_ratio)) (at least 1: the current token); whole blocks take as much of the rest as there
   are formed candidates; the local window absorbs what is left. Attended = init + blocks + local <= B. W is the local
   minimum resolved at the prompt length.
 
@@ -38,7 +38,8 @@ step plan.
 Parameters
 ----------
 budget: attended tokens per KV head and layer (int) or fraction of the current context (float).
-n_init: initial tokens, 128 (paper). n_local: local window, 4096 (paper). block_size: 128 (paper).
+n_sink: initial tokens, 128 (the paper's n_init). n_recent: local window, 4096 (the paper's n_local).
+block_size: 128 (paper).
 n_repr: representative tokens per block, 4 (paper).
 init_ratio: largest share of the budget for initial tokens, 0.125.
 local_ratio: share of the budget guaranteed to the local window, 0.25 (TokenSelect's evaluation of InfLLM used 2K
@@ -47,17 +48,18 @@ per_head: each KV head selects its own blocks (False: one set per layer, the ref
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from semkv import kernels
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_range
 from semkv.kernels import reference
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
-from semkv.methods.page_storage import PageStorage, slot_scores
+from semkv.methods.infllm import kernels as infllm_kernels
+from semkv.methods.state.page_storage import PageStorage, slot_scores
 
 
 @dataclass
@@ -87,9 +89,16 @@ def band_scores(q: torch.Tensor, keys: torch.Tensor, q_start: int, k_start: int,
 
 
 @dataclass
+class WindowPlan(StepPlan):
+    """InfLLM's step plan under a fractional budget: each sequence's W (padding rows: 1)."""
+
+    window: torch.Tensor = field(metadata={"pad": 1})  # [B]
+
+
+@dataclass
 class InfLLM(KVMethod):
-    n_init: int = 128
-    n_local: int = 4096
+    n_sink: int = 128
+    n_recent: int = 4096
     block_size: int = 128
     n_repr: int = 4
     init_ratio: float = 0.125
@@ -97,14 +106,15 @@ class InfLLM(KVMethod):
     per_head: bool = False
 
     name = "infllm"
+    renamed = {"n_init": "n_sink", "n_local": "n_recent"}
     summary = "InfLLM: initial + local tokens and the top memory blocks by representative keys, each decode step"
     kind = "selection"
     graph_safe = True  # state beside the pool, the window in the step plan
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_range("n_init", self.n_init, 0, None, int)
-        check_range("n_local", self.n_local, 1, None, int)
+        check_range("n_sink", self.n_sink, 0, None, int)
+        check_range("n_recent", self.n_recent, 1, None, int)
         check_range("block_size", self.block_size, 1, None, int)
         check_range("n_repr", self.n_repr, 1, self.block_size, int)
         check_range("init_ratio", self.init_ratio, 0.0, 1.0, (int, float))
@@ -117,7 +127,7 @@ class InfLLM(KVMethod):
         # default 16-slot pages): [pages, blocks per page, kv_heads, D]
         self.block_keys = PageStorage(lambda pool: (max(1, pool.page_size // self.block_size), pool.num_kv_heads,
                                                     pool.head_dim), pool_dtype=True)
-        self._plan: tuple[list[Sequence], dict[str, torch.Tensor]] | None = None
+        self._plan: tuple[list[Sequence], WindowPlan] | None = None
         self._rows: RowSplit | None = None  # of the step running, from layer 0
         self._queries: list[torch.Tensor] = []  # the step's queries so far, one [B, heads, D] per layer
 
@@ -129,8 +139,8 @@ class InfLLM(KVMethod):
 
     def split(self, budget: int) -> tuple[int, int, int]:
         """Budget -> (initial tokens, minimum local window, most blocks)."""
-        local = max(1, min(self.n_local, int(budget * self.local_ratio)))
-        init = min(self.n_init, int(budget * self.init_ratio), budget - local)
+        local = max(1, min(self.n_recent, int(budget * self.local_ratio)))
+        init = min(self.n_sink, int(budget * self.init_ratio), budget - local)
         return init, local, (budget - init - local) // self.block_size
 
     def new_state(self, seq: Sequence) -> InfLLMState | None:
@@ -193,20 +203,20 @@ class InfLLM(KVMethod):
         block_keys[first, slots[..., 0] % size // bs] = keys.float().mean(2).to(block_keys.dtype)
 
     # -- decode -----------------------------------------------------------------------------------------------------
-    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
-        """Each sequence's W ([B, 1], the same object while the batch is the same sequences) when the budget is a
+    def step_plan(self, batch: DecodeBatch) -> "WindowPlan | None":
+        """Each sequence's W ([B], the same object while the batch is the same sequences) when the budget is a
         fraction; an int budget has one W for every sequence."""
         if not isinstance(self.budget, float):
             return None
         seqs = batch.seqs
         if self._plan is None or len(self._plan[0]) != len(seqs) or any(a is not b for a, b in zip(self._plan[0],
                                                                                                    seqs)):
-            windows = torch.tensor([[s.method_state.window] for s in seqs], device=batch.positions.device)
-            self._plan = (list(seqs), {"window": windows})
+            windows = torch.tensor([s.method_state.window for s in seqs], device=batch.positions.device)
+            self._plan = (list(seqs), WindowPlan(windows))
         return self._plan[1]
 
-    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
-        return {"window": (1, 1)} if isinstance(self.budget, float) else {}
+    def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "WindowPlan | None":
+        return WindowPlan.static(size, device) if isinstance(self.budget, float) else None
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         """Initial tokens, the top formed blocks and the local window, from the batch tensors alone (shapes from the
@@ -223,7 +233,7 @@ class InfLLM(KVMethod):
         formed = (n - 1 - self._rows.window).clamp(min=0) // self.block_size  # [B]
         capacity = resolve_budget(self.budget, batch.max_slots)  # the largest budget of any row
         dense = not isinstance(self.budget, float) and capacity >= batch.max_slots
-        if not dense and batch.seqs is not None:  # eager step: dense rows are known on the host
+        if not dense and not batch.graphed:  # eager step: dense rows are known on the host
             dense = all(resolve_budget(self.budget, s.num_computed + 1) >= s.kv.num_slots[layer] for s in batch.seqs)
         selection = None if dense else self._selection(batch, batch.tables[:, layer], n, formed, capacity, q)
         if layer == batch.model.num_layers - 1:
@@ -233,11 +243,11 @@ class InfLLM(KVMethod):
     def _row_split(self, batch: DecodeBatch) -> "RowSplit":
         """`split` of each row's budget at its context, and its W."""
         budget = budget_tokens(self.budget, batch.positions + 1)  # [B] tokens per row at its context
-        local_min = (budget.double() * self.local_ratio).floor().long().clamp(max=self.n_local).clamp(min=1)
-        init = torch.minimum((budget.double() * self.init_ratio).floor().long().clamp(max=self.n_init),
+        local_min = (budget.double() * self.local_ratio).floor().long().clamp(max=self.n_recent).clamp(min=1)
+        init = torch.minimum((budget.double() * self.init_ratio).floor().long().clamp(max=self.n_sink),
                              budget - local_min)
         if isinstance(self.budget, float):
-            window = batch.step_plan["window"][:, 0]
+            window = batch.step_plan.window
         else:
             window = torch.full_like(budget, self.split(self.budget)[1])
         return RowSplit(budget, init, (budget - init - local_min) // self.block_size, window)
@@ -299,4 +309,4 @@ class InfLLM(KVMethod):
             index = torch.arange(candidates, device=device)
             candidate = (index >= (init // bs)[:, None]) & (index < formed[:, None])  # [B, N]
             top = block_scores.masked_fill(~candidate[:, None], float("-inf")).topk(blocks, dim=-1).indices
-        return Selection(*kernels.block_slots(top, chosen, init, local, n, bs, capacity))
+        return Selection(*infllm_kernels.block_slots(top, chosen, init, local, n, bs, capacity))

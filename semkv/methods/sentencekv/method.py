@@ -24,7 +24,7 @@ output equals Full KV exactly; the mean query of a GQA group is its query heads'
 new generated bucket starts (a sentence end or an over-long split). The authors' code keeps all K/V on the GPU and
 masks; here retained K/V really live in host memory (pinned on GPU runs) when `offload` is on.
 
-Decoding is batched (`sentence_buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every
+Decoding is batched (`buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every
 retained token and the running query sums of all sequences live in device tensors, one row per sequence; the step plan
 gives each row its state row and budget split, one sort ranks the buckets of every row and KV head, and
 `kernels.sentence_slots` turns the ranks into slot lists. With `offload=False` a step reads nothing back and is
@@ -62,23 +62,39 @@ from typing import Any
 
 import torch
 
-from semkv import kernels
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import Sequence
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import reference
-from semkv.methods.base import (DecodeBatch, KVMethod, Selection, check_range, keep_top, per_kv_head,
-                                resolve_budget, window_attention)
+from semkv.methods.base import keep_top, per_kv_head, window_attention
 from semkv.methods.eviction import window_positions
-from semkv.methods.sentence_buckets import SentenceRows, SentenceState, bucket_of, load_working_set, move_tail
-from semkv.methods.sentences import SentenceRule, segment
+from semkv.methods.sentencekv import kernels as sentencekv_kernels
+from semkv.methods.sentencekv.buckets import SentenceRows, SentenceState, bucket_of, load_working_set, move_tail
+from semkv.methods.sentencekv.reference import sentence_tokens
+from semkv.methods.sentencekv.sentences import SentenceRule, segment
+from semkv.methods.state.rows import RowHolder
 
-PLAN = ("row", "q_count", "n_sink", "retained", "capacity", "n_recent", "region")  # columns of the step plan
 KEEP_ALL = 1 << 40  # the recent window of a row that keeps everything
 
 
 @dataclass
-class SentenceKV(KVMethod):
+class SentencePlan(StepPlan):
+    """SentenceKV's step plan, one value a sequence [B]: its row in the device state, the queries summed in its open
+    sentence, its sinks, retained tokens, working-set capacity and recent window, and the start of that window after
+    the sinks (a row that keeps everything: row 0, recent window `KEEP_ALL`)."""
+
+    row: torch.Tensor
+    q_count: torch.Tensor
+    n_sink: torch.Tensor
+    retained: torch.Tensor
+    capacity: torch.Tensor
+    n_recent: torch.Tensor
+    region: torch.Tensor
+
+
+@dataclass
+class SentenceKV(RowHolder, KVMethod):
     keep_factor: float = 2.0
     window: int = 32
     n_sink: int = 32
@@ -104,10 +120,8 @@ class SentenceKV(KVMethod):
         check_range("split_std", self.split_std, 0.0, None)
         check_range("max_sentence", self.max_sentence, 1, None, int)
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
-        if self.query not in ("mean", "current"):
-            raise SemkvError(f"query={self.query!r}; allowed: 'mean', 'current'")
-        if self.buckets not in ("sentences", "chunks"):
-            raise SemkvError(f"buckets={self.buckets!r}; allowed: 'sentences', 'chunks'")
+        check_choice("query", self.query, ("mean", "current"))
+        check_choice("buckets", self.buckets, ("sentences", "chunks"))
         if self.offload not in (None, True, False):
             raise SemkvError(f"offload={self.offload!r}; allowed: True, False, None (on when the device is a GPU)")
         self._rows: SentenceRows | None = None
@@ -148,34 +162,15 @@ class SentenceKV(KVMethod):
                                       pool.device)
         return st
 
-    def admit(self, seq: Sequence) -> None:
+    def takes_row(self, seq: Sequence) -> bool:
         st: SentenceState = seq.method_state
-        if st.dense or st.row:
-            return
-        st.row = self._rows.owners.take(seq)
-        self._ensure(st)
-        self._rows.clear(st.row)
+        return not st.dense and not st.row
 
-    def admission_bytes(self, seq: Sequence) -> int:
-        st: SentenceState = seq.method_state
-        if st.dense or st.row:
-            return 0
-        return self._rows.growth_bytes(self._row_needs(st, self._rows.owners.next_row()))
-
-    def state_bytes(self) -> int:
-        return 0 if self._rows is None else self._rows.held_bytes()
-
-    @staticmethod
-    def _row_needs(st: SentenceState, row: int, more_tokens: int = 0) -> tuple[int, int, int]:
-        """(rows, buckets, retained tokens) the device state needs for `st` in `row` with `more_tokens` further
+    def row_needs(self, seq: Sequence, row: int, more_tokens: int = 0) -> tuple[int, int, int]:
+        """(rows, buckets, retained tokens) the device state needs for `seq` in `row` with `more_tokens` further
         retained tokens."""
+        st: SentenceState = seq.method_state
         return row + 1, len(st.starts), st.retained + more_tokens
-
-    def _ensure(self, st: SentenceState, more_tokens: int = 0) -> None:
-        """Room in the device state for the row's buckets and `more_tokens` further retained tokens (a move makes
-        captured graphs be captured again)."""
-        if self._rows.ensure(*self._row_needs(st, st.row, more_tokens)):
-            self.graph_epoch += 1
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
@@ -214,8 +209,8 @@ class SentenceKV(KVMethod):
         self._record(seq, self._rows.row_bytes())
 
     # -- decode ---------------------------------------------------------------------------------------------------
-    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
-        """Each row's place in the device state and budget split ([B, 7], columns `PLAN`); a row that keeps
+    def step_plan(self, batch: DecodeBatch) -> "SentencePlan | None":
+        """Each row's place in the device state and budget split (`SentencePlan`); a row that keeps
         everything reads as row 0 with an unbounded recent window. None when every row keeps everything
         (eager steps only: a graphed step always takes a plan)."""
         states: list[SentenceState] = [s.method_state for s in batch.seqs]
@@ -224,17 +219,17 @@ class SentenceKV(KVMethod):
         rows = [[0, 0, 0, 0, 0, KEEP_ALL, 0] if st.dense else
                 [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent, st.tail_start - st.n_sink]
                 for st in states]
-        return {"sentence": torch.tensor(rows, device=batch.positions.device)}
+        return SentencePlan(*torch.tensor(rows, device=batch.positions.device).unbind(1))
 
-    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
-        return {"sentence": (len(PLAN), 0)}
+    def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "SentencePlan":
+        return SentencePlan.static(size, device)
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         """Sinks, the chosen buckets' tokens and the recent window of every row, ranked from the device state; with
         offload on, the chosen tokens are first loaded into each row's working set (row by row). q [B, heads, D]."""
         if batch.step_plan is None or self.budget is None:
             return None
-        if batch.seqs is None:  # graphed: the widest budget any row may have
+        if batch.graphed:  # the widest budget any row may have
             if not isinstance(self.budget, float) and self.budget >= batch.max_slots:  # every row keeps everything
                 return None
             width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
@@ -243,18 +238,19 @@ class SentenceKV(KVMethod):
             if all(st.dense for st in states):
                 return None
             width = min(max(batch.max_slots if st.dense else st.budget for st in states), batch.max_slots)
-        rows, steps, n_sink, retained, capacity, n_recent, region = batch.step_plan["sentence"].unbind(1)
+        plan: SentencePlan = batch.step_plan
+        rows, n_sink, retained, capacity = plan.row, plan.n_sink, plan.retained, plan.capacity
         kv_heads = batch.model.num_kv_heads
-        query = self._rows.mean_query(layer, rows, q, steps) if self.query == "mean" else q.float()
+        query = self._rows.mean_query(layer, rows, q, plan.q_count) if self.query == "mean" else q.float()
         query = query.view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] the group's mean
         before, first = self._rows.rank(layer, rows, query)  # [B, kv_heads, buckets]
-        if batch.seqs is not None and any(s.method_state.offload for s in batch.seqs):
-            chosen = reference.sentence_tokens(self._rows.bucket[layer], rows, before, first, retained, capacity)
+        if any(s.method_state.offload for s in batch.seqs):
+            chosen = sentence_tokens(self._rows.bucket[layer], rows, before, first, retained, capacity)
             return self._load(layer, batch.seqs, chosen)
         n = batch.num_slots[:, layer]  # [B]
-        tail = torch.minimum(n_recent, n - n_sink - region).clamp(min=1)  # [B] attended slots of the recent window
-        return Selection(*kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n, n_sink, retained,
-                                                 capacity, tail, self.n_sink, width))
+        tail = torch.minimum(plan.n_recent, n - n_sink - plan.region).clamp(min=1)  # [B] attended recent slots
+        return Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n, n_sink,
+                                                            retained, capacity, tail, self.n_sink, width))
 
     def _load(self, layer: int, seqs: list[Sequence], chosen: torch.Tensor) -> Selection:
         """Offload on: each row's working set is made to hold its chosen tokens ([B, kv_heads, retained] bool);
@@ -306,7 +302,7 @@ class SentenceKV(KVMethod):
         rows = reference.physical_rows(kv.table, slots, kv.pool.page_size)  # [layers, m] flat pool rows
         kf, vf, pf = kv.pool.flat()
         k, pos = kf[rows].transpose(1, 2), pf[rows].transpose(1, 2)  # [layers, kv_heads, m, D], [layers, kv_heads, m]
-        self._ensure(st, m)
+        self.ensure_rows(self.row_needs(seq, st.row, m), kv.pool)
         self._rows.add(st.row, slice(None), k, bucket_of(st.starts, pos), at=st.retained)
         if st.offload:
             v = vf[rows].transpose(1, 2)

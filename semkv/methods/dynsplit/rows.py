@@ -1,15 +1,16 @@
 """DynSplit-KV's device state for batched, graph-captured decoding (K/V resident, min/max pooling): for every sequence,
 one row each, the min / max key of every chunk per layer and KV head, each chunk's first position and the reuse
 counters; beside the KV pool, the step at which each slot was last attended (the reuse statistics). The
-split itself (DD-Select) stays on the host and reaches these tensors between steps. Used by `semkv.methods.dynsplit`.
+split itself (DD-Select) stays on the host and reaches these tensors between steps. Used by
+`semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
 
 import torch
 
 from semkv.engine.kv_cache import KVPool
-from semkv.methods.page_storage import PageStorage
-from semkv.methods.state_rows import DeviceRows, RowOwners
+from semkv.methods.state.page_storage import PageStorage
+from semkv.methods.state.rows import DeviceRows
 
 
 class DynSplitRows(DeviceRows):
@@ -20,8 +21,8 @@ class DynSplitRows(DeviceRows):
     slack = (4, 64)
 
     def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
-        self.owners = RowOwners()
         self.kmin = torch.zeros(layers, 1, 1, kv_heads, dim, dtype=dtype, device=device)  # [L, rows, chunks, H, D]
         self.kmax = torch.zeros_like(self.kmin)
         self.start = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [rows, chunks] first position
@@ -40,15 +41,14 @@ class DynSplitRows(DeviceRows):
         summary = (self.layers, rows, chunks, self.kv_heads, self.dim)
         return dict(kmin=summary, kmax=summary, start=(rows, chunks), reuse=(rows, 2))
 
-    def ensure(self, rows: int, chunks: int, pool: KVPool) -> bool:
-        """Room for `rows` rows and `chunks` chunks per row, and stamps for every page of the pool; True when a
-        tensor moved."""
+    def ensure(self, needs: tuple[int, int], pool: KVPool) -> bool:
+        """Room for needs = (rows, chunks per row), and stamps for every page of the pool; True when a tensor
+        moved."""
         moved = self.stamps.ensure(pool)
-        return self.grow((rows, chunks)) or moved
+        return self.grow(needs) or moved
 
     def growth_bytes(self, needs: tuple[int, int], pool: KVPool) -> int:
-        """Device bytes `ensure(*needs, pool)` allocates."""
-        return super().growth_bytes(needs) + self.stamps.growth_bytes(pool)
+        return super().growth_bytes(needs, pool) + self.stamps.growth_bytes(pool)
 
     def held_bytes(self) -> int:
         return super().held_bytes() + self.stamps.held_bytes()

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from semkv.kernels.triton_sentence_slots import finish_slots, write_sinks
+from semkv.kernels.triton_slot_lists import finish_slots, write_sinks
 
 
 @triton.jit

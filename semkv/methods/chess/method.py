@@ -2,16 +2,16 @@
 ("CHESS: Context-aware Hierarchical Efficient Semantic Selection for Long-Context LLM Inference", 2026,
 https://arxiv.org/abs/2602.20732).
 
-Every page of `page_size` tokens is summarised by the mean of its keys, flattened over all layers and KV heads (Eq. 1);
+Every page of `block_size` tokens is summarised by the mean of its keys, flattened over all layers and KV heads (Eq. 1);
 chunks of `chunk_pages` pages and grids of `grid_chunks` chunks are logical views whose vectors are means of their
-children (Eq. 2). The anchor is the mean vector of the last `window` pages (Eq. 3); one matrix product scores grids,
+children (Eq. 2). The anchor is the mean vector of the last `recent_pages` pages (Eq. 3); one matrix product scores grids,
 chunks and pages against it (Eq. 4) and a coarse-to-fine cascade keeps the top grids, then the top chunks inside them,
 then the top pages inside those (Algorithm 1). One page set serves every layer and head; the first page (attention
 sinks) and the recent window are always attended. The set is kept until the model's uncertainty over a page of
 generated tokens (mean entropy or varentropy) crosses thresholds calibrated offline (section 3.3, Appendix C).
 
 Budget: a decode step attends to at most `budget` tokens, recent window first, then the sink page, then
-`k = (budget - recent - sink) // page_size` selected pages. The budget sets rho_p (k pages among those the grid and
+`k = (budget - recent - sink) // block_size` selected pages. The budget sets rho_p (k pages among those the grid and
 chunk levels leave) with the preset's rho_g, rho_c; where k exceeds the preset's rho_g * rho_c share of the candidate
 pages, rho_g and rho_c are raised by a common power until their product is that share, so a budget at least the
 context makes every ratio 1.0 (Full KV). `budget=rho_g*rho_c*rho_p` as a fraction reproduces a Table 1 setting.
@@ -21,10 +21,11 @@ Parameters
 budget: attended tokens per step (shared by every layer and KV head); a float is a fraction of the context.
 preset: (rho_g, rho_c) from Table 1: "conservative" (0.9, 0.9), "moderate" (0.8, 0.7), "aggressive" (0.5, 0.2);
     default "moderate" (the paper's rho_p of each preset, 0.9 / 0.7 / 0.1, is replaced by the budget).
-page_size: B, tokens per page; 32 (the paper's setting); a multiple of the engine's KV page size.
+block_size: B, tokens per CHESS page; 32 (the paper's setting); a multiple of the engine's KV `page_size` (the
+    paper's page, named apart from the engine's; `page_size` is a deprecated alias).
 chunk_pages: N_c, pages per chunk; 4, chosen by ablation (benchmarks/chess_eval.py ablation; the paper gives none).
 grid_chunks: N_g, chunks per grid; 4, chosen by the same ablation.
-window: W, recent pages that form the anchor and are always attended; 2 (the paper gives no value: two pages hold
+recent_pages: W, recent pages that form the anchor and are always attended; 2 (the paper gives no value: two pages hold
     the question of a prompt and the latest generated tokens). Between re-selections the window grows from where it
     started, so no page falls between the window and the kept selection.
 mode: "dynamic" (re-select on uncertainty, the paper's method), "periodic" (every `period` generated pages,
@@ -51,14 +52,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from semkv import kernels
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.sequence import Sequence
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, budget_tokens, check_range, resolve_budget
-from semkv.methods.cascade import cascade, cascade_ratios
-from semkv.methods.page_summaries import PageSummaries
-from semkv.methods.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.methods.chess import kernels as chess_kernels
+from semkv.methods.chess.cascade import cascade, cascade_ratios
+from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.methods.state.page_summaries import PageSummaries
 from semkv.models.rotary import RotaryEmbedding
 
 PRESETS = {"conservative": (0.9, 0.9), "moderate": (0.8, 0.7), "aggressive": (0.5, 0.2)}
@@ -123,12 +124,20 @@ class ChessState:
 
 
 @dataclass
+class PagePlan(StepPlan):
+    """CHESS's step plan: each sequence's kept pages, best first (-1 past the last), and its window's first page."""
+
+    pages: torch.Tensor = field(metadata={"pad": -1})  # [B, kept pages]
+    window: torch.Tensor  # [B]
+
+
+@dataclass
 class Chess(KVMethod):
     preset: str = "moderate"
-    page_size: int = 32
+    block_size: int = 32
     chunk_pages: int = 4
     grid_chunks: int = 4
-    window: int = 2
+    recent_pages: int = 2
     mode: str = "dynamic"
     period: int = 6
     trigger: str = "any"
@@ -140,18 +149,18 @@ class Chess(KVMethod):
     kind = "selection"
     graph_safe = True  # the step's plan is decided before the forward; its selection is computed inside the graph
     name = "chess"
+    renamed = {"page_size": "block_size", "window": "recent_pages"}
     summary = "CHESS: grid->chunk->page cascade by key-key affinity with the recent pages, re-selected on uncertainty"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, value, allowed in (("preset", self.preset, tuple(PRESETS)), ("mode", self.mode, MODES),
                                      ("trigger", self.trigger, ("any", "both"))):
-            if value not in allowed:
-                raise SemkvError(f"{name}={value!r}; allowed: {', '.join(map(repr, allowed))}")
-        check_range("page_size", self.page_size, 1, 256, int)
+            check_choice(name, value, allowed)
+        check_range("block_size", self.block_size, 1, 256, int)
         check_range("chunk_pages", self.chunk_pages, 1, 1024, int)
         check_range("grid_chunks", self.grid_chunks, 1, 1024, int)
-        check_range("window", self.window, 1, None, int)
+        check_range("recent_pages", self.recent_pages, 1, None, int)
         check_range("period", self.period, 1, None, int)
         check_range("rope_free", self.rope_free, types=bool)
         check_range("center", self.center, types=bool)
@@ -160,12 +169,12 @@ class Chess(KVMethod):
                 check_range(name, getattr(self, name), 0.0, None)
         self.summaries = PageSummaries(("sum",), self.unrotate if self.rope_free else None)
         self.rotary: RotaryEmbedding | None = None
-        self._plan: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None  # (selection ids, plan)
+        self._plan: tuple[tuple[int, ...], PagePlan] | None = None  # (selection ids, plan)
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
-        if self.page_size % page_size:
-            raise SemkvError(f"page_size={self.page_size} must be a multiple of the engine's KV page size "
+        if self.block_size % page_size:
+            raise SemkvError(f"block_size={self.block_size} must be a multiple of the engine's KV page size "
                              f"{page_size}; allowed: {page_size}, {2 * page_size}, ...")
         found = dict(DEFAULT_THRESHOLDS, **(calibration.load("chess", model.source) or {}))
         given = (self.entropy_threshold, self.varentropy_threshold)
@@ -192,7 +201,7 @@ class Chess(KVMethod):
     def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:
         """99th percentiles of the mean entropy and the varentropy of next-token distributions over pages of the
         texts (teacher-forced with Full KV), as in section 5.1."""
-        size = next(f.default for f in fields(cls) if f.name == "page_size")
+        size = next(f.default for f in fields(cls) if f.name == "block_size")
         per_page = []
         for text in texts:
             ids = llm.tokenizer(text, add_special_tokens=True)["input_ids"][:max_tokens]
@@ -203,7 +212,7 @@ class Chess(KVMethod):
             raise SemkvError(f"the calibration texts hold no full page of {size} tokens; give longer texts")
         pages = torch.cat(per_page)  # [pages, 2]
         entropy, varentropy = torch.quantile(pages, 0.99, dim=0).tolist()
-        return {"entropy": entropy, "varentropy": varentropy, "percentile": 99, "page_size": size,
+        return {"entropy": entropy, "varentropy": varentropy, "percentile": 99, "block_size": size,
                 "pages": pages.shape[0]}
 
     # -- page vectors ---------------------------------------------------------------------------------------------
@@ -246,7 +255,7 @@ class Chess(KVMethod):
         tokens summarised: the physical ids of their KV pages [b, layers, m * per_page] (their sums are stale where
         nothing is summarised: mask with the counts), the tokens summarised in each KV page [b, m * per_page] and in
         each page [b, m]."""
-        size, per_page = self.kv_page_size, self.page_size // self.kv_page_size
+        size, per_page = self.kv_page_size, self.block_size // self.kv_page_size
         b, m = pages.shape
         cols = (pages[..., None] * per_page + torch.arange(per_page, device=pages.device)).flatten(1)  # [b, m * pp]
         if tables is None:
@@ -262,7 +271,7 @@ class Chess(KVMethod):
         physical, filled, counts = self.page_sums(seqs, summarized, pages, n_pages, tables)
         chosen = chosen & (counts > 0)
         weights = chosen / counts.clamp(min=1) / chosen.sum(1, keepdim=True).clamp(min=1)  # [b, m]
-        weights = weights.repeat_interleave(self.page_size // self.kv_page_size, -1)  # [b, m * pp] per KV page
+        weights = weights.repeat_interleave(self.block_size // self.kv_page_size, -1)  # [b, m * pp] per KV page
         live = (filled > 0)[..., None, None, None]  # stale sums (even NaN) of unfilled KV pages
         pool, (b, layers, w) = seqs[0].kv.pool, physical.shape
         step = max(1, (1 << 30) // (b * w * 4 * pool.num_kv_heads * pool.head_dim))  # layers per gather (< 1 GiB)
@@ -280,7 +289,7 @@ class Chess(KVMethod):
         b, r = directions.shape[:2]
         pages = torch.arange(n_pages, device=directions.device).expand(b, -1)
         physical, filled, counts = self.page_sums(seqs, summarized, pages, n_pages, tables)
-        dots = kernels.summary_dots(self.summaries.data["sum"], physical, directions)  # [b, w, r]
+        dots = chess_kernels.summary_dots(self.summaries.data["sum"], physical, directions)  # [b, w, r]
         dots = dots.masked_fill((filled == 0)[..., None], 0.0)  # stale sums (even NaN) of unfilled KV pages
         return dots.view(b, n_pages, -1, r).sum(2).transpose(1, 2) / counts.clamp(min=1)[:, None]
 
@@ -288,7 +297,7 @@ class Chess(KVMethod):
     def selection_width(self, max_slots: int) -> int:
         return min(resolve_budget(self.budget, max_slots), max_slots)
 
-    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor]:
+    def step_plan(self, batch: DecodeBatch) -> "PagePlan":
         """Re-select where pending; the plan is each sequence's kept pages, best first, and its window start."""
         states: list[ChessState] = [s.method_state for s in batch.seqs]
         redo = [s for s, st in zip(batch.seqs, states) if st.pending]
@@ -298,27 +307,27 @@ class Chess(KVMethod):
         if self._plan is None or self._plan[0] != key:
             width = max(1, max(st.ranked.shape[0] for st in states))
             pages = torch.stack([F.pad(st.ranked, (0, width - st.ranked.shape[0]), value=-1) for st in states])
-            window = torch.tensor([[st.window_start] for st in states], device=pages.device)
-            self._plan = key, {"pages": pages, "window": window}
+            window = torch.tensor([st.window_start for st in states], device=pages.device)
+            self._plan = key, PagePlan(pages, window)
         return self._plan[1]
 
-    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
-        return {"pages": (self.selection_width(max_slots) // self.page_size + 1, -1), "window": (1, 0)}
+    def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "PagePlan":
+        return PagePlan.static(size, device, {"pages": self.selection_width(max_slots) // self.block_size + 1})
 
-    def plan_selection(self, batch: DecodeBatch, plan: dict[str, torch.Tensor]) -> Selection:
+    def plan_selection(self, batch: DecodeBatch, plan: "PagePlan") -> Selection:
         """One page set for every layer and head of the step (`plan_slots`; compiled into a few kernels on CUDA)."""
         n = batch.num_slots[:, 0]  # [b] selection methods store every token in every layer
-        slots, lengths = plan_slots_function(n.device)(n, plan["window"][:, 0], plan["pages"], self.budget,
-                                                       self.page_size, self.selection_width(batch.max_slots))
+        slots, lengths = plan_slots_function(n.device)(n, plan.window, plan.pages, self.budget,
+                                                       self.block_size, self.selection_width(batch.max_slots))
         return Selection(slots[:, None], lengths[:, None])
 
     def reselect(self, seqs: list[Sequence]) -> None:
         """Algorithm 1 for the given sequences at once; nothing is read back from the device (the plan takes the kept
         pages as a fixed-width tensor), so the host only queues the work."""
-        size = self.page_size
+        size = self.block_size
         counts = [s.kv.num_slots[0] for s in seqs]  # the current token included: its keys are not written yet
         n_pages = [-(-c // size) for c in counts]
-        starts = [max(p - self.window, 0) for p in n_pages]  # first page of the recent window
+        starts = [max(p - self.recent_pages, 0) for p in n_pages]  # first page of the recent window
         width = max(n_pages)
         tables = self.stacked_tables(seqs, width * (size // self.kv_page_size))
         self.fold(seqs, [c - 1 for c in counts], tables)
@@ -326,7 +335,7 @@ class Chess(KVMethod):
         n, start = torch.tensor(counts, device=device), torch.tensor(starts, device=device)
         summarized = n - 1
         _, _, k = safety(n, budget_tokens(self.budget, n), start, size)
-        window = (start[:, None] + torch.arange(self.window, device=device)).clamp(max=width - 1)
+        window = (start[:, None] + torch.arange(self.recent_pages, device=device)).clamp(max=width - 1)
         anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None],
                                   width, tables)
         page = torch.arange(width, device=device)[None, :]
@@ -340,7 +349,7 @@ class Chess(KVMethod):
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
         keep = cascade(scores, candidates, self.chunk_pages, self.grid_chunks, rho, k)
-        most = min(self.selection_width(max(counts)) // size + 1, width)  # k <= budget // page_size everywhere
+        most = min(self.selection_width(max(counts)) // size + 1, width)  # k <= budget // block_size everywhere
         ranked = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)[:, :most]
         ranked = torch.where(keep.gather(1, ranked), ranked, -1)  # [b, most] kept pages best first, then -1
         for i, seq in enumerate(seqs):
@@ -362,7 +371,7 @@ class Chess(KVMethod):
             st.page_tokens += 1
             if entropies is not None:
                 st.entropies.append(entropies[b])
-            if st.page_tokens == self.page_size:
+            if st.page_tokens == self.block_size:
                 st.page_tokens, st.pages_since = 0, st.pages_since + 1
                 ended.append(st)
         if self.mode == "periodic":

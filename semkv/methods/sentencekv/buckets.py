@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.kernels import reference
-from semkv.methods.state_rows import DeviceRows, RowOwners
+from semkv.methods.state.rows import DeviceRows
 
 
 def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -36,12 +36,12 @@ class SentenceRows(DeviceRows):
     slack = (1, 64, 256)
 
     def __init__(self, layers: int, heads: int, kv_heads: int, dim: int, device: torch.device):
+        super().__init__()
         self.layers, self.heads, self.kv_heads, self.dim, self.device = layers, heads, kv_heads, dim, device
         self.vectors = torch.zeros(layers, 1, kv_heads, 1, dim, device=device)  # [L, rows, H, buckets, D] mean key
         self.count = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, buckets]
         self.bucket = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, tokens]
         self.q_sum = torch.zeros(layers, 1, heads, dim, device=device)  # [L, rows, heads, D] this sentence's queries
-        self.owners = RowOwners()
 
     @property
     def tokens(self) -> int:
@@ -55,11 +55,6 @@ class SentenceRows(DeviceRows):
         layers, heads, dim = self.layers, self.kv_heads, self.dim
         return dict(vectors=(layers, rows, heads, buckets, dim), count=(layers, rows, heads, buckets),
                     bucket=(layers, rows, heads, tokens), q_sum=(layers, rows, self.heads, dim))
-
-    def ensure(self, rows: int, buckets: int, tokens: int) -> bool:
-        """Room for `rows` rows (row ids below it), `buckets` buckets and `tokens` retained tokens per row; True
-        when the tensors moved."""
-        return self.grow((rows, buckets, tokens))
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""

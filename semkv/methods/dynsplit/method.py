@@ -7,9 +7,9 @@ closeness to the ideal length. V2F keeps the element-wise min and max of each ch
 query's attention to the chunk by `sum_d max(q_d * max_d, q_d * min_d)`, gives that bound to every token of the
 chunk and lets each KV head attend to its top `budget` tokens, chosen in one fixed-shape sort.
 
-The method class is `DynSplitKV`; its helpers are `dynsplit_split.py` (delimiters, Algorithm 1, DD-Select),
-`dynsplit_v2f.py` (chunk summaries, scores, selection, per-sequence state), `dynsplit_rows.py` (the batched device
-state) and `dynsplit_offload.py` (host offload with KV reuse).
+The method class is `DynSplitKV`; its helpers beside it are `split.py` (delimiters, Algorithm 1, DD-Select), `v2f.py`
+(chunk summaries, scores, selection, per-sequence state), `rows.py` (the batched device state), `offload.py` (host
+offload with KV reuse) and `kernels.py` (Triton kernels, torch references in `reference.py`).
 
 With K/V resident and min/max pooling, decoding is batched and captured in CUDA graphs: every sequence's chunk
 summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs on the host in `begin_step` and the
@@ -29,28 +29,48 @@ from typing import Any
 import torch
 
 from semkv import kernels
-from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
+from semkv.engine.kv_cache import SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import reference
 from semkv.methods import calibration
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
-from semkv.methods.dynsplit_offload import load_region
-from semkv.methods.dynsplit_rows import DynSplitRows
-from semkv.methods.dynsplit_split import (DEFAULT_DELIMITERS, AttentionDependency, arrange_weights, dd_select,
+from semkv.methods.dynsplit import kernels as dynsplit_kernels
+from semkv.methods.dynsplit.offload import load_region
+from semkv.methods.dynsplit.rows import DynSplitRows
+from semkv.methods.dynsplit.split import (DEFAULT_DELIMITERS, AttentionDependency, arrange_weights, dd_select,
                                           delimiter_candidates, normalise, table7_weight)
-from semkv.methods.dynsplit_v2f import DynSplitState, block_scores, block_summaries, v2f_select
+from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
+from semkv.methods.state.rows import RowHolder
 
-PLAN = ("row", "k", "n_sink", "n_recent", "open_chunk", "dirty_start", "following", "dirty_target", "opened", "step",
-        "first_step")  # columns of the step plan
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
            "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max")}
 
 
 @dataclass
-class DynSplitKV(KVMethod):
+class ChunkPlan(StepPlan):
+    """DynSplit-KV's step plan (batched path), [B] a value a row unless noted: its state row, the tokens it attends
+    (k), sinks, recent tokens and open chunk; the chunk the token joined (open before it: its start, and the start of
+    the chunk after it or the token count); the summary rows `targets` [B, 2] of that chunk and of the chunk the token
+    opened (also its place in the flattened starts; 0: none); this step's stamp; 1 at the row's first decode step
+    (no reuse yet)."""
+
+    row: torch.Tensor
+    k: torch.Tensor
+    n_sink: torch.Tensor
+    n_recent: torch.Tensor
+    open_chunk: torch.Tensor
+    dirty_start: torch.Tensor
+    following: torch.Tensor
+    targets: torch.Tensor  # [B, 2]
+    step: torch.Tensor
+    first_step: torch.Tensor
+
+
+@dataclass
+class DynSplitKV(RowHolder, KVMethod):
     """DynSplit-KV: DD-Select chunks + V2F per-head token selection (Ye et al., 2026, "DynSplit-KV: Dynamic Semantic
     Splitting for KVCache Compression in Efficient Long-Context LLM Inference", https://arxiv.org/abs/2602.03184).
 
@@ -77,7 +97,7 @@ class DynSplitKV(KVMethod):
     n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
         Quest page, so the open chunk's latest keys are never dropped); both count in the budget.
     offload: False keeps all K/V on the device; True keeps them in a host store (the paper's CPU-GPU setting) and the
-        device holds only the tokens selected for the step; see `dynsplit_offload.py`.
+        device holds only the tokens selected for the step; see `offload.py`.
     """
 
     chunk_size: int = 16
@@ -116,8 +136,7 @@ class DynSplitKV(KVMethod):
         check_range("n_recent", self.n_recent, 0, None, int)
         check_range("offload", self.offload, types=bool)
         for field, allowed in CHOICES.items():
-            if getattr(self, field) not in allowed:
-                raise SemkvError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(map(repr, allowed))}")
+            check_choice(field, getattr(self, field), allowed)
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
         self._rows: DynSplitRows | None = None
@@ -148,31 +167,13 @@ class DynSplitKV(KVMethod):
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
         return DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
 
-    def _row_needs(self, seq: Sequence, row: int) -> tuple[int, int]:
+    def takes_row(self, seq: Sequence) -> bool:
+        return self.graph_safe and not seq.method_state.row
+
+    def row_needs(self, seq: Sequence, row: int) -> tuple[int, int]:
         """(rows, chunks) the device rows need for `seq` in `row`: its whole generation, in about as many chunks as
         chunk_size gives."""
         return row + 1, (len(seq.prompt_ids) + seq.params.max_new_tokens) // self.chunk_size + 2
-
-    def admit(self, seq: Sequence) -> None:
-        state = seq.method_state
-        if not self.graph_safe or state.row:
-            return
-        state.row = self._rows.owners.take(seq)
-        self._ensure(*self._row_needs(seq, state.row), seq.kv.pool)
-        self._rows.clear(state.row)
-
-    def admission_bytes(self, seq: Sequence) -> int:
-        if not self.graph_safe or seq.method_state.row:
-            return 0
-        return self._rows.growth_bytes(self._row_needs(seq, self._rows.owners.next_row()), seq.kv.pool)
-
-    def state_bytes(self) -> int:
-        return 0 if self._rows is None else self._rows.held_bytes()
-
-    def _ensure(self, rows: int, chunks: int, pool: KVPool) -> None:
-        """Room in the device rows (a move makes captured graphs be captured again)."""
-        if self._rows.ensure(rows, chunks, pool):
-            self.graph_epoch += 1
 
     def own_prefill(self, has_question: bool) -> bool:
         return self.document_tokens > 0  # otherwise the prefill is plain Full KV and can be shared
@@ -216,7 +217,7 @@ class DynSplitKV(KVMethod):
         """The prompt's chunk starts and every layer's chunk summaries into the sequence's device row."""
         kv, rows, n = seq.kv, self._rows, len(state.ids)
         chunks = len(state.ends) + 1
-        self._ensure(state.row + 1, chunks + 2, kv.pool)
+        self.ensure_rows((state.row + 1, chunks + 2), kv.pool)
         rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32, device=rows.device)
         for layer in range(kv.pool.num_layers):
             blocks = block_summaries(kv.keys(layer), state.labels[:n], chunks, "minmax")  # [2, kv_heads, chunks, D]
@@ -244,7 +245,7 @@ class DynSplitKV(KVMethod):
                 state = seq.method_state
                 chunk, start = len(state.ends), state.open_start
                 self._extend(state, [seq.last_token])  # one token closes at most one chunk
-                self._ensure(state.row + 1, len(state.ends) + 2, seq.kv.pool)
+                self.ensure_rows((state.row + 1, len(state.ends) + 2), seq.kv.pool)
                 state.dirty = (chunk, start, state.ends[chunk] if len(state.ends) > chunk else 0)
             return None
         for seq in batch.seqs:
@@ -254,15 +255,12 @@ class DynSplitKV(KVMethod):
                     seq.kv.ensure_slots(layer, max(self._k(seq), seq.kv.num_slots[layer] + 1))
         return None
 
-    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
-        """Batched path: per row [B, 11], columns `PLAN`: state row, tokens to attend k, sinks, recent, open chunk;
-        the chunk the token joined (open before it: its start, the start of the chunk after it or the token count,
-        its summary row) and the chunk the token opened (its summary row, which is also its place in the flattened
-        starts; 0: none); this step's stamp; 1 at the row's first decode step (no reuse yet)."""
+    def step_plan(self, batch: DecodeBatch) -> "ChunkPlan | None":
+        """Batched path: each row's `ChunkPlan`."""
         if not self.graph_safe:
             return None
         self._step += 1
-        self._ensure(1, 1, batch.pool)  # stamps for pages the pool gained
+        self.ensure_rows((1, 1), batch.pool)  # stamps for pages the pool gained
         chunks, plan = self._rows.chunks, []
         for seq in batch.seqs:
             state = seq.method_state
@@ -272,10 +270,11 @@ class DynSplitKV(KVMethod):
             plan.append([state.row, k, min(k - recent, self.n_sink), recent, len(state.ends), start,
                          closed_at or len(state.ids), state.row * chunks + dirty,
                          state.row * chunks + dirty + 1 if closed_at else 0, self._step, int(len(seq.output_ids) == 1)])
-        return {"dynsplit": torch.tensor(plan, device=batch.positions.device)}
+        table = torch.tensor(plan, device=batch.positions.device)  # [B, 11]: one copy to the device
+        return ChunkPlan(*table[:, :7].unbind(1), table[:, 7:9], table[:, 9], table[:, 10])
 
-    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
-        return {"dynsplit": (len(PLAN), 0)} if self.graph_safe else {}
+    def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "ChunkPlan | None":
+        return ChunkPlan.static(size, device, {"targets": 2}) if self.graph_safe else None
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         if self.graph_safe:
@@ -313,43 +312,42 @@ class DynSplitKV(KVMethod):
 
     def _select_rows(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection:
         """Every row at once from the device rows and the plan (see the module docstring). q [B, heads, D]."""
-        plan = batch.step_plan["dynsplit"]
-        col = dict(zip(PLAN, plan.unbind(1)))  # [B] each
+        plan: ChunkPlan = batch.step_plan
         n = batch.num_slots[:, layer]  # [B], the same in every layer
-        if batch.seqs is None:  # graphed: the widest any row may attend
+        if batch.graphed:  # the widest any row may attend
             width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
         else:
             width = max(self._k(s) for s in batch.seqs)
         state, pool = self._rows, batch.pool
         span = self.chunk_size + self.max_deviation + 1  # a chunk closes once that many slots follow its start
         if layer == 0:
-            state.start.view(-1)[col["opened"]] = col["following"].int()  # a chunk the token opened
-            self._ranges = self._chunk_ranges(col, n)
+            state.start.view(-1)[plan.targets[:, 1]] = plan.following.int()  # a chunk the token opened
+            self._ranges = self._chunk_ranges(plan, n)
         kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
-        targets = plan[:, PLAN.index("dirty_target") : PLAN.index("opened") + 1]  # [B, 2] the two chunks' rows
-        kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, col["dirty_start"],
-                              col["following"], n, targets, span, kmin, kmax)
+        dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, plan.dirty_start,
+                                       plan.following, n, plan.targets, span, kmin, kmax)
         table, lo, count = self._ranges
-        scores = kernels.page_bound(q, kmin, kmax, table, col["open_chunk"] + 2, 1,
+        scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
                                     self.group_reduce)  # [B, kv_heads, chunks]
         before, _ = reference.bucket_ranks(scores, count[:, None].expand_as(scores))
-        sinks, recent = col["n_sink"], col["n_recent"]
-        slots, lengths = kernels.chunk_slots(lo, count, before, n, sinks, col["k"] - sinks - recent,
-                                             torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink, width, span)
-        kernels.slot_stamps(state.stamps.data.view(-1, pool.num_kv_heads), batch.tables[:, layer], pool.page_size,
-                            slots, lengths, n - 1, col["step"], col["first_step"], state.reuse, col["row"],
-                            pool.scratch)  # reuse counts
+        sinks, recent = plan.n_sink, plan.n_recent
+        slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, plan.k - sinks - recent,
+                                                      torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink,
+                                                      width, span)
+        dynsplit_kernels.slot_stamps(state.stamps.data.view(-1, pool.num_kv_heads), batch.tables[:, layer],
+                                     pool.page_size, slots, lengths, n - 1, plan.step, plan.first_step, state.reuse,
+                                     plan.row, pool.scratch)  # reuse counts
         return Selection(slots, lengths)
 
-    def _chunk_ranges(self, col: dict[str, torch.Tensor], n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _chunk_ranges(self, plan: "ChunkPlan", n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What every layer of the step shares: each chunk's summary row (`table` [B, chunks], a chunk read as a
         page of one slot), its first slot between the forced ones and how many it has there (`lo`, `count`)."""
-        state, open_chunk = self._rows, col["open_chunk"][:, None]
+        state, open_chunk = self._rows, plan.open_chunk[:, None]
         index = torch.arange(state.chunks, device=n.device)
-        table = col["row"][:, None] * state.chunks + index
-        start = state.start[col["row"]].long()  # [B, chunks]
+        table = plan.row[:, None] * state.chunks + index
+        start = state.start[plan.row].long()  # [B, chunks]
         end = torch.where(index < open_chunk, start.roll(-1, dims=1), n[:, None])
-        lo, hi = torch.maximum(start, col["n_sink"][:, None]), torch.minimum(end, (n - col["n_recent"])[:, None])
+        lo, hi = torch.maximum(start, plan.n_sink[:, None]), torch.minimum(end, (n - plan.n_recent)[:, None])
         count = torch.where(index <= open_chunk, (hi - lo).clamp(min=0), 0)
         return table, lo, count
 

@@ -1,7 +1,8 @@
 """Rows of per-sequence method state kept in batched device tensors (SentenceKV's buckets, DynSplit-KV's chunks):
 which row belongs to which sequence (row 0 is never handed out: the padding rows of a graphed step read and write it;
-a row is free again once its sequence has finished or is gone), growing the tensors, and what a growth would cost
-(the engine admits a request only when the device has that memory free beside the KV pool)."""
+a row is free again once its sequence has finished or is gone), growing the tensors, what a growth would cost (the
+engine admits a request only when the device has that memory free beside the KV pool), and the admission hooks of a
+method that keeps such rows (`RowHolder`)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,8 @@ import weakref
 
 import torch
 
+from semkv.engine.hooks import BatchedHooks
+from semkv.engine.kv_cache import KVPool
 from semkv.engine.offload import grown_capacity
 from semkv.engine.sequence import Sequence
 
@@ -38,6 +41,9 @@ class DeviceRows:
 
     slack: tuple[int, ...]
 
+    def __init__(self) -> None:
+        self.owners = RowOwners()
+
     def sizes(self) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -53,8 +59,12 @@ class DeviceRows:
             setattr(self, name, regrown(getattr(self, name), shape))
         return True
 
-    def growth_bytes(self, needs: tuple[int, ...]) -> int:
-        """Device bytes `grow(needs)` allocates (every grown tensor; each old one is freed once replaced)."""
+    def ensure(self, needs: tuple[int, ...], pool: KVPool) -> bool:
+        """Room for `needs` (and for whatever else follows the pool's size); True when a tensor moved."""
+        return self.grow(needs)
+
+    def growth_bytes(self, needs: tuple[int, ...], pool: KVPool) -> int:
+        """Device bytes `ensure(needs, pool)` allocates (every grown tensor; each old one is freed once replaced)."""
         size = grown_sizes(needs, self.sizes(), self.slack)
         if size is None:
             return 0
@@ -63,6 +73,40 @@ class DeviceRows:
     def held_bytes(self) -> int:
         """Device bytes of the tensors now."""
         return sum(getattr(self, name).nbytes for name in self.shapes(*self.sizes()))
+
+
+class RowHolder(BatchedHooks):
+    """Admission hooks of a method whose batched per-sequence state is a `DeviceRows` in `self._rows`: a request
+    that takes a row (`takes_row`) gets one at admission, with room for what it needs there (`row_needs`); a move of
+    the tensors makes captured graphs be captured again (`graph_epoch`)."""
+
+    _rows: DeviceRows | None
+
+    def takes_row(self, seq: Sequence) -> bool:
+        raise NotImplementedError
+
+    def row_needs(self, seq: Sequence, row: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def admit(self, seq: Sequence) -> None:
+        if not self.takes_row(seq):
+            return
+        seq.method_state.row = row = self._rows.owners.take(seq)
+        self.ensure_rows(self.row_needs(seq, row), seq.kv.pool)
+        self._rows.clear(row)
+
+    def admission_bytes(self, seq: Sequence) -> int:
+        if not self.takes_row(seq):
+            return 0
+        return self._rows.growth_bytes(self.row_needs(seq, self._rows.owners.next_row()), seq.kv.pool)
+
+    def state_bytes(self) -> int:
+        return 0 if self._rows is None else self._rows.held_bytes()
+
+    def ensure_rows(self, needs: tuple[int, ...], pool: KVPool) -> None:
+        """Room in the device rows for `needs`."""
+        if self._rows.ensure(needs, pool):
+            self.graph_epoch += 1
 
 
 def grown_sizes(needs: tuple[int, ...], have: tuple[int, ...], slack: tuple[int, ...]) -> list[int] | None:

@@ -1,7 +1,7 @@
 """DynSplit-KV's V2F (variable-to-fixed mapping): per-chunk key summaries, chunk scores for the current query, and the
 per-head top-`budget` token selection in one fixed-shape operation; plus the per-sequence state that keeps the
 summaries of every layer up to date as tokens arrive (only the open chunk is recomputed). Used by
-`semkv.methods.dynsplit`.
+`semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
 

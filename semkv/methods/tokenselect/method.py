@@ -47,13 +47,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from semkv.engine.sequence import Sequence
-from semkv.errors import SemkvError
 from semkv import kernels
-from semkv.kernels.reference import SelectionCacheBuffers, head_vote
-from semkv.methods.base import DecodeBatch, KVMethod, Selection, check_range, resolve_budget
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
+from semkv.engine.sequence import Sequence
+from semkv.errors import SemkvError, check_choice, check_range
+from semkv.methods.tokenselect import kernels as tokenselect_kernels
+from semkv.methods.tokenselect.reference import SelectionCacheBuffers, head_vote
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
+
+
+@dataclass
+class CacheRows(StepPlan):
+    """TokenSelect's step plan: each sequence's row in the device Selection Cache."""
+
+    cache_row: torch.Tensor  # [B]
 
 
 @dataclass
@@ -79,10 +87,8 @@ class TokenSelect(KVMethod):
         check_range("n_recent", self.n_recent, 1, None, int)
         check_range("theta", self.theta, -1.0, 1.0)
         check_range("extrapolate", self.extrapolate, types=bool)
-        if self.selection not in SELECTIONS:
-            raise SemkvError(f"selection={self.selection!r}; allowed: {', '.join(map(repr, SELECTIONS))}")
-        if self.scope not in ("layer", "kv_head"):
-            raise SemkvError(f"scope={self.scope!r}; allowed: 'layer', 'kv_head'")
+        check_choice("selection", self.selection, SELECTIONS)
+        check_choice("scope", self.scope, ("layer", "kv_head"))
         if self.extrapolate and self.budget is not None and not isinstance(self.budget, int):
             raise SemkvError(f"budget={self.budget!r}: extrapolate=True needs an int budget (a fixed attended length)")
 
@@ -171,13 +177,13 @@ class TokenSelect(KVMethod):
         sink, _, recent = self.split(budget)
         n = batch.num_slots[:, layer]  # [B]
         kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
-        slots = kernels.token_select(q, batch.pool.k, batch.tables[:, layer], n, width,
-                                     batch.step_plan["cache_row"][:, 0], self._cache, layer, sink, recent,
+        slots = tokenselect_kernels.token_select(q, batch.pool.k, batch.tables[:, layer], n, width,
+                                     batch.step_plan.cache_row, self._cache, layer, sink, recent,
                                      self.theta, self.selection, kv_heads)  # [B, S, budget]
         return Selection(slots, n.clamp(max=budget)[:, None].expand(-1, slots.shape[1]))
 
-    def step_plan(self, batch: DecodeBatch) -> dict[str, torch.Tensor] | None:
-        """Each sequence's row in the device Selection Cache ([B, 1]; the same object while the batch is the same
+    def step_plan(self, batch: DecodeBatch) -> "CacheRows | None":
+        """Each sequence's row in the device Selection Cache ([B]; the same object while the batch is the same
         sequences). Rows of sequences that left the batch are freed; a new sequence gets an empty row. Growing the
         cache moves it, so captured graphs are captured again (`graph_epoch`)."""
         if not self.graph_safe:
@@ -197,7 +203,7 @@ class TokenSelect(KVMethod):
         for _, row in fresh:
             self._cache.valid[row] = 0
             self._cache.counts[row] = 0
-        plan = {"cache_row": torch.tensor([[self._rows[id(s)][1]] for s in seqs], device=batch.pool.k.device)}
+        plan = CacheRows(torch.tensor([self._rows[id(s)][1] for s in seqs], device=batch.pool.k.device))
         self._plan = (list(seqs), plan)
         return plan
 
@@ -215,14 +221,14 @@ class TokenSelect(KVMethod):
                 getattr(self._cache, name)[: old.q.shape[0]] = getattr(old, name)
         self.graph_epoch += 1
 
-    def plan_widths(self, max_slots: int) -> dict[str, tuple[int, int]]:
-        return {"cache_row": (1, 0)}
+    def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "CacheRows":
+        return CacheRows.static(size, device)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Hit counts of the device Selection Cache into each sequence's statistics (one small read)."""
         if self._plan is None or not self.graph_safe:
             return
-        counts = self._cache.counts[self._plan[1]["cache_row"][:, 0]].tolist()
+        counts = self._cache.counts[self._plan[1].cache_row].tolist()
         for seq, (hits, lookups) in zip(seqs, counts):
             seq.stats.extra.update(selection_cache_hits=hits, selection_cache_lookups=lookups,
                                    selection_cache_hit_rate=hits / max(lookups, 1))

@@ -5,7 +5,7 @@ them) ends with `.`, `!`, `?` or `…` (so also `...`) and a space or newline se
 "3.14" and "file.txt" do not end sentences; "e.g. the" still does), or with a CJK `。！？` (no space needed); a run
 of whitespace holding a blank line ends one too, and so does the token before a special token (`<|im_end|>`) and
 the last token of the text. Which token ids are terminal, whitespace, closers... is found once per tokenizer by
-scanning its vocabulary (`semkv.methods.vocab`), so the rule is a few vectorised lookups per prompt.
+scanning its vocabulary (`semkv.methods.sentencekv.vocab`), so the rule is a few vectorised lookups per prompt.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from semkv.methods.vocab import lookup, vocab_mask
+from semkv.methods.sentencekv.vocab import lookup, vocab_mask
 
 CLOSERS = "\"'”’»)\\]}*"
 _TERMINAL = re.compile(r"[.!?…][" + CLOSERS + r"]*\s*$")

@@ -39,10 +39,13 @@ from dataclasses import dataclass, field
 import torch
 
 from semkv import kernels
+from semkv.engine.hooks import DecodeBatch, KVMethod, resolve_budget
 from semkv.engine.kv_cache import KVPool, stack_tables
 from semkv.engine.sequence import Sequence
-from semkv.methods.base import DecodeBatch, KVMethod, check_range, keep_top, resolve_budget
-from semkv.methods.page_storage import resident_pages, slot_scores
+from semkv.errors import check_range
+from semkv.methods.base import keep_top
+from semkv.methods.h2o import kernels as h2o_kernels
+from semkv.methods.state.page_storage import resident_pages, slot_scores
 
 
 @dataclass
@@ -89,7 +92,7 @@ class H2O(KVMethod):
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
         """Add the attention the chunk's queries give every stored key (causal; `kernels.prompt_attention_sums`)."""
         kv = seq.kv
-        received = kernels.prompt_attention_sums(q, kv.pool.k, kv.table[layer], start, q.shape[-1] ** -0.5)
+        received = h2o_kernels.prompt_attention_sums(q, kv.pool.k, kv.table[layer], start, q.shape[-1] ** -0.5)
         seq.method_state.prefill_scores[layer][:, : received.shape[1]] += received
 
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
@@ -149,11 +152,11 @@ class H2O(KVMethod):
         CUDA graph (the budget at the longest context), the widest row in an eager step. q [B, heads, D]."""
         pool = batch.pool
         scores = self._score_storage(pool)
-        eager = batch.seqs is not None
+        eager = not batch.graphed
         width = batch.max_slots if eager else min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
         counts = batch.num_slots[:, layer]  # [B]
         pages = resident_pages(pool, batch.tables[:, layer], counts, width)  # [B, P]
         slots = torch.arange(pages.shape[-1] * pool.page_size, device=q.device)  # [W'], whole pages
         logits = kernels.paged_dot(q, pool.k, pages, slots) * q.shape[-1] ** -0.5  # [B, heads, W'] float32
-        kernels.accumulate_attention(logits, counts, pages, batch.positions, pool.pos, scores)
+        h2o_kernels.accumulate_attention(logits, counts, pages, batch.positions, pool.pos, scores)
         return None

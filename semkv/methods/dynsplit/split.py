@@ -1,6 +1,6 @@
 """DynSplit-KV's splitting side: delimiter candidates from the vocabulary, their importance by attention dependency
 (the paper's Algorithm 1), and DD-Select, which cuts a token sequence into chunks of about `chunk_size` tokens that
-end at the most important nearby delimiter. Used by `semkv.methods.dynsplit`.
+end at the most important nearby delimiter. Used by `semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ROWS_PER_PASS = 256  # query rows whose attention is materialised at once by the
 
 @lru_cache(maxsize=4)
 def _token_texts(tokenizer: Any) -> tuple[str, ...]:
-    """Decoded text of every vocabulary id (private scan; to be replaced by the shared `methods/vocab.py`)."""
+    """Decoded text of every vocabulary id (private scan; SentenceKV's `sentencekv/vocab.py` does the same)."""
     return tuple(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from semkv.kernels.reference import SelectionCacheBuffers
+from semkv.methods.tokenselect.reference import SelectionCacheBuffers
 from semkv.kernels.triton_decode import device_limits
 from semkv.kernels.triton_paged_dot import key_dots
 

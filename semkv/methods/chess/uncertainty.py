@@ -8,6 +8,7 @@ import torch
 
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.engine.step import PrefillStep
 from semkv.methods.full import FullKV
 
 
@@ -26,8 +27,6 @@ def page_uncertainty(entropies: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def teacher_forced_entropies(llm: Any, ids: list[int]) -> torch.Tensor:
     """Entropy of the model's next-token distribution at every token of `ids` [n], run with Full KV in prefill chunks
     (the logits of one chunk at a time, never of the whole text)."""
-    from semkv.engine.engine import PrefillStep  # here: the engine imports the methods package
-
     engine = llm.engine
     seq = Sequence(0, ids, SamplingParams(), SeqKV(engine.pool))
     tokens = torch.tensor(ids, device=engine.device)

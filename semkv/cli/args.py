@@ -1,0 +1,42 @@
+"""Arguments every subcommand shares: the model flags, budgets and method parameters as the command line writes them."""
+from __future__ import annotations
+
+import argparse
+import ast
+from typing import Any
+
+from semkv.errors import SemkvError
+
+
+def parse_budget(text: str | None) -> int | float | None:
+    """'512' -> 512 tokens, '0.1' or '10%' -> fraction 0.1, None -> None."""
+    if text is None:
+        return None
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise SemkvError(f"budget {text!r} is not a number; give tokens (512) or a fraction (0.1 or 10%)") from None
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """['window=64', 'pooling=max'] -> {'window': 64, 'pooling': 'max'}."""
+    params: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SemkvError(f"--param {item!r} must look like name=value")
+        try:
+            params[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    return params
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (1..256)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")

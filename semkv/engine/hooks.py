@@ -1,0 +1,287 @@
+"""The method interface the engine defines: what a KV method implements and what it is handed.
+
+A method is a dataclass of its parameters; the engine binds a private copy of it (`KVMethod.bound`) and calls its
+hooks at fixed points, never looking inside. Core hooks (`KVMethod`), which a simple method implements:
+
+Prefill (one sequence, chunk by chunk, layer by layer):
+    observe_prefill(layer, seq, q, start)  -> watch a chunk (e.g. accumulate attention statistics)
+    prefill_context(layer, seq, q, start)  -> slots of earlier tokens this chunk attends to (None: all)
+                                              [sparse prefill]
+    evict_prefill(layer, seq, q_window)    -> slots to keep [kv_heads or 1, n_keep] (None: keep all)   [eviction]
+        called once per layer right after the last prompt chunk's attention; `q_window` are the queries of the last
+        `window_size()` prompt tokens. The engine compacts the kept slots and frees the pages behind them.
+    finish_prefill(seq)                    -> build summaries / offload after all layers are done.
+Decode (a batch, one token per sequence):
+    begin_step(batch)                      -> slots the new tokens overwrite [B, layers, kv_heads] (None: append)
+    select(layer, batch, q)                -> `Selection` of slots each KV head attends to (None: all stored)
+    end_step(seqs, logits, tokens)         -> update per-sequence state once the tokens are known (sentence ends...).
+
+Fast-path and admission hooks (`BatchedHooks`), for methods that keep batched state on the device or decide a step
+once for every layer:
+    admit(seq) / admission_bytes(seq) / state_bytes()  -> device memory beside the KV pool, taken at admission
+    step_plan(batch) -> a typed `StepPlan`; plan_buffers(...) its static copy under CUDA graphs;
+    plan_selection(batch, plan) -> one `Selection` for every layer of the step (CHESS), inside the graph
+    observe_logits(seqs, logits) -> device work on a step's logits while the forward runs (entropy)
+    graph_epoch -> bumped when device buffers a captured step points at move.
+
+The budget is the number of cached positions one KV head of one layer attends to (or keeps) in a decode step, sinks
+and recent window included: an int is tokens, a float in (0, 1] a fraction of the current context.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from semkv.errors import SemkvError
+
+if TYPE_CHECKING:
+    from semkv.engine.kv_cache import KVPool
+    from semkv.engine.sequence import Sequence
+    from semkv.models.config import ModelConfig
+
+
+@dataclass
+class Selection:
+    """Logical slots each KV head attends to in one layer: slots [B, S, n] ascending and padded, lengths [B, S];
+    S is 1 (one set shared by the heads of the layer) or kv_heads. One object may serve several layers."""
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "Selection":
+        """mask [B, S, n] of selected slots -> Selection (ascending slots)."""
+        lengths = mask.sum(-1)
+        n = max(int(lengths.max()), 1)
+        # stable sort puts selected slots first, in ascending order
+        order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :n]
+        return cls(slots=order, lengths=lengths)
+
+
+@dataclass
+class StepPlan:
+    """Per-sequence decisions of one decode step, made on the host before the forward (`BatchedHooks.step_plan`). A
+    method subclasses it as a dataclass of int64 tensors, batch first: [B] (one value a row) or [B, w] (a padded
+    list a row). Under CUDA graphs the plan is copied into static buffers of the same type (`static`); a field's
+    padding value is its `pad` metadata (default 0): `pages: torch.Tensor = field(metadata={"pad": -1})`."""
+
+    @classmethod
+    def static(cls, size: int, device: torch.device, widths: dict[str, int] | None = None) -> "StepPlan":
+        """Buffers for `size` rows, filled with padding; `widths` gives the columns of each [B, w] field."""
+        widths = widths or {}
+        return cls(**{f.name: torch.full((size, widths[f.name]) if f.name in widths else (size,),
+                                         f.metadata.get("pad", 0), dtype=torch.long, device=device)
+                      for f in fields(cls)})
+
+    def copy_to(self, static: "StepPlan", n: int) -> None:
+        """Into static buffers: this plan's n rows, padding to the right of each list and in the rows below."""
+        for f in fields(self):
+            given, buffer, pad = getattr(self, f.name), getattr(static, f.name), f.metadata.get("pad", 0)
+            if given.dim() == 1:
+                buffer[:n] = given
+            else:
+                buffer[:n, : given.shape[1]] = given
+                buffer[:n, given.shape[1]:] = pad
+            buffer[n:] = pad
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """What `select` sees of a decode step. num_slots counts the current token, which is stored before selection.
+
+    `graphed`: the step is a CUDA-graph capture (or its eager stand-in on the CPU): the tensors are static buffers
+    padded to the graph's batch size (padding rows point at a scratch page), `seqs` is empty and `max_slots` is the
+    capacity; methods marked `graph_safe` compute from these tensors only."""
+
+    seqs: list["Sequence"]
+    positions: torch.Tensor  # [B] position of the current token
+    num_slots: torch.Tensor  # [B, layers] stored slots per layer, current token included
+    model: "ModelConfig"
+    tables: torch.Tensor | None = None  # [B, layers, max_pages] physical page ids
+    max_slots: int = 0  # upper bound of num_slots (fixes shapes without reading device values)
+    step_plan: StepPlan | None = None  # from `BatchedHooks.step_plan`
+    pool: "KVPool | None" = None  # the paged K/V storage the tables point into
+    graphed: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.positions.shape[0]
+
+
+def resolve_budget(budget: int | float | None, context: int) -> int:
+    """Tokens a head may attend to at this context length; None means all of them."""
+    if budget is None:
+        return context
+    if isinstance(budget, float):
+        return max(1, math.ceil(budget * context))
+    return budget
+
+
+def budget_tokens(budget: int | float | None, n: torch.Tensor) -> torch.Tensor:
+    """`resolve_budget` for context lengths n [b] on the device (no value read back)."""
+    if budget is None:
+        return n
+    if isinstance(budget, float):
+        return torch.ceil(n.double() * budget).long().clamp(min=1)
+    return torch.full_like(n, budget)
+
+
+def validate_budget(budget: Any) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise SemkvError(f"budget={budget!r} must be an int (tokens) or a float in (0, 1] (fraction of the context)")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise SemkvError(f"budget={budget} as a fraction must be in (0, 1]; give an int for a number of tokens")
+    if isinstance(budget, int) and budget <= 0:
+        raise SemkvError(f"budget={budget} must be a positive number of tokens")
+
+
+class BatchedHooks:
+    """Fast-path and admission hooks: defaults for a method that keeps nothing beside the KV pool and selects layer
+    by layer."""
+
+    # True when `select` and `plan_selection` work from DecodeBatch tensors alone (no per-sequence Python state, no
+    # reads of device values), so the decode step can be captured in a CUDA graph. `begin_step` and `step_plan` run
+    # on the host before the forward and may use per-sequence state.
+    graph_safe: ClassVar[bool] = False
+    # Bumped by a method that reallocates device buffers its captured steps point at: graphs are captured again.
+    graph_epoch: int = 0
+
+    def admit(self, seq: "Sequence") -> None:
+        """Take the device memory the request's state needs beside the KV pool (rows of batched tensors); called by
+        the engine when the request is admitted, before its prefill."""
+        return None
+
+    def admission_bytes(self, seq: "Sequence") -> int:
+        """Device bytes beside the KV pool that `admit(seq)` allocates now; the engine admits the request only when
+        they are free."""
+        return 0
+
+    def state_bytes(self) -> int:
+        """Device bytes of the state this method holds beside the KV pool now."""
+        return 0
+
+    def step_plan(self, batch: DecodeBatch) -> StepPlan | None:
+        """The step's per-sequence decisions, made on the host before the forward (it may use per-sequence state;
+        it sees the batch without page tables), from which `plan_selection` computes one selection for every layer
+        (CHESS), or which `select` reads from `batch.step_plan` (rows of per-sequence device state). None: no plan."""
+        return None
+
+    def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> StepPlan | None:
+        """Static buffers of this method's plan for a CUDA graph of `size` rows and sequences of at most `max_slots`
+        slots (`StepPlan.static`); None: the method makes no plan."""
+        return None
+
+    def plan_selection(self, batch: DecodeBatch, plan: StepPlan) -> Selection | None:
+        """The step's selection from the plan and the batch tensors alone (captured in the CUDA graph). None: `select`
+        runs per layer."""
+        return None
+
+    def observe_logits(self, seqs: list["Sequence"], logits: torch.Tensor) -> None:
+        """Right after a decode step's forward is queued, before its tokens are read back: the logits [B, vocab] are
+        not computed yet, so work queued on them overlaps the forward (reading a value back waits for it)."""
+        return None
+
+
+@dataclass
+class KVMethod(BatchedHooks):
+    """Base of every method. Defaults implement Full KV: keep and attend to everything."""
+
+    budget: int | float | None = None
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    # How the budget binds, checked by the shared test matrix:
+    #   "full": no budget; "prefill_eviction": the prompt is compressed to the budget, generated tokens are appended;
+    #   "decode_eviction": resident tokens never exceed the budget; "selection": every step attends to <= budget.
+    kind: ClassVar[str] = "full"
+    # Old parameter names still accepted by `get_method` (with a DeprecationWarning): old -> new.
+    renamed: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        validate_budget(self.budget)
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+    def bound(self, model: "ModelConfig", tokenizer: Any, page_size: int) -> "KVMethod":
+        """A private copy of this method, bound to a model for one run: the object a user made keeps its parameters
+        only, and the state the run keeps beside the pool lives on the copy the engine holds."""
+        method = dataclasses.replace(self) if dataclasses.is_dataclass(self) else copy.copy(self)
+        method.bind(model, tokenizer, page_size)
+        return method
+
+    def bind(self, model: "ModelConfig", tokenizer: Any, page_size: int) -> None:
+        """Called on the bound copy before a generation with the model's shape, its tokenizer (e.g. to find
+        delimiter tokens) and the engine's KV page size."""
+        self.model, self.tokenizer, self.kv_page_size = model, tokenizer, page_size
+
+    def new_state(self, seq: "Sequence") -> Any:
+        """The request's state, made when it is submitted (host side: requests may wait long before they run)."""
+        return None
+
+    @classmethod
+    def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:
+        """Offline calibration on `texts` (each cut to `max_tokens`) for the model of `llm`; the returned dict is
+        saved by `semkv calibrate` (see `methods/calibration.py`) and read back in `bind`."""
+        raise SemkvError(f"method {cls.name!r} has nothing to calibrate")
+
+    # -- prefill --------------------------------------------------------------------------------------------------
+    def window_size(self) -> int:
+        """How many trailing prompt queries `evict_prefill` needs (the engine keeps them in the last chunk)."""
+        return 0
+
+    def rope_by_rank(self) -> bool:
+        """True when keys are stored before RoPE and attention rotates each attended key by its rank in the attended
+        list (and the query by its own rank), so positions stay below the attended length (length extrapolation).
+        The hooks then see queries before RoPE; a method in this mode must attend to the current token (its rank is
+        the query's). False (the default): keys are stored after RoPE with their absolute positions."""
+        return False
+
+    def uses_question_split(self) -> bool:
+        """True when prefill-time compression must run before the question is read (query-agnostic mode)."""
+        return False
+
+    def own_prefill(self, has_question: bool) -> bool:
+        """True when the method changes or watches prefill itself, so it cannot start from a shared Full-KV prefill."""
+        hooks = ("prefill_context", "observe_prefill")
+        overridden = any(getattr(type(self), h) is not getattr(KVMethod, h) for h in hooks)
+        return overridden or (has_question and self.uses_question_split())
+
+    def prefill_context(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> torch.Tensor | None:
+        return None
+
+    def observe_prefill(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> None:
+        """See each prefill chunk: q [C, heads, D] (after RoPE) of tokens stored at slots [start, start + C)."""
+        return None
+
+    def evict_prefill(self, layer: int, seq: "Sequence", q_window: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def finish_prefill(self, seq: "Sequence") -> None:
+        return None
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
+        return None
+
+    def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        return None
+
+    def end_step(self, seqs: list["Sequence"], logits: torch.Tensor, tokens: list[int]) -> None:
+        """After a decode step: its logits [B, vocab] and the chosen next tokens of the batch's sequences."""
+        return None
+
+    # -- description ----------------------------------------------------------------------------------------------
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """Parameter name -> default, for `semkv methods`."""
+        return {
+            f.name: f.default_factory() if f.default is MISSING else f.default
+            for f in fields(cls)
+            if f.init and not f.name.startswith("_")
+        }

@@ -1,0 +1,15 @@
+"""sentencekv's kernels: Triton on CUDA, the torch reference (`reference.py` beside this file) elsewhere."""
+from __future__ import annotations
+
+from semkv.kernels import use_triton
+from semkv.methods.sentencekv import reference
+
+
+def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width):
+    """See `reference.sentence_slots`."""
+    if use_triton(bucket.device):
+        from semkv.methods.sentencekv import triton_sentence_slots
+
+        return triton_sentence_slots.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity,
+                                                    tail, max_sink, width)
+    return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width)

@@ -1,0 +1,18 @@
+"""tokenselect's kernels: Triton on CUDA, the torch reference (`reference.py` beside this file) elsewhere."""
+from __future__ import annotations
+
+from semkv.kernels import use_triton
+from semkv.methods.tokenselect import reference
+
+
+def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta, selection,
+                 kv_heads):
+    """See `reference.token_select`; the Triton path covers the soft vote and top-k with k >= 1 (the hard vote and
+    k = 0 run the reference)."""
+    if use_triton(q.device) and selection != "hard_vote" and cache.top.shape[-1] > 0:
+        from semkv.methods.tokenselect import triton_token_select as kernel
+
+        return kernel.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent,
+                                   theta, selection, kv_heads)
+    return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta,
+                                  selection, kv_heads)
