@@ -169,6 +169,7 @@ class LLM:
                      trace_weights=False) -> Iterator[tuple[int, GenerationOutput]]:
         """`compare`, yielding (index in `methods`, output) as each method finishes, so a caller can save results
         one by one."""
+        methods = list(methods)
         ids, question_start = self._prompt_ids(prompt, question, chat, answer_prefix)
         if continuation is not None:
             continuation = self._token_ids(continuation, "continuation")
@@ -193,7 +194,7 @@ class LLM:
                     seq.trace = None if steps is None else Trace(steps, weights=trace_weights)
                     self.engine.apply_prefill(seq, m)
                     if inspect is not None:
-                        inspect(m, seq)
+                        inspect(methods[i], seq)
                     yield i, self._decode(seq, m, first, stopper, continuation)
             finally:
                 base.kv.release()
@@ -204,7 +205,7 @@ class LLM:
             try:
                 first = self.engine.prefill(seq, m, progress)
                 if inspect is not None:
-                    inspect(m, seq)
+                    inspect(methods[i], seq)
             except BaseException:
                 seq.kv.release()
                 raise
