@@ -275,7 +275,8 @@ def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, nam
     pool = llm.engine.pool
     prompt_sums = pool.num_layers * pool.num_kv_heads * len(ids) * 4 if name == "h2o" else 0
     announced = method.admission_bytes(seqs[0])
-    llm.generate(PROMPTS[0], method=method, max_new_tokens=4, chat=False)
+    seqs[0].method_state = states[0]  # run this bound method itself (`generate` would bind a copy)
+    llm.engine.run(seqs[:1], method, llm._stopper(seqs[0].params))
     assert method.state_bytes() == announced - prompt_sums > 0
     assert method.admission_bytes(seqs[1]) == prompt_sums
 
