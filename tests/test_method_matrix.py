@@ -87,7 +87,8 @@ def test_budget_is_respected(llm, name, i, params, budget):
             prompt_limit = budget if isinstance(budget, int) else -(-budget * compressed // 1)
             appended = len(ids) - compressed + NEW - 1
             # per-layer schedules (PyramidKV) bind the mean over layers; a layer keeps its own budget
-            layer_limit = max(method.layer_budget(layer, compressed) for layer in range(llm.config.num_layers))
+            bound = method.bound(llm.config, llm.tokenizer, llm.engine.pool.page_size)  # as `generate` runs it
+            layer_limit = max(bound.layer_budget(layer, compressed) for layer in range(llm.config.num_layers))
             assert s.kv_attended_max <= layer_limit + appended
             assert s.kv_attended_tokens <= prompt_limit + appended
             assert s.kv_resident_tokens <= prompt_limit + appended
