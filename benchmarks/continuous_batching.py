@@ -8,7 +8,8 @@ pool and the free memory allow, and the method's rows follow the requests runnin
 
 A model of the shape with random weights (speed and memory do not depend on the weights) prefills each request for
 real with a window of the text (so the method sees delimiters) and decodes `--new-tokens` greedy tokens. Printed:
-the largest running batch, the method's state beside the pool, peak GPU memory and the wall time.
+the largest running batch, the method's state beside the pool (the engine's accounting), peak GPU memory and the wall
+time.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from semkv.bench.shapes import random_model
 from semkv.cli.args import parse_params
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.memory import held_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import get_method
 
@@ -55,11 +57,12 @@ def main() -> None:
         seq = Sequence(i, text.window(i, args.requests, context), params, SeqKV(engine.pool))
         seq.method_state = method.new_state(seq)
         seqs.append(seq)
-    submitted = method.state_bytes()
-    batches, step = [], engine.step
+    submitted = held_bytes([method, *(s.method_state for s in seqs)], device)[0]
+    batches, states, step = [], [], engine.step
 
     def counted_step(running, *rest, **kw):
         batches.append(len(running))
+        states.append(sum(engine.memory().state_bytes.values()))
         return step(running, *rest, **kw)
 
     engine.step = counted_step
@@ -72,7 +75,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     print(f"{args.method} {args.requests} x {context} (+{args.new_tokens}): {done}/{args.requests} complete, "
           f"largest batch {max(batches)}, {len(batches)} decode steps; state beside the pool: "
-          f"{submitted / 2**30:.3f} GiB once submitted, {method.state_bytes() / 2**30:.2f} GiB at the end; "
+          f"{submitted / 2**30:.3f} GiB once submitted, {max(states) / 2**30:.2f} GiB at most while running; "
+          f"after the run the engine holds {engine.memory().held} (pages, requests, state and host bytes); "
           f"pool {engine.pool.num_pages} pages; peak GPU memory {peak:.1f} GiB; {elapsed:.1f} s")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Sequence as Seq
 
@@ -124,11 +125,7 @@ class LLM:
             seq = Sequence(i, ids, params, SeqKV(self.engine.pool), question_start)
             seq.method_state = kv_method.new_state(seq)
             seqs.append(seq)
-        try:
-            self.engine.run(seqs, kv_method, self._stopper(params), progress)
-        finally:
-            for seq in seqs:
-                seq.kv.release()
+        self.engine.run(seqs, kv_method, self._stopper(params), progress)  # frees every request, however it ends
         return [self._output(seq) for seq in seqs]
 
     def compare(
@@ -184,32 +181,40 @@ class LLM:
             own, shared = shared + own, []
         stopper = self._stopper(params)
         steps = None if trace_steps is None else frozenset(trace_steps)
+        # every request is released when it ends, and also when the caller stops iterating (a cancellation)
         if shared:
-            base = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
+            base, full = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start), get_method("full")
             window = max(m.window_size() for _, m in shared)
             try:
-                first = self.engine.prefill(base, get_method("full"), progress, record_window=max(window, 1))
+                first = self.engine.prefill(base, full, progress, record_window=max(window, 1))
                 for i, m in shared:
                     seq = self.engine.fork(base, 0)
                     seq.trace = None if steps is None else Trace(steps, weights=trace_weights)
-                    self.engine.apply_prefill(seq, m)
-                    if inspect is not None:
-                        inspect(methods[i], seq)
+                    with self._ended_on_error(seq, m):
+                        self.engine.apply_prefill(seq, m)
+                        if inspect is not None:
+                            inspect(methods[i], seq)
                     yield i, self._decode(seq, m, first, stopper, continuation)
             finally:
-                base.kv.release()
+                self.engine.end([base], full)
         for i, m in own:
             seq = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
             seq.method_state = m.new_state(seq)
             seq.trace = None if steps is None else Trace(steps, weights=trace_weights)
-            try:
+            with self._ended_on_error(seq, m):
                 first = self.engine.prefill(seq, m, progress)
                 if inspect is not None:
                     inspect(methods[i], seq)
-            except BaseException:
-                seq.kv.release()
-                raise
             yield i, self._decode(seq, m, first, stopper, continuation)
+
+    @contextmanager
+    def _ended_on_error(self, seq: Sequence, method: KVMethod):
+        """Release the request (and reset its method) if the steps inside fail; decoding ends it otherwise."""
+        try:
+            yield
+        except BaseException:
+            self.engine.end([seq], method)
+            raise
 
     def score_continuation(self, prefix: str | Seq[int], continuation: str | Seq[int], method: str | KVMethod = "full",
                            budget: int | float | None = None, chat: bool = False,
@@ -249,10 +254,7 @@ class LLM:
                 logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
                 return token
 
-        try:
-            self.engine.generate([seq], method, [first], stopper, pick)
-        finally:
-            seq.kv.release()
+        self.engine.generate([seq], method, [first], stopper, pick)  # releases the request, however it ends
         out = self._output(seq)
         out.logprobs, out.trace = logprobs, seq.trace
         return out

@@ -104,7 +104,7 @@ def test_a_text_batch_is_prefilled_for_real(tiny_model_dir, tiny_llm, essay_text
         with torch.no_grad():
             logits = hf(torch.tensor([seq.prompt_ids])).logits[0, -1]
         assert seq.output_ids == [int(logits.argmax())]
-        seq.kv.release()
+        engine.release(seq)
     row = bench_decode(engine, "tokenselect", 64, 3, 150, steps=3, text=text)
     assert row.cache_hit_rate is not None and row.attended_per_layer <= 64
     assert engine.pool.in_use == 0

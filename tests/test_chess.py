@@ -185,8 +185,9 @@ class Probe(Chess):
         keys = torch.stack([kv.keys(layer)[:, :n] for layer in range(kv.pool.num_layers)])  # [L, H, n, D] as stored
         if self.rope_free:  # RoPE undone: rotating forward again, as the model does, gives the stored keys back
             positions = torch.stack([kv.positions(layer)[:, :n] for layer in range(kv.pool.num_layers)])
-            stored, keys = keys, self.unrotate(keys, positions)
-            cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
+            unrotate = self.summaries.transform
+            stored, keys = keys, unrotate(keys, positions)
+            cos, sin = unrotate.rotary.cos_sin(positions.flatten().long(), torch.float32)
             again = RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, sin).view_as(keys)
             assert torch.allclose(again, stored, atol=1e-4) and not torch.allclose(keys, stored, atol=1e-2)
         keys = torch.nn.functional.pad(keys, (0, 0, 0, pages * self.block_size - n))
@@ -267,7 +268,7 @@ def test_calibration_is_the_99th_percentile_and_bind_reads_it(tiny_llm, monkeypa
         seq = Sequence(0, ids[: k + 1], SamplingParams(), SeqKV(tiny_llm.engine.pool))
         assert entropies[k].item() == pytest.approx(token_entropy(tiny_llm.engine.prefill(seq, FullKV())).item(),
                                                     rel=1e-4)
-        seq.kv.release()
+        tiny_llm.engine.release(seq)
     data = Chess.calibrate(tiny_llm, [TEXT * 2], 200)
     pages = torch.stack(page_uncertainty(entropies[:192].view(6, 32)), -1)
     assert [data["entropy"], data["varentropy"]] == pytest.approx(torch.quantile(pages, 0.99, 0).tolist(), rel=1e-5)

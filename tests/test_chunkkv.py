@@ -31,7 +31,7 @@ def kept_positions(llm, method, text=TEXT, question=QUESTION) -> tuple[list[torc
     seq.method_state = method.new_state(seq)
     llm.engine.prefill(seq, method)
     positions = [seq.kv.positions(layer).clone() for layer in range(llm.config.num_layers)]
-    seq.kv.release()
+    llm.engine.release(seq)
     return positions, seq.stats.extra, len(ids)
 
 

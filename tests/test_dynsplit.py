@@ -9,6 +9,7 @@ import torch
 
 import semkv
 from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.memory import held_bytes
 from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import DynSplitKV, calibration
@@ -272,15 +273,18 @@ def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):
     seqs = [Sequence(i, ids, SamplingParams(max_new_tokens=10), SeqKV(llm.engine.pool)) for i in range(2)]
     for seq in seqs:
         seq.method_state = method.new_state(seq)
-    before, growth = method.state_bytes(), method.admission_bytes(seqs[0])
+    def held() -> int:  # what the engine measures of the rows, stamps included
+        return held_bytes([method._rows], llm.engine.device)[0]
+
+    before, growth = held(), method.admission_bytes(seqs[0])
     assert seqs[0].method_state.row == 0 and before < growth // 100
     method.admit(seqs[0])
     pool = llm.engine.pool
     stamps = pool.num_pages * pool.page_size * pool.num_kv_heads * 4
-    assert method.state_bytes() == growth and method._rows.stamps.data.nbytes == stamps
+    assert held() == growth and method._rows.stamps.data.nbytes == stamps
     assert method.admission_bytes(seqs[1]) == 0
     method.admit(seqs[1])
-    assert [s.method_state.row for s in seqs] == [1, 2] and method.state_bytes() == growth
+    assert [s.method_state.row for s in seqs] == [1, 2] and held() == growth
 
 
 def test_per_document_weights(llm):

@@ -7,6 +7,7 @@ import torch
 import semkv
 from semkv.engine.step import plan_chunks
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots
+from semkv.engine.memory import held_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import METHODS, get_method
 
@@ -181,7 +182,7 @@ def test_static_buffer_decode_equals_eager(tiny_llm, name):
     for step in range(20):  # 20 steps cross KV page boundaries; the second request leaves after 8
         if step == 8:  # its pages go back to the pool and are handed out again at the next page boundary
             for batch in (eager, static):
-                batch.pop(1).kv.release()
+                engine.release(batch.pop(1))
         want = engine.decode_step(eager, eager_method)
         got = runner.decode_step(static)  # the bucket of 4: full, then with a padding row where a request was
         assert (got - want).abs().max() < 1e-4
@@ -191,8 +192,8 @@ def test_static_buffer_decode_equals_eager(tiny_llm, name):
             s.output_ids.append(token)
     assert list(runner.steps) == [4]
     for seq in eager + static:
-        seq.kv.release()
-    assert engine.pool.in_use == 0
+        engine.release(seq)
+    assert engine.memory().held == (0, 0, 0, 0)
 
 
 def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
@@ -223,18 +224,18 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
 
     prompts = [PROMPTS[0]] * 4
 
-    class Recorded(SentenceKV):  # the copy `generate` binds holds the run's state: keep a handle on it
-        def bind(self, *args) -> None:
-            super().bind(*args)
-            bound.append(self)
+    class Recorded(SentenceKV):  # the copy `generate` binds holds the run's rows until the run ends: keep them
+        def admit(self, seq) -> None:
+            super().admit(seq)
+            rows.append(self._rows)
 
-    bound = []
+    rows = []
 
     def run(state_memory):
         llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
         llm.engine.state_memory = state_memory
         tokens = greedy(llm, prompts, method=Recorded(budget=48, offload=False))
-        return tokens, bound[-1]._rows
+        return tokens, rows[-1]
 
     free_tokens, free_rows = run(None)
     assert free_rows.sizes()[0] >= 5  # rows 1..4 held at once
@@ -244,14 +245,16 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     seq = Sequence(0, llm.encode(prompts[0], chat=False)[0], SamplingParams(max_new_tokens=24), SeqKV(llm.engine.pool))
     seq.method_state = method.new_state(seq)
-    before, growth = method.state_bytes(), method.admission_bytes(seq)
+    before, growth = method._rows.held_bytes(), method.admission_bytes(seq)
     assert seq.method_state.row == 0 and before < growth // 100  # submitted: no row yet
     method.admit(seq)
-    assert method.state_bytes() == growth  # what it said it would take (the first tensors are all replaced)
+    assert method._rows.held_bytes() == growth  # what it said it would take (the first tensors are all replaced)
     assert seq.method_state.row == 1 and method._rows.sizes()[0] == 3  # room for rows 1 and 2
     assert method.admission_bytes(seq) == 0
+    # the engine measures everything the method holds (its vocabulary masks too): room for the rows of two requests
+    room = held_bytes([method], llm.engine.device)[0] + before
 
-    limited_tokens, limited_rows = run(before + growth)
+    limited_tokens, limited_rows = run(room)
     assert limited_tokens == free_tokens
     assert limited_rows.sizes()[0] == 3 and limited_rows.held_bytes() == growth
     with pytest.raises(MemoryError, match="needs .* GiB of sentencekv state beside the KV pool"):
@@ -262,7 +265,8 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
 def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, name):
     """H2O's prompt attention sums are taken at admission, not at submission; what H2O, InfLLM, Quest and CHESS keep
     beside a fixed pool (scores, block keys, page summaries: for every page) is announced by the first request's
-    `admission_bytes` and held afterwards, and nothing more is announced for the next request."""
+    `admission_bytes` and held while it runs (the engine's accounting), nothing more is announced for the next
+    request, and all of it is free again when the run ends."""
     from semkv.methods import get_method
 
     llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=400)
@@ -271,14 +275,16 @@ def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, nam
     ids = llm.encode(PROMPTS[0], chat=False)[0]
     seqs = [Sequence(i, ids, SamplingParams(max_new_tokens=4), SeqKV(llm.engine.pool)) for i in range(2)]
     states = [method.new_state(s) for s in seqs]
-    assert method.state_bytes() == 0 and not getattr(states[0], "prefill_scores", [])
+    assert held_bytes([method, *states], llm.engine.device) == (0, 0) and not getattr(states[0], "prefill_scores", [])
     pool = llm.engine.pool
     prompt_sums = pool.num_layers * pool.num_kv_heads * len(ids) * 4 if name == "h2o" else 0
     announced = method.admission_bytes(seqs[0])
-    seqs[0].method_state = states[0]  # run this bound method itself (`generate` would bind a copy)
-    llm.engine.run(seqs[:1], method, llm._stopper(seqs[0].params))
-    assert method.state_bytes() == announced - prompt_sums > 0
+    seqs[0].method_state = states[0]
+    llm.engine.prefill(seqs[0], method)
+    assert llm.engine.memory().state_bytes[name] == announced - prompt_sums > 0  # the prompt sums are gone
     assert method.admission_bytes(seqs[1]) == prompt_sums
+    llm.engine.end(seqs[:1], method)
+    assert llm.engine.memory().held == (0, 0, 0, 0)
 
 
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():
@@ -329,3 +335,20 @@ def test_a_cache_grown_during_generation_takes_writes_after_it():
     rows = kv.physical(0, slots)
     assert torch.equal(pool.flat()[0][rows], k) and torch.equal(pool.flat()[1][rows], v)
     kv.table[0, 0] = kv.table[0, 1]  # a method's own table edit
+
+
+def test_a_request_refused_at_admission_leaves_the_engine_usable(tiny_model_dir):
+    """A `MemoryError` at admission (no room for the method's state, or for the KV pages) leaves no page, request or
+    state behind, and the same engine then serves the requests with the tokens of an unconstrained run."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=200)
+    kw = dict(method="sentencekv", budget=48, method_params=dict(offload=False))
+    want = greedy(llm, PROMPTS[:2], **kw)
+    llm.engine.state_memory = 1
+    with pytest.raises(MemoryError, match="state beside the KV pool"):
+        greedy(llm, PROMPTS[:2], **kw)
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+    llm.engine.state_memory = None
+    with pytest.raises(MemoryError, match="needs .* KV pages"):
+        greedy(llm, [PROMPTS[0] * 20], **kw)
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+    assert greedy(llm, PROMPTS[:2], **kw) == want

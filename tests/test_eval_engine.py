@@ -95,7 +95,6 @@ def test_trace_records_every_step_when_asked(tiny_llm, token_ids):
     seq.method_state, seq.trace = method.new_state(seq), Trace(steps=None)
     first = tiny_llm.engine.prefill(seq, method)
     tiny_llm.engine.generate([seq], method, [first], lambda s: "length" if len(s.output_ids) >= 5 else "")
-    seq.kv.release()
     assert sorted(seq.trace.attended) == [0, 1, 2, 3]
     for step, layers in seq.trace.attended.items():
         window = layers[0][0].tolist()

@@ -9,12 +9,23 @@ written. Invariants, on a tiny random Llama (3 layers, GQA 4/2):
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import itertools
+import warnings
+import weakref
+
 import pytest
+import torch
 
 import semkv
+from semkv.engine.hooks import Selection, StepPlan
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.memory import held_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
-from semkv.methods import METHODS, get_method
+from semkv.engine.step import DecodeStep, PrefillStep, StepInputs
+from semkv.methods import METHODS, KVMethod, get_method
 
 MATRIX: dict[str, dict] = {  # the hard configuration of each method
     "streaming_llm": dict(n_sink=1),
@@ -115,7 +126,7 @@ def test_eviction_frees_pages(llm, name, i, params):
         seq.method_state = m.new_state(seq)
         llm.engine.prefill(seq, m)
         pages[m.name] = pool.in_use
-        seq.kv.release()
+        llm.engine.end([seq], m)
     assert pool.in_use == 0
     layers = llm.config.num_layers
     assert pages["full"] >= layers * (len(ids) // pool.page_size)
@@ -140,3 +151,152 @@ def test_shared_prefill_equals_own_prefill(llm, name, i, params):
     shared = llm.compare(CONTEXTS[0], [method], question=QUESTIONS[0], max_new_tokens=NEW, chat=False)[0]
     n = len(shared.token_ids)  # compare() stops at EOS
     assert shared.token_ids == own.token_ids[:n]
+
+
+# -- nothing grows ----------------------------------------------------------------------------------------------------
+def live_tensor_bytes(but: set[int] = frozenset()) -> int:
+    """Bytes of every tensor storage alive in the process (what the garbage collector can reach), but the storages
+    at the addresses `but`."""
+    storages = {}
+    with warnings.catch_warnings():  # isinstance on every object wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in but:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def frame_tensors(traceback) -> set[int]:
+    """Storage addresses of the tensors the frames of a traceback hold as local variables (logits, token ids...), in
+    lists of them or in a step's objects (a prefill chunk's positions and RoPE angles, a decode step's inputs,
+    plan and selection); not
+    what they hold through a method or a request."""
+    found, values = set(), []
+    while traceback is not None:
+        values.extend(traceback.tb_frame.f_locals.values())
+        traceback = traceback.tb_next
+    while values:
+        value = values.pop()
+        if isinstance(value, torch.Tensor):
+            found.add(value.untyped_storage().data_ptr())
+        elif isinstance(value, (list, tuple)):
+            values.extend(value)
+        elif isinstance(value, (PrefillStep, DecodeStep, StepInputs, StepPlan, Selection)):
+            values.extend(vars(value).values())
+    return found
+
+
+@pytest.fixture(scope="module")
+def queued_llm(tiny_model_dir):
+    """A fixed pool that holds two of the queued requests at once (every one of them needs `NEED` pages)."""
+    return semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=2 * NEED + 2)
+
+
+QUEUED = 6  # identical requests, run two at a time
+NEED = 3 * -(-(160 + NEW) // 16)  # pages a request of at most 160 prompt tokens may hold (3 layers, 16-token pages)
+
+
+@contextlib.contextmanager
+def bound_copies():
+    """Weak references to every copy of a method bound while inside (`generate` and `compare` bind their own)."""
+    refs, bound = [], KVMethod.bound
+
+    def recording(self, *args):
+        method = bound(self, *args)
+        refs.append(weakref.ref(method))
+        return method
+
+    KVMethod.bound = recording
+    try:
+        yield refs
+    finally:
+        KVMethod.bound = bound
+
+
+def serve(llm, method, copies: list) -> list[int]:
+    """Continuous batching, a compare (shared and own prefill) and a compare the caller stops after its first method
+    (a cancelled request). Returns what the bound copy running the batched requests holds (`held_bytes`) each time
+    the engine has released all of its running requests."""
+    held = []
+    release = llm.engine.release
+
+    def recording(seq):
+        release(seq)
+        if llm.engine.memory().requests == 0 and copies and copies[-1]() is not None:
+            held.append(sum(held_bytes([copies[-1]()], llm.engine.device)))
+
+    ids = llm.encode(CONTEXTS[0], QUESTIONS[0], chat=False)[0]
+    assert 3 * -(-(len(ids) + NEW) // 16) <= NEED
+    llm.engine.release = recording
+    try:
+        run(llm, method, prompts=[CONTEXTS[0]] * QUEUED, questions=[QUESTIONS[0]] * QUEUED)
+    finally:
+        del llm.engine.release
+    llm.compare(CONTEXTS[1], [method, get_method("full")], question=QUESTIONS[1], max_new_tokens=NEW, chat=False)
+    with contextlib.closing(llm.compare_iter(CONTEXTS[2], [get_method("full"), method, method], question=QUESTIONS[2],
+                                             max_new_tokens=NEW, chat=False)) as outputs:
+        next(outputs)
+    return held
+
+
+@pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
+def test_nothing_grows(queued_llm, name, i, params):
+    """After a warm-up (caches of fixed size: vocabulary masks, compiled kernels), requests through continuous
+    batching, compare and a cancelled compare leave the engine's accounting at zero and no tensor behind; while
+    identical requests queue through one run, what the method's bound copy holds is the same each time the running
+    ones have been released; every bound copy is freed by reference counting alone (no cycle keeps its buffers until
+    the garbage collector runs)."""
+    method = get_method(name, SMALL, **params)
+    with bound_copies() as copies:
+        serve(queued_llm, method, copies)
+    gc.collect()
+    baseline = live_tensor_bytes()
+    gc.disable()
+    try:
+        with bound_copies() as copies:
+            held = serve(queued_llm, method, copies)
+        assert copies and all(copy() is None for copy in copies)
+    finally:
+        gc.enable()
+    assert queued_llm.engine.memory().held == (0, 0, 0, 0)
+    assert live_tensor_bytes() == baseline
+    assert queued_llm.engine.pool.peak_in_use <= 2 * NEED  # two at a time: the requests did queue
+    assert len(held) >= QUEUED // 2 and len(set(held)) == 1
+
+
+class Failure(RuntimeError):
+    pass
+
+
+def failing(method: KVMethod, hook: str, calls: int) -> KVMethod:
+    """The method, failing at the given call of one of its hooks."""
+    count = itertools.count(1)
+
+    def fail(self, *args):
+        if next(count) == calls:
+            raise Failure(f"{hook} call {calls}")
+        return getattr(type(method), hook)(self, *args)
+
+    cls = type(f"Failing{type(method).__name__}", (type(method),), {hook: fail})
+    return dataclasses.replace(cls(budget=method.budget), **{f.name: getattr(method, f.name)
+                                                            for f in dataclasses.fields(method) if f.init})
+
+
+@pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
+@pytest.mark.parametrize("hook, calls", [("finish_prefill", 2), ("end_step", 3)], ids=["prefill", "decode"])
+def test_a_failing_request_leaves_nothing_behind(queued_llm, name, i, params, hook, calls):
+    """A method that raises inside a request (the second prefill, while the first request runs; the third decode
+    step) frees every request of the run, pages and method state, while the exception, and the traceback that
+    refers to the method and its requests, is still held (only the frames' own tensor variables stay); the engine
+    then serves the next requests with the same tokens as before."""
+    method = get_method(name, SMALL, **params)
+    want = [o.token_ids for o in run(queued_llm, method)]
+    gc.collect()
+    baseline = live_tensor_bytes()
+    with pytest.raises(Failure) as failure:
+        run(queued_llm, failing(method, hook, calls))
+    assert queued_llm.engine.memory().held == (0, 0, 0, 0)
+    assert live_tensor_bytes(but=frame_tensors(failure.value.__traceback__)) == baseline
+    assert [o.token_ids for o in run(queued_llm, method)] == want

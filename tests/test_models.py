@@ -22,7 +22,7 @@ def semkv_logits(llm: semkv.LLM, ids: list[int], steps: list[int]) -> list[torch
     for token in steps:
         seq.output_ids.append(token)
         out.append(engine.decode_step([seq], method)[0])
-    seq.kv.release()
+    engine.release(seq)
     return out
 
 

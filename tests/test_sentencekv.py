@@ -141,8 +141,8 @@ def test_retained_set_is_the_top_importances(tiny_llm):
         for head in range(top.shape[0]):
             assert set(top[head].tolist()) == set(stored[head].tolist())
         assert torch.equal(stored, stored.sort(dim=1).values)  # position order per head
-    base.kv.release()
-    seq.kv.release()
+    llm.engine.release(base)
+    llm.engine.release(seq)
 
 
 def test_offload_gives_the_same_tokens_as_resident_selection(tiny_llm):
@@ -170,12 +170,12 @@ def test_device_memory_is_bounded_while_generating(long_llm):
     method = SentenceKV(budget=budget, offload=True)
     method.bind(cfg, llm.tokenizer, pool.page_size)
     seq = Sequence(0, ids, SamplingParams(max_new_tokens=new, ignore_eos=True), SeqKV(pool))
-    seq.method_state = method.new_state(seq)
+    seq.method_state = state = method.new_state(seq)  # the engine drops it from the request when it ends
     first = llm.engine.prefill(seq, method)
     pool.peak_in_use = pool.in_use
     with torch.inference_mode():
         llm.engine.generate([seq], method, [first], lambda s: "length" if len(s.output_ids) >= new else "")
-    state, stats = seq.method_state, seq.stats
+    stats = seq.stats
     bound = budget + method.offload_chunk  # slots per layer and KV head
     assert stats.extra["kv_device_peak"] <= bound
     assert pool.peak_in_use <= cfg.num_layers * math.ceil(bound / pool.page_size)
@@ -188,7 +188,6 @@ def test_device_memory_is_bounded_while_generating(long_llm):
     assert stats.h2d_bytes / (new - 1) < full_reload  # loaded buckets stay cached between steps
     print(f"\nh2d bytes/step mean {stats.h2d_bytes / (new - 1):.0f}, max {stats.extra['h2d_bytes_step_max']}, "
           f"full working-set reload {full_reload}; device slots/layer peak {stats.extra['kv_device_peak']}")
-    seq.kv.release()
 
 
 def test_budget_covering_the_generation_moves_nothing(tiny_llm):

@@ -221,7 +221,7 @@ def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(
     assert hits() == 2
     assert seq.stats.extra["selection_cache_hit_rate"] == 2 / 4
     for s in (seq, fresh_seq):
-        s.kv.release()
+        engine.release(s)
 
 
 @pytest.mark.parametrize("scope", ["layer", "kv_head"])
@@ -240,7 +240,7 @@ def test_batched_selection_equals_row_by_row(tiny_llm, scope):
         for b, n in enumerate(want.lengths[:, 0].tolist()):
             assert torch.equal(got.slots[b, :, :n], want.slots[b, :, :n])
     for s in seqs:
-        s.kv.release()
+        tiny_llm.engine.release(s)
 
 
 def test_hit_rate_is_reported_by_generate(tiny_llm):
@@ -286,7 +286,7 @@ def test_sparse_prefill_attends_to_sinks_top_k_and_recent_within_the_budget(chun
         slots = context[0].tolist()
         assert len(slots) == budget and slots == sorted(set(slots))
         assert slots[:sink] == list(range(sink)) and slots[-recent:] == list(range(start - recent, start))
-    seq.kv.release()
+    chunked_llm.engine.release(seq)
 
 
 def test_extrapolation_with_a_covering_budget_equals_full_kv(tiny_llm):

@@ -127,8 +127,7 @@ def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, 
             engine.apply_prefill(seq, method)
             seq.output_ids.append(ids[-1])
     except MemoryError:  # the pool cannot hold the batch: give back what was filled
-        for seq in seqs:
-            seq.kv.release()
+        engine.end(seqs, method)
         raise
     return seqs
 
@@ -195,27 +194,28 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.pool.peak_in_use = engine.pool.in_use
     seqs = prefilled_batch(engine, method, batch, context, warmup + steps + 8, text)
-    graphs = engine.graph_runner(method, seqs)
-    time_steps(engine, method, seqs, warmup, graphs)
-    selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
-    lookups_before = cache_counts(seqs)
-    if graphs is not None:
-        graphs.replay_events = []
-    times = sorted(time_steps(engine, method, seqs, steps, graphs))
-    forward = median_event_seconds(graphs.replay_events) if graphs is not None else 0.0
-    if graphs is not None:
-        graphs.replay_events = None
-    hit_rate = cache_hit_rate(lookups_before, cache_counts(seqs))
-    tpot, mean = times[len(times) // 2], sum(times) / len(times)
-    selection = sum(s.stats.selection_s for s in seqs) - selection_before + steps * plan_selection_s(engine, graphs)
-    share = selection / (seqs[0].stats.decode_s - decode_before)
-    if forward and type(method).select is not KVMethod.select:
-        share = None
-    breakdown = step_breakdown(engine, method, seqs)
-    attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
-    peak = needed_memory_gib(engine)
-    for seq in seqs:
-        seq.kv.release()
+    try:
+        graphs = engine.graph_runner(method, seqs)
+        time_steps(engine, method, seqs, warmup, graphs)
+        selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
+        lookups_before = cache_counts(seqs)
+        if graphs is not None:
+            graphs.replay_events = []
+        times = sorted(time_steps(engine, method, seqs, steps, graphs))
+        forward = median_event_seconds(graphs.replay_events) if graphs is not None else 0.0
+        if graphs is not None:
+            graphs.replay_events = None
+        hit_rate = cache_hit_rate(lookups_before, cache_counts(seqs))
+        tpot, mean = times[len(times) // 2], sum(times) / len(times)
+        selection = sum(s.stats.selection_s for s in seqs) - selection_before + steps * plan_selection_s(engine, graphs)
+        share = selection / (seqs[0].stats.decode_s - decode_before)
+        if forward and type(method).select is not KVMethod.select:
+            share = None
+        breakdown = step_breakdown(engine, method, seqs)
+        attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
+        peak = needed_memory_gib(engine)
+    finally:
+        engine.end(seqs, method)
     return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / mean, peak, engine.pool.peak_in_use,
                         attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown, hit_rate)
 
@@ -269,7 +269,7 @@ def plan_selection_s(engine: Engine, graphs) -> float:
     def select():
         return graphed.method.plan_selection(graphed.batch, graphed.plan)
 
-    stream = torch.cuda.Stream()
+    stream = engine.capture_stream
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         planned = select()  # warm-up outside the capture
@@ -326,7 +326,7 @@ def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | N
     engine.prefill(seq, method)
     sync(engine.device)
     elapsed = time.perf_counter() - started
-    seq.kv.release()
+    engine.end([seq], method)
     return elapsed
 
 
@@ -343,5 +343,5 @@ def bench_long_generation(engine: Engine, name: str, budget, context: int, new_t
     for done in range(0, new_tokens, every):
         times = sorted(time_steps(engine, method, seqs, min(every, new_tokens - done), graphs))
         curve.append((done + every, 1e3 * times[len(times) // 2]))
-    seqs[0].kv.release()
+    engine.end(seqs, method)
     return curve

@@ -18,6 +18,10 @@ SHAPES: dict[str, dict] = {
     "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                      max_position_embeddings=131072, rope_theta=1000000.0),
+    # Qwen2.5-0.5B (the quality judge, Qwen2.5-Coder-0.5B-Instruct): 24 layers, 14 heads, 2 KV heads, q/k/v bias
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
     # SmolLM2-135M: the embedded model's shape
     "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

@@ -54,7 +54,7 @@ class GraphedStep:
         self.step.finish()
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream()
+        stream = self.engine.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels

@@ -1,5 +1,6 @@
 """The inference loop: chunked prefill of each request, then batched decode steps, through the paged cache, with
-continuous batching and admission on free pool pages and device memory.
+continuous batching and admission on free pool pages and device memory. The engine keeps the record of what each
+request holds: `release` frees it when the request ends, however it ends, and `memory` reports it.
 
 A decode step is prepared once on the host (`prepare_step`: its inputs and the method's plan) and handed to the
 graphed path (`GraphRunner`) or the eager one (`forward_step`); the attention contexts are in `step.py`.
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
+from semkv.engine.memory import MemoryUsage, held_bytes
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
 from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
@@ -42,6 +44,9 @@ class Engine:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.prefill_chunk, self.state_memory = prefill_chunk, state_memory
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        # one side stream for every graph capture: cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it
+        # ever ran on, so a new stream per capture would grow memory with every generation
+        self.capture_stream = torch.cuda.Stream(device) if self.cuda_graphs else None
         self.timer = None  # set by benchmarks to time the selection and attention of eager steps
         self.step_plan_s = 0.0  # host time of the last step's `KVMethod.step_plan`
         self._ahead: tuple[list[Sequence], StepInputs] | None = None  # the next step's inputs, prepared ahead
@@ -60,6 +65,7 @@ class Engine:
         else:
             self.pool = KVPool(*shape, num_pages=num_pages, max_pages=num_pages)
         self._rank_cos_sin = (torch.empty(0), torch.empty(0))
+        self._live: dict[Sequence, KVMethod] = {}  # admitted requests, not yet released, and their methods
 
     def rank_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ranks 0..n-1, for methods whose attention rotates keys by rank (cached)."""
@@ -76,7 +82,7 @@ class Engine:
         record_window > 0 keeps the last queries of every layer in `seq.window_queries`, so that methods can later be
         applied to copies of this prefilled sequence (`fork` + `apply_prefill`)."""
         started = time.perf_counter()
-        method.admit(seq)
+        self._admit(seq, method)
         n = len(seq.prompt_ids)
         split = seq.question_start if method.uses_question_split() and seq.question_start else n
         phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
@@ -98,6 +104,48 @@ class Engine:
         seq.stats.prefill_s = time.perf_counter() - started
         return logits[0]
 
+    def _admit(self, seq: Sequence, method: KVMethod) -> None:
+        self._live[seq] = method
+        method.admit(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free everything a request holds: its pages, its method state and the method's record of it. Called when
+        the request ends, however it ends (finished, stopped, failed, cancelled); a second call does nothing."""
+        method = self._live.pop(seq, None)
+        if method is not None:
+            method.release(seq)
+        if self._ahead is not None and any(s is seq for s in self._ahead[0]):
+            self._ahead = None  # the next step's inputs name it
+        seq.kv.release()
+        seq.method_state = None
+        seq.window_queries = {}
+
+    def end(self, seqs: list[Sequence], method: KVMethod) -> None:
+        """After a run, however it ended (`run` and `generate` call it; a caller of the lower-level steps calls it
+        itself): release its requests; the method drops its buffers unless another live request still uses it."""
+        for seq in seqs:
+            self.release(seq)
+        if not any(m is method for m in self._live.values()):
+            method.reset()
+
+    def memory(self) -> MemoryUsage:
+        """Pool pages in use, live requests, the state their methods hold beside the pool and in host memory
+        (measured from the tensors the methods and the requests' states reach: `memory.held_bytes`), and the
+        engine's fixed buffers. A method's buffers are dropped when its last request ends (`end`)."""
+        methods: dict[int, tuple[KVMethod, list]] = {}
+        for seq, method in self._live.items():
+            methods.setdefault(id(method), (method, []))[1].append(seq.method_state)
+        device: dict[str, int] = {}
+        host: dict[str, int] = {}
+        for method, states in methods.values():
+            on_device, on_host = held_bytes([method, *states], self.device)
+            for totals, n in ((device, on_device), (host, on_host)):
+                if n:
+                    totals[method.name] = totals.get(method.name, 0) + n
+        cache = self.pool.staging.buffer.nbytes + sum(t.nbytes for t in self._rank_cos_sin)
+        return MemoryUsage(self.pool.num_pages, self.pool.in_use, self.pool.bytes_per_page, len(self._live), device,
+                           host, cache)
+
     @staticmethod
     def _prefill_done(seq: Sequence) -> None:
         resident = seq.kv.resident_slots()
@@ -110,12 +158,17 @@ class Engine:
     def fork(self, seq: Sequence, seq_id: int) -> Sequence:
         """A copy of a prefilled sequence with its own pages (the K/V are copied), ready for another method."""
         twin = Sequence(seq_id, seq.prompt_ids, seq.params, SeqKV(self.pool), seq.question_start)
-        for layer in range(self.config.num_layers):
-            n = seq.kv.num_slots[layer]
-            twin.kv.ensure_slots(layer, n)
-            twin.kv.num_slots[layer] = n
-            src, dst = seq.kv.table[layer, : len(seq.kv.pages[layer])], twin.kv.table[layer, : len(seq.kv.pages[layer])]
-            self.pool.k[dst], self.pool.v[dst], self.pool.pos[dst] = self.pool.k[src], self.pool.v[src], self.pool.pos[src]
+        try:
+            for layer in range(self.config.num_layers):
+                n = seq.kv.num_slots[layer]
+                twin.kv.ensure_slots(layer, n)
+                twin.kv.num_slots[layer] = n
+                src, dst = (kv.table[layer, : len(seq.kv.pages[layer])] for kv in (seq.kv, twin.kv))
+                for x in (self.pool.k, self.pool.v, self.pool.pos):
+                    x[dst] = x[src]
+        except BaseException:  # the pool could not hold the copy
+            twin.kv.release()
+            raise
         twin.num_computed = seq.num_computed
         twin.window_queries = dict(seq.window_queries)
         twin.stats.prefill_s = seq.stats.prefill_s
@@ -126,7 +179,7 @@ class Engine:
         """Apply a method's prefill-time eviction and summaries to a sequence prefilled with Full KV."""
         started = time.perf_counter()
         seq.method_state = method.new_state(seq)
-        method.admit(seq)
+        self._admit(seq, method)
         for layer in range(self.config.num_layers):
             evict_layer(method, seq, layer, seq.window_queries[layer])
         method.finish_prefill(seq)
@@ -220,21 +273,24 @@ class Engine:
         method's state for them, prefill each on admission, decode the running batch one step at a time, release
         finished requests. A request that cannot fit waits; one that cannot fit even alone is an error."""
         waiting, running = deque(seqs), []
-        graphs = self.graph_runner(method, seqs)
-        while waiting or running:
-            while waiting and (blocked := self.blocked(waiting[0], running, method)) is None:
-                seq = waiting.popleft()
-                first = self.prefill(seq, method, progress)
-                self._append(seq, _sample(seq, first), is_stop)
-                (self._done if seq.finished else running.append)(seq)
-            if not running and waiting:
-                raise MemoryError(blocked)
-            if not running:  # the last requests finished at their first token
-                break
-            self.step(running, method, graphs, is_stop)
-            for seq in [s for s in running if s.finished]:
-                running.remove(seq)
-                self._done(seq)
+        try:
+            graphs = self.graph_runner(method, seqs)
+            while waiting or running:
+                while waiting and (blocked := self.blocked(waiting[0], running, method)) is None:
+                    seq = waiting.popleft()
+                    first = self.prefill(seq, method, progress)
+                    self._append(seq, _sample(seq, first), is_stop)
+                    (self._done if seq.finished else running.append)(seq)
+                if not running and waiting:
+                    raise MemoryError(blocked)
+                if not running:  # the last requests finished at their first token
+                    break
+                self.step(running, method, graphs, is_stop)
+                for seq in [s for s in running if s.finished]:
+                    running.remove(seq)
+                    self._done(seq)
+        finally:
+            self.end(seqs, method)
 
     def generate(self, seqs: list[Sequence], method: KVMethod, first_logits: list[torch.Tensor],
                  is_stop, pick=None) -> None:
@@ -242,15 +298,18 @@ class Engine:
         `pick(seq, logits) -> token` chooses each next token (default: sample); a pick that returns given tokens
         teacher-forces them through the decode steps (`LLM.score_continuation`)."""
         pick = pick or _sample
-        for seq, logits in zip(seqs, first_logits):
-            self._append(seq, pick(seq, logits), is_stop)
-        running = [s for s in seqs if not s.finished]
-        graphs = self.graph_runner(method, seqs)
-        while running:
-            self.step(running, method, graphs, is_stop, pick)
-            running = [s for s in running if not s.finished]
-        for seq in seqs:
-            self._done(seq)
+        try:
+            for seq, logits in zip(seqs, first_logits):
+                self._append(seq, pick(seq, logits), is_stop)
+            running = [s for s in seqs if not s.finished]
+            graphs = self.graph_runner(method, seqs)
+            while running:
+                self.step(running, method, graphs, is_stop, pick)
+                running = [s for s in running if not s.finished]
+            for seq in seqs:
+                self._done(seq)
+        finally:
+            self.end(seqs, method)
 
     def step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop,
              pick=_sample) -> None:
@@ -296,10 +355,9 @@ class Engine:
             seq.stats.decode_s += elapsed
             self._append(seq, token, is_stop)
 
-    @staticmethod
-    def _done(seq: Sequence) -> None:
+    def _done(self, seq: Sequence) -> None:
         seq.stats.kv_attended_tokens = seq.attended_total / max(len(seq.output_ids) - 1, 1)
-        seq.kv.release()
+        self.release(seq)
 
     def pages_needed(self, seq: Sequence) -> int:
         """Pages a request may hold at most: every layer keeps its whole prompt and output (Full KV)."""
@@ -326,7 +384,8 @@ class Engine:
         """Device bytes a method may still allocate beside the KV pool: `state_memory` less what it holds, else on
         CUDA the free memory less the activation reserve, else unbounded."""
         if self.state_memory is not None:
-            return self.state_memory - method.state_bytes()
+            states = [s.method_state for s, m in self._live.items() if m is method]
+            return self.state_memory - held_bytes([method, *states], self.device)[0]
         if self.device.type != "cuda":
             return math.inf
         free, _ = torch.cuda.mem_get_info(self.device)

@@ -18,7 +18,9 @@ Decode (a batch, one token per sequence):
 
 Fast-path and admission hooks (`BatchedHooks`), for methods that keep batched state on the device or decide a step
 once for every layer:
-    admit(seq) / admission_bytes(seq) / state_bytes()  -> device memory beside the KV pool, taken at admission
+    admit(seq) / admission_bytes(seq)  -> device memory beside the KV pool, taken at admission
+    release(seq) -> the request ended (finished, stopped, failed or cancelled): forget it
+    reset()      -> the run ended: drop every buffer kept for its requests
     step_plan(batch) -> a typed `StepPlan`; plan_buffers(...) its static copy under CUDA graphs;
     plan_selection(batch, plan) -> one `Selection` for every layer of the step (CHESS), inside the graph
     observe_logits(seqs, logits) -> device work on a step's logits while the forward runs (entropy)
@@ -163,9 +165,18 @@ class BatchedHooks:
         they are free."""
         return 0
 
-    def state_bytes(self) -> int:
-        """Device bytes of the state this method holds beside the KV pool now."""
-        return 0
+    def release(self, seq: "Sequence") -> None:
+        """The request ended (finished, stopped, failed or cancelled): forget what is kept for it on this object
+        (its row of batched state, plans that name it). The engine then frees its pages and drops
+        `seq.method_state`."""
+        return None
+
+    def reset(self) -> None:
+        """The run ended, however it ended: drop every buffer kept for its requests (state beside the pool, cached
+        plans), so the memory is free even while something (a traceback) still refers to this object. It stays
+        usable: buffers are made again on demand. `bind` calls it first, so it is where a method makes its empty
+        state. The engine measures what is left (`engine.memory`)."""
+        return None
 
     def step_plan(self, batch: DecodeBatch) -> StepPlan | None:
         """The step's per-sequence decisions, made on the host before the forward (it may use per-sequence state;
@@ -219,6 +230,7 @@ class KVMethod(BatchedHooks):
         """Called on the bound copy before a generation with the model's shape, its tokenizer (e.g. to find
         delimiter tokens) and the engine's KV page size."""
         self.model, self.tokenizer, self.kv_page_size = model, tokenizer, page_size
+        self.reset()
 
     def new_state(self, seq: "Sequence") -> Any:
         """The request's state, made when it is submitted (host side: requests may wait long before they run)."""

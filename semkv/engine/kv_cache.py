@@ -257,8 +257,10 @@ class SeqKV:
         return sum(self.num_slots) / len(self.num_slots)
 
     def release(self) -> None:
+        """Give every page back to the pool and drop the table (it widens again if the sequence is refilled)."""
         for layer in range(len(self.pages)):
             self.pool.release(self.pages[layer])
             self.pages[layer] = []
             self.num_slots[layer] = 0
         self.widest = 0
+        self.table = self.table.new_zeros(self.table.shape[0], 0)

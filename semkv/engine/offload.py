@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from semkv.engine.memory import HostMemory
+
 
 def grown_capacity(need: int, minimum: int) -> int:
     """Room for a buffer that must hold `need` entries: an eighth more (at least `minimum`), so appends are amortised
@@ -16,7 +18,7 @@ def grown_capacity(need: int, minimum: int) -> int:
     return need + max(minimum, need // 8)
 
 
-class HostKVStore:
+class HostKVStore(HostMemory):
     def __init__(self, num_layers: int, device: torch.device):
         self.device = device
         self.pin = device.type == "cuda"

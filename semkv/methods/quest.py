@@ -44,13 +44,12 @@ class Quest(KVMethod):
         super().__post_init__()
         check_choice("group_reduce", self.group_reduce, ("mean", "max"))
         check_range("dense_layers", self.dense_layers, 0, None, int)
+
+    def reset(self) -> None:
         self.summaries = PageSummaries(("min", "max"))
 
     def admission_bytes(self, seq: Sequence) -> int:
         return self.summaries.growth_bytes(seq.kv.pool)
-
-    def state_bytes(self) -> int:
-        return self.summaries.held_bytes()
 
     def finish_prefill(self, seq: Sequence) -> None:
         for layer in range(seq.kv.pool.num_layers):

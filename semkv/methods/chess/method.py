@@ -60,6 +60,7 @@ from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
 from semkv.methods.state.page_summaries import PageSummaries
+from semkv.models.config import ModelConfig
 from semkv.models.rotary import RotaryEmbedding
 
 PRESETS = {"conservative": (0.9, 0.9), "moderate": (0.8, 0.7), "aggressive": (0.5, 0.2)}
@@ -131,6 +132,20 @@ class PagePlan(StepPlan):
     window: torch.Tensor  # [B]
 
 
+class Unrotate:
+    """Keys [..., D] stored at `positions` [...] -> the keys before RoPE (up to RoPE's constant scaling)."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self.model = model
+        self.rotary: RotaryEmbedding | None = None
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rotary is None or self.rotary.device != keys.device:
+            self.rotary = RotaryEmbedding(self.model.hf_config, self.model.head_dim, keys.device)
+        cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
+        return RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, -sin).view_as(keys)
+
+
 @dataclass
 class Chess(KVMethod):
     preset: str = "moderate"
@@ -167,9 +182,6 @@ class Chess(KVMethod):
         for name in ("entropy_threshold", "varentropy_threshold"):
             if getattr(self, name) is not None:
                 check_range(name, getattr(self, name), 0.0, None)
-        self.summaries = PageSummaries(("sum",), self.unrotate if self.rope_free else None)
-        self.rotary: RotaryEmbedding | None = None
-        self._plan: tuple[tuple[int, ...], PagePlan] | None = None  # (selection ids, plan)
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -180,12 +192,12 @@ class Chess(KVMethod):
         given = (self.entropy_threshold, self.varentropy_threshold)
         self.thresholds = tuple(found[k] if v is None else v for k, v in zip(("entropy", "varentropy"), given))
 
-    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys [..., D] stored at `positions` [...] -> the keys before RoPE (up to RoPE's constant scaling)."""
-        if self.rotary is None or self.rotary.device != keys.device:
-            self.rotary = RotaryEmbedding(self.model.hf_config, self.model.head_dim, keys.device)
-        cos, sin = self.rotary.cos_sin(positions.flatten().long(), torch.float32)
-        return RotaryEmbedding.rotate(keys.reshape(-1, 1, keys.shape[-1]), cos, -sin).view_as(keys)
+    def reset(self) -> None:
+        self.summaries = PageSummaries(("sum",), Unrotate(self.model) if self.rope_free else None)
+        self._plan: tuple[tuple[int, ...], PagePlan] | None = None  # (selection ids, plan)
+
+    def release(self, seq: Sequence) -> None:
+        self._plan = None
 
     def new_state(self, seq: Sequence) -> ChessState:
         seq.stats.extra["reselections"] = 0
@@ -193,9 +205,6 @@ class Chess(KVMethod):
 
     def admission_bytes(self, seq: Sequence) -> int:
         return self.summaries.growth_bytes(seq.kv.pool)
-
-    def state_bytes(self) -> int:
-        return self.summaries.held_bytes()
 
     @classmethod
     def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:

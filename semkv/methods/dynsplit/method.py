@@ -139,9 +139,6 @@ class DynSplitKV(RowHolder, KVMethod):
             check_choice(field, getattr(self, field), allowed)
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
-        self._rows: DynSplitRows | None = None
-        self._step = 0  # decode steps of this method: the stamps of attended slots
-        self._ranges: tuple[torch.Tensor, ...] = ()  # the step's chunk ranges, made at layer 0 (`_chunk_ranges`)
 
     @property
     def graph_safe(self) -> bool:
@@ -150,6 +147,11 @@ class DynSplitKV(RowHolder, KVMethod):
         return not self.offload and self.pooling == "minmax"
 
     # -- set-up ---------------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()  # the device rows
+        self._step = 0  # decode steps of this method: the stamps of attended slots
+        self._ranges: tuple[torch.Tensor, ...] = ()  # the step's chunk ranges, made at layer 0 (`_chunk_ranges`)
+
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         self.candidates = delimiter_candidates(tokenizer, self.delimiters)  # token id -> text
@@ -402,9 +404,9 @@ class DynSplitKV(RowHolder, KVMethod):
 def prefilled_state(llm: Any, method: DynSplitKV, ids: list[int]) -> DynSplitState:
     """Prefill `ids` through the engine with a bound `method` (the pages are released afterwards); the state."""
     seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
-    seq.method_state = method.new_state(seq)
+    seq.method_state = state = method.new_state(seq)
     try:
         llm.engine.prefill(seq, method)
     finally:
-        seq.kv.release()
-    return seq.method_state
+        llm.engine.release(seq)
+    return state

@@ -50,9 +50,6 @@ class DynSplitRows(DeviceRows):
     def growth_bytes(self, needs: tuple[int, int], pool: KVPool) -> int:
         return super().growth_bytes(needs, pool) + self.stamps.growth_bytes(pool)
 
-    def held_bytes(self) -> int:
-        return super().held_bytes() + self.stamps.held_bytes()
-
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
         for t in (self.kmin, self.kmax):

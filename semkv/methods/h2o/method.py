@@ -67,6 +67,8 @@ class H2O(KVMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("recent_ratio", self.recent_ratio, 0.0, 1.0, (int, float))
+
+    def reset(self) -> None:
         self.scores = slot_scores()
 
     def n_recent(self, budget: int) -> int:
@@ -84,9 +86,6 @@ class H2O(KVMethod):
     def admission_bytes(self, seq: Sequence) -> int:
         pool = seq.kv.pool
         return pool.num_layers * pool.num_kv_heads * len(seq.prompt_ids) * 4 + self.scores.growth_bytes(pool)
-
-    def state_bytes(self) -> int:
-        return self.scores.held_bytes()
 
     # -- prefill ----------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:

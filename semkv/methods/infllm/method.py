@@ -122,14 +122,20 @@ class InfLLM(KVMethod):
         check_range("per_head", self.per_head, types=bool)
         if self.init_ratio + self.local_ratio > 1.0:
             raise SemkvError(f"init_ratio + local_ratio = {self.init_ratio + self.local_ratio} must be <= 1")
+
+    def reset(self) -> None:
         self.scores = slot_scores()  # r_m of every slot: [pages, page_size, kv_heads]
         # block keys at the page of each block's first slot, in the cache's dtype (1/32 of the K/V bytes with the
         # default 16-slot pages): [pages, blocks per page, kv_heads, D]
-        self.block_keys = PageStorage(lambda pool: (max(1, pool.page_size // self.block_size), pool.num_kv_heads,
+        size = self.block_size  # not `self` in the lambda: the method would hold itself in a cycle
+        self.block_keys = PageStorage(lambda pool: (max(1, pool.page_size // size), pool.num_kv_heads,
                                                     pool.head_dim), pool_dtype=True)
         self._plan: tuple[list[Sequence], WindowPlan] | None = None
         self._rows: RowSplit | None = None  # of the step running, from layer 0
         self._queries: list[torch.Tensor] = []  # the step's queries so far, one [B, heads, D] per layer
+
+    def release(self, seq: Sequence) -> None:
+        self._plan = None
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -150,9 +156,6 @@ class InfLLM(KVMethod):
 
     def admission_bytes(self, seq: Sequence) -> int:
         return self.scores.growth_bytes(seq.kv.pool) + self.block_keys.growth_bytes(seq.kv.pool)
-
-    def state_bytes(self) -> int:
-        return self.scores.held_bytes() + self.block_keys.held_bytes()
 
     def _storage(self, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [pages, page_size, kv_heads] and block keys, grown with the pool first (a move makes captured

@@ -124,7 +124,6 @@ class SentenceKV(RowHolder, KVMethod):
         check_choice("buckets", self.buckets, ("sentences", "chunks"))
         if self.offload not in (None, True, False):
             raise SemkvError(f"offload={self.offload!r}; allowed: True, False, None (on when the device is a GPU)")
-        self._rows: SentenceRows | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -135,7 +134,6 @@ class SentenceKV(RowHolder, KVMethod):
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         self.rule = SentenceRule.for_tokenizer(tokenizer)
-        self._rows = None
 
     def window_size(self) -> int:
         return self.window

@@ -9,6 +9,7 @@ scanning its vocabulary (`semkv.methods.sentencekv.vocab`), so the rule is a few
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class SentenceRule:
     special_ids: frozenset[int]
 
     @classmethod
+    @functools.lru_cache(maxsize=4)  # one rule per tokenizer, made once (a scan of the vocabulary)
     def for_tokenizer(cls, tokenizer) -> "SentenceRule":
         masks = {p.__name__: vocab_mask(tokenizer, p) for p in PREDICATES}
         special = torch.zeros_like(masks["is_terminal"])

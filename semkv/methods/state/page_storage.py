@@ -28,9 +28,6 @@ class PageStorage:
     def _dtype(self, pool: KVPool) -> torch.dtype:
         return pool.dtype if self.pool_dtype else self.dtype
 
-    def held_bytes(self) -> int:
-        return 0 if self.data is None else self.data.nbytes
-
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates."""
         if self.pages >= pool.num_pages:

@@ -50,9 +50,6 @@ class PageSummaries:
         return sum(pool.num_pages * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
                    for stat in self._short(pool))
 
-    def held_bytes(self) -> int:
-        return sum(t.nbytes for t in self.data.values())
-
     def build(self, kv: SeqKV, layer: int) -> None:
         """Summaries of every page of one sequence and layer, from its stored keys."""
         n, size = kv.num_slots[layer], kv.pool.page_size

@@ -1,12 +1,11 @@
 """Rows of per-sequence method state kept in batched device tensors (SentenceKV's buckets, DynSplit-KV's chunks):
-which row belongs to which sequence (row 0 is never handed out: the padding rows of a graphed step read and write it;
-a row is free again once its sequence has finished or is gone), growing the tensors, what a growth would cost (the
+which rows are taken (row 0 is never handed out: the padding rows of a graphed step read and write it; a row is free
+again once the engine releases its request), growing the tensors, what a growth would cost (the
 engine admits a request only when the device has that memory free beside the KV pool), and the admission hooks of a
 method that keeps such rows (`RowHolder`)."""
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -18,21 +17,20 @@ from semkv.engine.sequence import Sequence
 
 class RowOwners:
     def __init__(self) -> None:
-        self.owners: dict[int, weakref.ref] = {}  # row -> its sequence
+        self.taken: set[int] = set()
 
     def next_row(self) -> int:
         """The row `take` would hand out now (>= 1)."""
-        for row, ref in list(self.owners.items()):
-            owner = ref()
-            if owner is None or owner.finished:
-                del self.owners[row]
-        return next(r for r in range(1, len(self.owners) + 2) if r not in self.owners)
+        return next(r for r in range(1, len(self.taken) + 2) if r not in self.taken)
 
-    def take(self, seq: Sequence) -> int:
-        """A free row (>= 1) for `seq`; the caller empties it (a freed row holds its last owner's state)."""
+    def take(self) -> int:
+        """A free row (>= 1); the caller empties it (a freed row holds its last owner's state)."""
         row = self.next_row()
-        self.owners[row] = weakref.ref(seq)
+        self.taken.add(row)
         return row
+
+    def free(self, row: int) -> None:
+        self.taken.discard(row)
 
 
 class DeviceRows:
@@ -77,8 +75,9 @@ class DeviceRows:
 
 class RowHolder(BatchedHooks):
     """Admission hooks of a method whose batched per-sequence state is a `DeviceRows` in `self._rows`: a request
-    that takes a row (`takes_row`) gets one at admission, with room for what it needs there (`row_needs`); a move of
-    the tensors makes captured graphs be captured again (`graph_epoch`)."""
+    that takes a row (`takes_row`) gets one at admission, with room for what it needs there (`row_needs`), and gives
+    it back when released; a move of the tensors makes captured graphs be captured again (`graph_epoch`); a reset
+    drops the tensors."""
 
     _rows: DeviceRows | None
 
@@ -91,7 +90,7 @@ class RowHolder(BatchedHooks):
     def admit(self, seq: Sequence) -> None:
         if not self.takes_row(seq):
             return
-        seq.method_state.row = row = self._rows.owners.take(seq)
+        seq.method_state.row = row = self._rows.owners.take()
         self.ensure_rows(self.row_needs(seq, row), seq.kv.pool)
         self._rows.clear(row)
 
@@ -100,8 +99,13 @@ class RowHolder(BatchedHooks):
             return 0
         return self._rows.growth_bytes(self.row_needs(seq, self._rows.owners.next_row()), seq.kv.pool)
 
-    def state_bytes(self) -> int:
-        return 0 if self._rows is None else self._rows.held_bytes()
+    def release(self, seq: Sequence) -> None:
+        row = getattr(seq.method_state, "row", 0)
+        if row and self._rows is not None:
+            self._rows.owners.free(row)
+
+    def reset(self) -> None:
+        self._rows = None
 
     def ensure_rows(self, needs: tuple[int, ...], pool: KVPool) -> None:
         """Room in the device rows for `needs`."""

@@ -43,7 +43,7 @@ extrapolate: store keys before RoPE and rotate the attended ones by rank (the pa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -72,10 +72,6 @@ class TokenSelect(KVMethod):
     scope: str = "layer"
     theta: float = 0.9
     extrapolate: bool = False
-    # the device Selection Cache, id(seq) -> (seq, its row in it), and (sequences, plan) of the last step
-    _cache: SelectionCacheBuffers | None = field(default=None, init=False, repr=False, compare=False)
-    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _plan: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     kind = "selection"
     name = "tokenselect"
@@ -111,7 +107,16 @@ class TokenSelect(KVMethod):
         if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
             raise SemkvError(f"budget={self.budget} must be below the model's context of "
                              f"{model.max_position_embeddings} tokens for extrapolation")
-        self._cache, self._rows, self._plan = None, {}, None
+
+    def reset(self) -> None:
+        # the device Selection Cache, id(seq) -> (seq, its row in it), and (sequences, plan) of the last step
+        self._cache: SelectionCacheBuffers | None = None
+        self._rows: dict[int, tuple[Sequence, int]] = {}
+        self._plan: tuple[list[Sequence], CacheRows] | None = None
+
+    def release(self, seq: Sequence) -> None:
+        self._rows.pop(id(seq), None)
+        self._plan = None
 
     def new_state(self, seq: Sequence) -> list:
         """Selection Cache per layer: (query [heads * D], top-k slots [S, k]) of the last selection, or None."""
