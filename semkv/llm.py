@@ -118,10 +118,12 @@ class LLM:
                                                                               self.engine.pool.page_size)
         seqs = []
         for i, prompt in enumerate(prompts):
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             if not isinstance(prompt, str) or not prompt.strip():
-                raise SemkvError(f"prompt {i} is empty; give some text")
+                raise SemkvError(f"{which} is empty; give some text")
             ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat)
-            self._check_length(i, len(ids), max_new_tokens, allow_overlong or getattr(kv_method, "extrapolates", False))
+            self._check_length(which, len(ids), max_new_tokens,
+                               allow_overlong or getattr(kv_method, "extrapolates", False))
             seq = Sequence(i, ids, params, SeqKV(self.engine.pool), question_start)
             seq.method_state = kv_method.new_state(seq)
             seqs.append(seq)
@@ -175,7 +177,7 @@ class LLM:
         shared, own = [], []
         for i, m in enumerate(methods):
             m = m.bound(self.config, self.tokenizer, self.engine.pool.page_size)
-            self._check_length(0, len(ids), max_new_tokens, allow_overlong or getattr(m, "extrapolates", False))
+            self._check_length("the prompt", len(ids), max_new_tokens, allow_overlong or getattr(m, "extrapolates", False))
             (own if m.own_prefill(question_start is not None) else shared).append((i, m))
         if len(shared) == 1:  # nothing to share: a copy of the cache would only cost time
             own, shared = shared + own, []
@@ -273,18 +275,18 @@ class LLM:
             raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
         return SamplingParams(max_new_tokens, float(temperature), top_k, float(top_p), int(seed), stops, ignore_eos)
 
-    def _check_length(self, i: int, n_prompt: int, max_new: int, allowed: bool) -> None:
+    def _check_length(self, which: str, n_prompt: int, max_new: int, allowed: bool) -> None:
         limit = self.max_context
         window = self.config.sliding_window
         if window is not None and n_prompt + max_new > window:
             raise SemkvError(
-                f"prompt {i} has {n_prompt} tokens + {max_new} new tokens, more than this model's sliding attention "
+                f"{which} has {n_prompt} tokens + {max_new} new tokens, more than this model's sliding attention "
                 f"window of {window} tokens, which semkv does not implement"
             )
         if n_prompt + max_new > limit and not allowed:
             raise SemkvError(
-                f"prompt {i} has {n_prompt} tokens and asks for {max_new} new tokens: {n_prompt + max_new} > the "
-                f"model's context of {limit} tokens; shorten the prompt or pass allow_overlong=True (--allow-overlong)"
+                f"{which} has {n_prompt} tokens and asks for {max_new} new tokens: {n_prompt + max_new} > the "
+                f"model's context of {limit} tokens; shorten it or pass allow_overlong=True (--allow-overlong)"
             )
 
     def _stopper(self, params: SamplingParams):

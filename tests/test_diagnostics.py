@@ -9,6 +9,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
+import semkv
 from semkv.cli.main import main
 from semkv.engine.trace import Trace, attention_probs
 from semkv.eval import diagnostics
@@ -117,10 +118,14 @@ def test_inspect_cli(tiny_model_dir, tmp_path, capsys):
     prompt.write_text(PROMPT)
     args = ["inspect", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--method", "snapkv",
             "--budget", "48", "--prompt-file", str(prompt), "--question", QUESTION, "--needle", NEEDLE,
-            "--answer", "73914", "--steps", "3", "--out", str(tmp_path / "out")]
+            "--answer", "73914", "--steps", "3", "--max-new-tokens", "7", "--out", str(tmp_path / "out")]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "needle retained" in text and "top-k recall" in text and "\n  all " in text
+    # the answers printed are whole (7 tokens), not cut at the 3 traced steps
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    answer = llm.compare(PROMPT, [get_method("full")], QUESTION, max_new_tokens=7)[0]
+    assert len(answer.token_ids) == 7 and f"Full KV: {answer.text!r};" in text
     image = imread(tmp_path / "out" / "doc__snapkv.png")
     assert image.shape[0] > 300 and image[..., :3].std() > 0.05
     page = (tmp_path / "out" / "doc__snapkv.html").read_text()

@@ -29,7 +29,14 @@ def run_cli(*args: str) -> tuple[int, str]:
         (["--prompt", "hi", "--method", "snapkv"], "method 'snapkv' needs a budget"),
         (["--prompt", "hi", "--device", "tpu"], "unknown device 'tpu'"),
         (["--prompt", "hi", "--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
-        (["--prompt-file", "/no/such/file.txt"], "prompt file '/no/such/file.txt' does not exist"),
+        (["--prompt-file", "/no/such/file.txt"], "--prompt-file '/no/such/file.txt' does not exist"),
+        # checked before the model loads: the model path given is never reached
+        (["--prompt", "  ", "--model", "/no/such/model"], "--prompt is empty; give some text"),
+        (["--prompt", "hi", "--max-new-tokens", "0", "--model", "/no/such/model"],
+         r"--max-new-tokens=0 is out of range; allowed: \[1, inf\]"),
+        (["--prompt", "hi", "--temperature", "-1", "--model", "/no/such/model"], "--temperature=-1.0 is out of range"),
+        (["--prompt", "hi", "--top-p", "0", "--model", "/no/such/model"], r"--top-p=0.0 is out of range; allowed: \(0, 1\]"),
+        (["--prompt", "hi", "--method", "nope", "--model", "/no/such/model"], "unknown method 'nope'"),
     ],
 )
 def test_cli_bad_input(args, message, capsys):
@@ -40,14 +47,30 @@ def test_cli_bad_input(args, message, capsys):
     assert "Traceback" not in err
 
 
+def test_help_does_not_load_torch():
+    """`semkv --help` and every subcommand's parser are built without importing torch, transformers or the methods
+    (they load with the subcommand that runs)."""
+    code = ("import sys; from semkv.cli.main import build_parser; build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'matplotlib'}), "
+            "sorted(m for m in sys.modules if m.startswith('semkv.methods')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] []"
+    for command in ([], ["generate"], ["eval"], ["bench"], ["inspect"], ["report"], ["calibrate"], ["methods"]):
+        proc = subprocess.run([sys.executable, "-m", "semkv.cli.main", *command, "--help"], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and "usage: semkv" in proc.stdout
+
+
 def test_cli_exit_code_in_a_subprocess():
     code, err = run_cli("generate", "--prompt", "hi", "--method", "nope")
     assert code == 2 and "Traceback" not in err and "unknown method" in err
 
 
 def test_empty_prompt(tiny_llm):
-    with pytest.raises(semkv.SemkvError, match="prompt 0 is empty"):
+    with pytest.raises(semkv.SemkvError, match="the prompt is empty"):
         tiny_llm.generate("   ")
+    with pytest.raises(semkv.SemkvError, match="prompt 1 is empty"):
+        tiny_llm.generate(["hello", ""])
     with pytest.raises(semkv.SemkvError, match="no prompts"):
         tiny_llm.generate([])
 
@@ -55,7 +78,7 @@ def test_empty_prompt(tiny_llm):
 def test_prompt_longer_than_context(tiny_llm):
     limit = tiny_llm.max_context
     text = "word " * (limit + 10)
-    with pytest.raises(semkv.SemkvError, match=rf"prompt 0 has \d+ tokens .* > the model's context of {limit}"):
+    with pytest.raises(semkv.SemkvError, match=rf"the prompt has \d+ tokens .* > the model's context of {limit}"):
         tiny_llm.generate(text, chat=False, max_new_tokens=2)
 
 
@@ -89,8 +112,24 @@ def test_corrupted_weight_files(tmp_path, tiny_model_dir):
         semkv.LLM(folder, device="cpu")
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(semkv.SemkvError, match="could not read the GGUF file"):
+    with pytest.raises(semkv.SemkvError, match="could not read the GGUF file .* truncated or corrupt"):
         semkv.LLM(gguf, device="cpu")
+    gguf.write_bytes(b"<html>not a model</html>")
+    with pytest.raises(semkv.SemkvError, match="it is not a GGUF file"):
+        semkv.LLM(gguf, device="cpu")
+
+
+@pytest.mark.slow
+def test_truncated_gguf_says_so(tmp_path):
+    """Half of the embedded GGUF (a download cut short): the error says the file is truncated, not how numpy failed
+    to reshape its data."""
+    from semkv.models.loader import embedded_model_path
+
+    data = embedded_model_path().read_bytes()
+    half = tmp_path / "half.gguf"
+    half.write_bytes(data[: len(data) // 2])
+    with pytest.raises(semkv.SemkvError, match=r"truncated or corrupt \(49,\d{3},\d{3} bytes; ValueError"):
+        semkv.LLM(half, device="cpu")
 
 
 def test_bad_page_size(tiny_model_dir):

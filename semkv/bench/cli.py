@@ -6,8 +6,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from semkv.cli.args import parse_budget, parse_params
 from semkv.errors import SemkvError
 
@@ -26,16 +24,18 @@ def parse_sizes(text: str, what: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--shape", default="llama3-8b", help="random-weight model shape: llama3-8b, qwen2-7b, smollm2-135m")
+    src.add_argument("--shape", default="llama3-8b",
+                     help="random-weight model shape: llama3-8b, qwen2-7b, qwen2.5-0.5b, smollm2-135m")
     src.add_argument("--model", default=None, help="a local model instead of a shape")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), bfloat16, float16, "
+                                                   "float32")
     p.add_argument("--methods", default="full", help="comma-separated method names")
     p.add_argument("--budget", default="0.01", help="budget of the non-full methods (tokens or fraction)")
     p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
     p.add_argument("--batches", default="1",
                    help="batch sizes, e.g. 1,16; 'max': the largest batch Full KV fits at each context")
-    p.add_argument("--contexts", default="4k,8k,16k,32k")
+    p.add_argument("--contexts", default="4k,8k,16k,32k", help="context lengths in tokens, e.g. 4k,32k")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
     p.add_argument("--long-gen", type=int, default=0, help="TPOT over this many generated tokens (largest context)")
@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-file", action="append", default=None, metavar="FILE",
                    help="with --model: prefill every sequence for real with a window of these texts (repeatable), so "
                         "decode runs on the model's real queries (TokenSelect's cache hit rate as on real text)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU the weights, KV pool and activations may take")
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
     p.add_argument("--out", default="bench-results", help="output directory")
 
@@ -81,6 +82,8 @@ def method_params(items: list[str] | None) -> dict[str, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from semkv.bench import report
     from semkv.bench.device import device_info
     from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch

@@ -1,4 +1,4 @@
-"""`semkv` command line: generate, methods, calibrate, eval, report.
+"""`semkv` command line: generate, methods, calibrate, bench, eval, report, inspect.
 
 Bad input prints one line `semkv: error: ...` and exits with code 2; no traceback.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from semkv.cli.args import add_model_args, parse_budget, parse_params
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_range
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -39,14 +39,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     import semkv
     from semkv.methods import get_method
 
-    method = get_method(args.method, parse_budget(args.budget), **parse_params(args.param))  # fail before loading
+    # everything that can be checked without the model, before it loads
+    method = get_method(args.method, parse_budget(args.budget), **parse_params(args.param))
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
-            raise SemkvError(f"prompt file {args.prompt_file!r} does not exist")
+            raise SemkvError(f"--prompt-file {args.prompt_file!r} does not exist")
         prompt = path.read_text(encoding="utf-8", errors="replace")
     else:
         prompt = args.prompt
+    if not prompt.strip():
+        source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
+        raise SemkvError(f"{source} is empty; give some text")
+    check_range("--max-new-tokens", args.max_new_tokens, 1, None, int)
+    check_range("--temperature", args.temperature, 0.0, None)
+    check_range("--top-k", args.top_k, 0, None, int)
+    if not 0 < args.top_p <= 1:
+        raise SemkvError(f"--top-p={args.top_p!r} is out of range; allowed: (0, 1]")
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                     prefill_chunk=args.prefill_chunk)
     out = llm.generate(

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from semkv.cli.args import add_model_args, parse_budget, parse_params
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_range
 
 DEFAULTS = dict(lengths="2k", budgets="128,512", samples=4)
 
@@ -129,6 +129,7 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle", default=None, help="text of the prompt the answer depends on (for needle retention)")
     p.add_argument("--answer", default=None, help="the answer inside the needle (its span is what must be kept)")
     p.add_argument("--steps", type=int, default=8, help="decode steps traced and averaged over (8)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens of the answers printed (32)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--out", default="inspect", help="folder for the PNG heat map and the HTML view")
 
@@ -142,15 +143,16 @@ def run_inspect(args: argparse.Namespace) -> int:
     method = get_method(args.method, parse_budget(args.budget), **parse_params(args.param))  # fail before loading
     path = Path(args.prompt_file)
     if not path.is_file():
-        raise SemkvError(f"prompt file {args.prompt_file!r} does not exist")
-    if args.steps < 1:
-        raise SemkvError(f"steps={args.steps} must be an int >= 1")
+        raise SemkvError(f"--prompt-file {args.prompt_file!r} does not exist")
+    check_range("--steps", args.steps, 1, None, int)
+    check_range("--max-new-tokens", args.max_new_tokens, 1, None, int)
     prompt = path.read_text(encoding="utf-8")
     if args.needle and args.needle not in prompt:
         raise SemkvError(f"the needle {args.needle[:60]!r} is not in {args.prompt_file}")
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                     prefill_chunk=args.prefill_chunk)
-    result = inspect(llm, method, prompt, args.question, args.needle, args.answer, args.steps, args.chat, path.stem)
+    result = inspect(llm, method, prompt, args.question, args.needle, args.answer, args.steps, args.chat, path.stem,
+                     args.max_new_tokens)
     if not result["maps"]:
         raise SemkvError("nothing to measure: the method's first generated token already differs from Full KV's "
                          "and no --needle was given")

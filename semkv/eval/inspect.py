@@ -20,11 +20,12 @@ TITLES = {"retention": "needle retained", "recall": "top-k recall", "mass_recall
 
 
 def inspect(llm: Any, method: KVMethod, prompt: str, question: str | None = None, needle: str | None = None,
-            answer: str | None = None, steps: int = 8, chat: bool = True, name: str = "prompt") -> dict[str, Any]:
-    """Run Full KV and `method` on the prompt; return the per (layer, KV head) maps, the overall numbers (`diag`),
-    both outputs and the HTML view of the run."""
-    full, out = llm.compare(prompt, [get_method("full"), method], question, steps, chat, trace_steps=range(steps),
-                            trace_weights=True)
+            answer: str | None = None, steps: int = 8, chat: bool = True, name: str = "prompt",
+            max_new_tokens: int = 32) -> dict[str, Any]:
+    """Run Full KV and `method` on the prompt (answers of up to `max_new_tokens`, the first `steps` decode steps
+    traced); return the per (layer, KV head) maps, the overall numbers (`diag`), both outputs and the HTML view."""
+    full, out = llm.compare(prompt, [get_method("full"), method], question, max(steps, max_new_tokens), chat,
+                            trace_steps=range(steps), trace_weights=True)
     requirements = diagnostics.prompt_requirements(llm, prompt, question, chat, "", [needle] if needle else [],
                                                    [answer] if answer else [])
     n_prompt = len(out.prompt_token_ids)

@@ -2,9 +2,9 @@
 traced sample.
 
 Scores are the mean over samples (0..100); perplexity is exp(total NLL / total scored tokens). Plots: score (or
-perplexity) vs budget per task, one panel per length, Full KV as a dashed line; depth x length heatmaps per method and
-budget for tasks whose samples have a needle depth. Matplotlib is used through `Figure` (Agg), never pyplot, so no
-global backend is touched.
+perplexity) vs budget per task, one panel per method with a line per context length, Full KV dashed; depth x length
+heatmaps per method and budget for tasks whose samples have a needle depth. Matplotlib is used through `Figure`
+(Agg), never pyplot, so no global backend is touched.
 """
 from __future__ import annotations
 
@@ -102,27 +102,42 @@ def cost_table(rows: list[dict[str, Any]]) -> str:
     return _markdown(header, lines)
 
 
+MARKERS = "osD^vPX*"
+
+
 def _budget_plot(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
+    """Small multiples: one panel per method (shared axes), score against budget with a line per context length in
+    its own colour and marker, Full KV at that length dashed in the same colour."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     lengths = sorted({r["length"] for r in rows})
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=_budget_order)
     cells = _group(rows, "method", "budget", "length")
-    fig = Figure(figsize=(4.2 * len(lengths), 3.4), layout="constrained")
-    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
-    for ax, length in zip(axes, lengths):
-        for method, _ in _arms(r for r in rows if r["budget"] is None):
-            if (method, None, length) in cells:
-                ax.axhline(_aggregate(cells[(method, None, length)]), color="k", ls="--", lw=1, label="full")
-        for method in dict.fromkeys(m for m, b in _arms(rows) if b is not None):
+    fulls = [method for method, _ in _arms(r for r in rows if r["budget"] is None)]
+    methods = list(dict.fromkeys(m for m, b in _arms(rows) if b is not None)) or fulls[:1]
+    colours = colormaps["viridis"]([0.1 + 0.75 * j / max(len(lengths) - 1, 1) for j in range(len(lengths))])
+    cols = min(4, len(methods))
+    grid = -(-len(methods) // cols)
+    fig = Figure(figsize=(3.2 * cols + 1.6, 2.5 * grid + 0.7), layout="constrained")
+    axes = fig.subplots(grid, cols, squeeze=False, sharex=True, sharey=True).flatten()
+    for ax, method in zip(axes, methods):
+        for j, length in enumerate(lengths):
+            style = dict(color=colours[j], label=f"{length} tokens")
+            for full in fulls:
+                if (full, None, length) in cells:
+                    ax.axhline(_aggregate(cells[(full, None, length)]), ls="--", lw=1, color=colours[j])
             xs = [i for i, b in enumerate(budgets) if (method, b, length) in cells]
-            ax.plot(xs, [_aggregate(cells[(method, budgets[i], length)]) for i in xs], marker="o", label=method)
+            ax.plot(xs, [_aggregate(cells[(method, budgets[i], length)]) for i in xs], marker=MARKERS[j % 8], **style)
+        ax.set_title(method, fontsize=10)
         ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
-        ax.set_title(f"{task}, {length} tokens")
-        ax.set_xlabel("budget (tokens per head, or fraction)")
-        ax.set_ylabel("perplexity" if task == PERPLEXITY else "score")
         ax.grid(alpha=0.3)
-    fig.legend(*axes[-1].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    for ax in axes[len(methods):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{task}: {'perplexity' if task == PERPLEXITY else 'score'} against budget (dashed: Full KV)")
+    fig.supxlabel("budget (tokens per head, or fraction of the context)")
+    fig.supylabel("perplexity" if task == PERPLEXITY else "score")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8, title="context")
     fig.savefig(path, dpi=110)
     return path
 

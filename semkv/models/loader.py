@@ -100,7 +100,7 @@ def _gguf_to_folder(path: Path) -> Path:
     except SemkvError:
         raise
     except Exception as exc:  # gguf raises many kinds of errors on a damaged file
-        raise SemkvError(f"could not read the GGUF file {path}: {type(exc).__name__}: {exc}") from None
+        raise SemkvError(_unreadable_gguf(path, exc)) from None
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -110,6 +110,17 @@ def _gguf_to_folder(path: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
+
+
+def _unreadable_gguf(path: Path, exc: Exception) -> str:
+    """Why a .gguf file could not be read: not a GGUF file at all, or one whose data is cut short or damaged."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    size = f"{path.stat().st_size:,} bytes"
+    if magic != b"GGUF":
+        return f"could not read the GGUF file {path}: it is not a GGUF file (it does not start with 'GGUF'; {size})"
+    return (f"could not read the GGUF file {path}: it is truncated or corrupt ({size}; {type(exc).__name__}: {exc}); "
+            "download or copy it again")
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

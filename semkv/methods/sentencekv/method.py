@@ -107,8 +107,8 @@ class SentenceKV(RowHolder, KVMethod):
     offload_chunk: int = 16
 
     name = "sentencekv"
-    summary = ("SentenceKV: prompt cut into sentence buckets, top r*budget tokens kept in host memory, mean-query "
-               "sentence retrieval each decode step")
+    summary = ("SentenceKV: prompt cut into sentence buckets, top r*budget tokens kept (on the device, or in host "
+               "memory with offload=True), mean-query sentence retrieval each decode step")
     kind = "selection"
 
     def __post_init__(self) -> None:
