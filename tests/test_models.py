@@ -55,3 +55,20 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path)
     with pytest.raises(semkv.SemkvError, match="unsupported architecture 'gpt2'.*llama.*qwen2"):
         semkv.LLM(tmp_path, device="cpu")
+
+
+def test_the_conversion_cache_keeps_weights_in_16_bits_only_where_exact():
+    """float32 weights whose values float16 (or bfloat16) holds exactly are cached in it; dequantized weights that 16
+    bits would round stay float32; either way the cache loads to the same values."""
+    from semkv.models.loader import smallest_exact
+
+    gen = torch.Generator().manual_seed(0)
+    half = torch.randn(64, 64, generator=gen).half().float()  # an f16 GGUF's weights, read as float32
+    brain = (torch.randn(64, 64, generator=gen) * 1e6).bfloat16().float()  # beyond float16: bfloat16 holds them
+    scale = torch.rand(64, 1, generator=gen).half().float()
+    quantized = scale * torch.randint(0, 16, (64, 32), generator=gen) + torch.rand(64, 1, generator=gen).half().float()
+    cases = [(half, torch.float16), (brain, torch.bfloat16), (quantized, torch.float32),
+             (torch.arange(4), torch.long)]
+    for weights, dtype in cases:
+        kept = smallest_exact(weights)
+        assert kept.dtype == dtype and torch.equal(kept.to(weights.dtype), weights)

@@ -6,6 +6,7 @@ for the first samples of each task and length (`--trace-samples`).
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import shutil
 import subprocess
@@ -65,38 +66,70 @@ section{border:1px solid #ddd;border-radius:6px;margin:10px 0;padding:8px}sectio
 .info{color:#444;font-size:12px;margin-bottom:4px}.text{white-space:pre-wrap;font:11px/1.5 monospace;max-height:330px;
 overflow-y:auto;border-top:1px solid #eee;padding-top:4px}.n{border-bottom:2px solid #d00}"""
 
-SCRIPT = """const D=JSON.parse(document.getElementById('data').textContent);
-function paint(sel){const sec=sel.closest('section'),m=D.methods[sec.dataset.m],L=+sel.value,H=D.kv_heads;
-const spans=sec.querySelectorAll('.text span');const nl=m.resident.length;
-for(let i=0;i<spans.length;i++){let a=0,r=0;
- if(L<0){for(let l=0;l<nl;l++){a+=m.attended?m.attended[l][i]:0;r+=m.resident[l][i];}a/=nl*H;r/=nl*H;}
- else{a=m.attended?m.attended[L][i]/H:0;r=m.resident[L][i]/H;}
- spans[i].style.background='rgba(255,140,0,'+a.toFixed(2)+')';spans[i].style.color=r>0?'#000':'#aaa';}}"""
+# The page's data holds the prompt's tokens once and, per method, each layer's head counts per token as a line of
+# text (`_layer_line`), each distinct line once; the script writes every method's tokens and shades them.
+SCRIPT = """const D=JSON.parse(document.getElementById('data').textContent),N=D.tokens.length,H=D.kv_heads;
+function line(s){const a=new Array(N);if(s[0]!=='!'){for(let i=0;i<N;i++)a[i]=s.charCodeAt(i)-48;return a;}
+ let i=0;for(const p of s.slice(1).split(',')){const k=+p.slice(1);a.fill(p.charCodeAt(0)-48,i,i+k);i+=k;}return a;}
+function layers(m,key){m.lines=m.lines||[];
+ return m[key]===null?null:m[key].map(j=>m.lines[j]||(m.lines[j]=line(m.rows[j])));}
+function paint(sel){const sec=sel.closest('section'),m=D.methods[sec.dataset.m],L=+sel.value;
+ const att=layers(m,'attended'),res=layers(m,'resident'),nl=m.layers,spans=sec.querySelectorAll('.text span');
+ for(let i=0;i<spans.length;i++){let a=0,r=0;
+  if(L<0){for(let l=0;l<nl;l++){a+=att?att[l][i]:0;r+=res?res[l][i]:H;}a/=nl*H;r/=nl*H;}
+  else{a=att?att[L][i]/H:0;r=(res?res[L][i]:H)/H;}
+  spans[i].style.background='rgba(255,140,0,'+a.toFixed(2)+')';spans[i].style.color=r>0?'#000':'#aaa';}}
+const needle=new Set(D.needle);
+for(const sec of document.querySelectorAll('section')){const box=sec.querySelector('.text');
+ D.tokens.forEach((t,i)=>{const s=document.createElement('span');s.textContent=t;if(needle.has(i))s.className='n';
+  box.appendChild(s);});paint(sec.querySelector('select'));}"""
 
 
-def _token_style(attended: float, resident: float) -> str:
-    return f"background:rgba(255,140,0,{attended:.2f});color:{'#000' if resident > 0 else '#aaa'}"
+def _layer_line(counts: list[int]) -> str:
+    """One layer's head counts per token as text: a character per token (chr(48 + count)), or, where shorter, its runs
+    '!<char><length>,<char><length>...' ('!' is below every count's character; the script's `line` reads both)."""
+    raw = "".join(chr(48 + c) for c in counts)
+    runs = "!" + ",".join(f"{char}{len(list(group))}" for char, group in itertools.groupby(raw))
+    return runs if len(runs) < len(raw) else raw
 
 
-def _section(label: str, m: dict[str, Any], tokens: list[str], needle: list[bool], heads: int) -> str:
+def _method_data(m: dict[str, Any], heads: int) -> dict[str, Any]:
+    """A method's counts for the page: its distinct layer lines (`rows`) and, per layer, which line holds its attended
+    and its resident counts (resident None: every head keeps every token; attended None: no decode step)."""
+    rows: list[str] = []
+    index: dict[str, int] = {}
+
+    def lines(per_layer: list[list[int]]) -> list[int]:
+        out = []
+        for counts in per_layer:
+            text = _layer_line(counts)
+            out.append(index.setdefault(text, len(rows)))
+            if out[-1] == len(rows):
+                rows.append(text)
+        return out
+
+    kept_all = all(c == heads for counts in m["resident"] for c in counts)
+    return {"layers": len(m["resident"]), "rows": rows,
+            "resident": None if kept_all else lines(m["resident"]),
+            "attended": None if m["attended"] is None else lines(m["attended"])}
+
+
+def _section(label: str, m: dict[str, Any], n_tokens: int, needle: list[bool], heads: int) -> str:
     layers = len(m["resident"])
     total = layers * heads
-    resident = [sum(col) / total for col in zip(*m["resident"])]
-    attended = [sum(col) / total for col in zip(*m["attended"])] if m["attended"] else [0.0] * len(tokens)
+    attended = [sum(col) / total for col in zip(*m["attended"])] if m["attended"] else [0.0] * n_tokens
     needles = [a for a, is_needle in zip(attended, needle) if is_needle]
     shown = "no decode step (the answer ended after its first token): kept tokens only" if not m["attended"] else (
-        f"attended per head and layer: {sum(attended):.0f} of {len(tokens)} prompt tokens")
+        f"attended per head and layer: {sum(attended):.0f} of {n_tokens} prompt tokens")
     if needles:
         shown += f" · needle tokens attended: {100 * sum(needles) / len(needles):.0f}%"
     options = '<option value="-1">all layers</option>' + "".join(
         f'<option value="{layer}">layer {layer}</option>' for layer in range(layers))
-    spans = "".join(f'<span{" class=n" if n else ""} style="{_token_style(a, r)}">{html.escape(t)}</span>'
-                    for t, a, r, n in zip(tokens, attended, resident, needle))
     prediction = "(perplexity)" if m["prediction"] is None else html.escape(repr(m["prediction"]))
     score = "" if m["score"] is None else f' — score {m["score"]:.4g}'
     return (f'<section data-m="{html.escape(label)}"><h2>{html.escape(label)}{score}</h2>'
             f'<div class="info">prediction: {prediction} · {shown} · <select onchange="paint(this)">{options}'
-            f'</select></div><div class="text">{spans}</div></section>')
+            f'</select></div><div class="text"></div></section>')
 
 
 def render(view: dict[str, Any]) -> str:
@@ -105,9 +138,10 @@ def render(view: dict[str, Any]) -> str:
     needle = _needle_mask(tokens, view["needles"])
     ordered = sorted(view["methods"].items(), key=lambda kv: (kv[1]["method"] != "full", kv[1]["method"],
                                                             isinstance(kv[1]["budget"], float), kv[1]["budget"] or 0))
-    sections = "".join(_section(label, m, tokens, needle, heads) for label, m in ordered)
-    data = json.dumps({"kv_heads": heads, "methods": {k: {"attended": m["attended"], "resident": m["resident"]}
-                                                      for k, m in view["methods"].items()}})
+    sections = "".join(_section(label, m, len(tokens), needle, heads) for label, m in ordered)
+    data = json.dumps({"kv_heads": heads, "tokens": tokens, "needle": [i for i, n in enumerate(needle) if n],
+                       "methods": {k: _method_data(m, heads) for k, m in view["methods"].items()}},
+                      separators=(",", ":")).replace("<", "\\u003c")  # no "</script>" inside the script element
     title = f"{view['task']} · {view['sample_id']}"
     depth = "" if view["depth"] is None else f" · needle depth {view['depth']:.0f}%"
     return (f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title><style>{CSS}</style>"

