@@ -10,7 +10,7 @@ import torch
 
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
-from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence
+from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
 from semkv.engine.trace import Trace
 from semkv.errors import SemkvError
 from semkv.methods import KVMethod, get_method
@@ -262,14 +262,7 @@ class LLM:
         return out
 
     def _sampling(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos) -> SamplingParams:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SemkvError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise SemkvError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
-        if not isinstance(top_k, int) or top_k < 0:
-            raise SemkvError(f"top_k={top_k!r} must be an int >= 0 (0 = off)")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise SemkvError(f"top_p={top_p!r} must be in (0, 1]")
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
         stops = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")

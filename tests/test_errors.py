@@ -33,9 +33,10 @@ def run_cli(*args: str) -> tuple[int, str]:
         # checked before the model loads: the model path given is never reached
         (["--prompt", "  ", "--model", "/no/such/model"], "--prompt is empty; give some text"),
         (["--prompt", "hi", "--max-new-tokens", "0", "--model", "/no/such/model"],
-         r"--max-new-tokens=0 is out of range; allowed: \[1, inf\]"),
-        (["--prompt", "hi", "--temperature", "-1", "--model", "/no/such/model"], "--temperature=-1.0 is out of range"),
-        (["--prompt", "hi", "--top-p", "0", "--model", "/no/such/model"], r"--top-p=0.0 is out of range; allowed: \(0, 1\]"),
+         r"--max-new-tokens=0 must be an int >= 1"),
+        (["--prompt", "hi", "--temperature", "-1", "--model", "/no/such/model"],
+         r"--temperature=-1.0 must be >= 0 \(0 = greedy\)"),
+        (["--prompt", "hi", "--top-p", "0", "--model", "/no/such/model"], r"--top-p=0.0 must be in \(0, 1\]"),
         (["--prompt", "hi", "--method", "nope", "--model", "/no/such/model"], "unknown method 'nope'"),
     ],
 )

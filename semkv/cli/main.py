@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from semkv.cli.args import add_model_args, parse_budget, parse_params
-from semkv.errors import SemkvError, check_range
+from semkv.errors import SemkvError
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     import semkv
+    from semkv.engine.sequence import check_sampling
     from semkv.methods import get_method
 
     # everything that can be checked without the model, before it loads
@@ -51,11 +52,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
         raise SemkvError(f"{source} is empty; give some text")
-    check_range("--max-new-tokens", args.max_new_tokens, 1, None, int)
-    check_range("--temperature", args.temperature, 0.0, None)
-    check_range("--top-k", args.top_k, 0, None, int)
-    if not 0 < args.top_p <= 1:
-        raise SemkvError(f"--top-p={args.top_p!r} is out of range; allowed: (0, 1]")
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   lambda name: "--" + name.replace("_", "-"))
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                     prefill_chunk=args.prefill_chunk)
     out = llm.generate(

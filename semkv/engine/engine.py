@@ -132,19 +132,20 @@ class Engine:
         """Pool pages in use, live requests, the state their methods hold beside the pool and in host memory
         (measured from the tensors the methods and the requests' states reach: `memory.held_bytes`), and the
         engine's fixed buffers. A method's buffers are dropped when its last request ends (`end`)."""
-        methods: dict[int, tuple[KVMethod, list]] = {}
-        for seq, method in self._live.items():
-            methods.setdefault(id(method), (method, []))[1].append(seq.method_state)
         device: dict[str, int] = {}
         host: dict[str, int] = {}
-        for method, states in methods.values():
-            on_device, on_host = held_bytes([method, *states], self.device)
-            for totals, n in ((device, on_device), (host, on_host)):
+        for method in {id(m): m for m in self._live.values()}.values():
+            for totals, n in zip((device, host), self._held(method)):
                 if n:
                     totals[method.name] = totals.get(method.name, 0) + n
         cache = self.pool.staging.buffer.nbytes + sum(t.nbytes for t in self._rank_cos_sin)
         return MemoryUsage(self.pool.num_pages, self.pool.in_use, self.pool.bytes_per_page, len(self._live), device,
                            host, cache)
+
+    def _held(self, method: KVMethod) -> tuple[int, int]:
+        """(device, host) bytes a method and the states of its live requests hold (`memory.held_bytes`)."""
+        states = [seq.method_state for seq, m in self._live.items() if m is method]
+        return held_bytes([method, *states], self.device)
 
     @staticmethod
     def _prefill_done(seq: Sequence) -> None:
@@ -384,8 +385,7 @@ class Engine:
         """Device bytes a method may still allocate beside the KV pool: `state_memory` less what it holds, else on
         CUDA the free memory less the activation reserve, else unbounded."""
         if self.state_memory is not None:
-            states = [s.method_state for s, m in self._live.items() if m is method]
-            return self.state_memory - held_bytes([method, *states], self.device)[0]
+            return self.state_memory - self._held(method)[0]
         if self.device.type != "cuda":
             return math.inf
         free, _ = torch.cuda.mem_get_info(self.device)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.trace import Trace
+from semkv.errors import SemkvError
 
 
 @dataclass(slots=True)
@@ -19,6 +20,20 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+
+def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
+                   spell: Callable[[str], str] = str) -> None:
+    """Raise SemkvError for the first bad sampling value; `spell(name)` writes a name as the caller's user does
+    (`--max-new-tokens` on the command line)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SemkvError(f"{spell('max_new_tokens')}={max_new_tokens!r} must be an int >= 1")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise SemkvError(f"{spell('temperature')}={temperature!r} must be >= 0 (0 = greedy)")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise SemkvError(f"{spell('top_k')}={top_k!r} must be an int >= 0 (0 = off)")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise SemkvError(f"{spell('top_p')}={top_p!r} must be in (0, 1]")
 
 
 @dataclass
