@@ -2,21 +2,22 @@
 task's scorer gives 100 on gold answers and 0 on an empty prediction."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 
-from conftest import DATA
+from conftest import FIXTURES
 from semkv.eval.longbench import LongBenchV1, LongBenchV2, v2_accuracy
 from semkv.eval.longbench_metrics import METRICS, fuzz_ratio, rouge_l, score_v1, task_score_v1
 from semkv.eval.metrics import mean_score, string_match_all, string_match_part
 from semkv.eval.synthetic import kv_retrieval, number_string, passkey
 from semkv.eval.task import Sample
 
-LONGBENCH = DATA / "longbench" / "v1_pred_llama2-7b-chat-4k"
-INFINITEBENCH = DATA / "infinitebench" / "model_predictions"
+LONGBENCH = FIXTURES / "longbench" / "v1_pred_llama2-7b-chat-4k"
+INFINITEBENCH = FIXTURES / "infinitebench" / "model_predictions"
 CHINESE = {"multifieldqa_zh", "dureader", "vcsum"}  # metrics that need jieba
-# InfiniteBench README numbers, re-checked in shared/data/infinitebench/SOURCE.md
+# InfiniteBench README numbers, re-checked as tests/data/SOURCE.md says
 INFINITEBENCH_PUBLISHED = {
     ("gpt4", "passkey"): 100.0, ("gpt4", "number_string"): 100.0, ("gpt4", "kv_retrieval"): 89.0,
     ("yarn-mistral", "passkey"): 92.71, ("yarn-mistral", "number_string"): 56.61, ("yarn-mistral", "kv_retrieval"): 0.0,
@@ -25,16 +26,15 @@ INFINITEBENCH_PUBLISHED = {
 
 
 def rows(path):
-    if not path.is_file():
-        pytest.skip(f"shared data not found at {path}")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f.read().splitlines()]
 
 
 @pytest.mark.parametrize("dataset", sorted(METRICS))
 def test_longbench_v1_rescoring_gives_the_published_number(dataset):
     if dataset in CHINESE:
-        pytest.importorskip("jieba")
-    preds = rows(LONGBENCH / f"{dataset}.jsonl")
+        pytest.importorskip("jieba", reason="jieba (test extra) segments the Chinese tasks' words")
+    preds = rows(LONGBENCH / f"{dataset}.jsonl.gz")
     published = json.loads((LONGBENCH / "result.json").read_text())[dataset]
     scores = [score_v1(dataset, r["pred"], r["answers"], r["all_classes"]) for r in preds]
     assert task_score_v1(scores) == published
@@ -43,9 +43,9 @@ def test_longbench_v1_rescoring_gives_the_published_number(dataset):
 @pytest.mark.parametrize("dataset", sorted(METRICS))
 def test_longbench_v1_task_scores_gold_100_and_empty_0(dataset):
     if dataset in CHINESE:
-        pytest.importorskip("jieba")
+        pytest.importorskip("jieba", reason="jieba (test extra) segments the Chinese tasks' words")
     task = LongBenchV1(dataset, LONGBENCH)
-    for i, r in enumerate(rows(LONGBENCH / f"{dataset}.jsonl")[:20]):
+    for i, r in enumerate(rows(LONGBENCH / f"{dataset}.jsonl.gz")[:20]):
         sample = Sample(task.name, "x", "", "", r["answers"], meta={"all_classes": r["all_classes"]})
         gold = r["answers"][0]
         if i < 3:
@@ -59,7 +59,7 @@ def test_longbench_v1_task_scores_gold_100_and_empty_0(dataset):
 @pytest.mark.parametrize("model,task_name", sorted(INFINITEBENCH_PUBLISHED))
 def test_infinitebench_rescoring_gives_the_published_number(model, task_name):
     task = {"passkey": passkey, "number_string": number_string, "kv_retrieval": kv_retrieval}[task_name]()
-    preds = rows(INFINITEBENCH / f"{model}_preds_{task_name}.jsonl")
+    preds = rows(INFINITEBENCH / f"{model}_preds_{task_name}.jsonl.gz")
     scores = []
     for r in preds:
         sample = Sample(task_name, str(r["id"]), "", "", [r["ground_truth"]])

@@ -22,7 +22,7 @@ from semkv.eval.tasks import get_task
 from semkv.eval.store import ResultsDir, row_key
 from semkv.methods import get_method
 
-from conftest import DATA
+from conftest import FIXTURES
 
 GRID = dict(tasks=["passkey"], methods=["full", "streaming_llm", "snapkv", "quest"], budgets=[24], lengths=[192],
             samples=2, seed=3)
@@ -122,9 +122,7 @@ def test_kill_and_resume_leaves_no_duplicates(clean_run, tiny_model_dir, tmp_pat
 
 
 def test_perplexity_rows_score_the_teacher_forced_continuation(tiny_llm, tmp_path):
-    book = DATA / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
-    if not book.is_file():
-        pytest.skip(f"shared data not found at {book}")
+    book = FIXTURES / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
     (tmp_path / "data" / "books").mkdir(parents=True)
     shutil.copy(book, tmp_path / "data" / "books")
     rows = run(["perplexity"], ["full", "quest"], [32], [200], samples=1, data_dir=str(tmp_path / "data"),

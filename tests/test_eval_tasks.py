@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import DATA
+from conftest import DATA, FIXTURES
 from semkv.errors import SemkvError
 from semkv.eval import packaged, ruler_gen
 from semkv.eval.lengths import n_tokens
@@ -221,22 +221,21 @@ def test_longbench_v2_prompt_truncation_and_split(longbench_dir, tokenizer):
 
 
 def test_books_are_stripped_of_the_gutenberg_header_and_footer(tokenizer):
-    folder = DATA / "books"
-    if not folder.is_dir():
-        pytest.skip(f"shared data not found at {folder}")
-    assert "pg2600_war_and_peace" in books(folder)
-    for name in books(folder):
-        text = book_text(folder, name)
-        for boilerplate in ("*** START OF", "*** END OF", "PROJECT GUTENBERG LICENSE", "END OF THE PROJECT GUTENBERG",
-                            "END OF PROJECT GUTENBERG"):
-            assert boilerplate not in text.upper()
-        assert "\r" not in text and not text.startswith(("\ufeff", "Produced by"))
-    text = book_text(folder, "pg1342_pride_and_prejudice")
-    assert "It is a truth universally acknowledged" in text[:2000] and text.rstrip().endswith("uniting them.")
-    ids = book_token_ids(tokenizer, folder, "pg1661_adventures_of_sherlock_holmes", 50_000)
-    sherlock = book_text(folder, "pg1661_adventures_of_sherlock_holmes")
-    assert len(ids) == 50_000 and sherlock.startswith(tokenizer.decode(ids[:300]))
+    folder = FIXTURES / "books"
+    name = "pg1661_adventures_of_sherlock_holmes"
+    assert books(folder) == [name]
+    raw = (folder / f"{name}.txt").read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbfProject Gutenberg's") and b"\r\n" in raw  # the stored file: BOM, CRLF, header
+    text = book_text(folder, name)
+    # the header, the license and the volunteers' credits are in the file and not in the text
+    for boilerplate in ("*** START OF", "*** END OF", "GUTENBERG", "PRODUCED BY AN ANONYMOUS"):
+        assert boilerplate not in text.upper() and boilerplate.encode() in raw.upper()
+    assert "\r" not in text and "\ufeff" not in text and text.startswith("THE ADVENTURES OF SHERLOCK HOLMES\n")
+    assert "To Sherlock Holmes she is always THE woman." in text[:2000]
+    assert text.endswith("Walsall, where I believe that she has met with considerable success.\n")
+    ids = book_token_ids(tokenizer, folder, name, 50_000)
+    assert len(ids) == 50_000 and text.startswith(tokenizer.decode(ids[:300]))
     with pytest.raises(SemkvError, match="fewer than"):
-        book_token_ids(tokenizer, folder, "pg1661_adventures_of_sherlock_holmes", 10_000_000)
+        book_token_ids(tokenizer, folder, name, 10_000_000)
     with pytest.raises(SemkvError, match="no_such_book.txt"):
         book_text(folder, "no_such_book")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import semkv
-from conftest import DATA, tiny_hf_config
+from conftest import FIXTURES, tiny_hf_config
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
@@ -16,12 +16,10 @@ from semkv.methods import SentenceKV, get_method
 from semkv.methods.sentencekv.sentences import SentenceRule, is_terminal, length_limit, segment
 from semkv.methods.sentencekv.vocab import token_texts, vocab_mask
 
-BOOK = DATA / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
+BOOK = FIXTURES / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
 
 
 def book_text(chars: int, start: float = 0.5) -> str:
-    if not BOOK.is_file():
-        pytest.skip(f"shared data not found at {BOOK}")
     raw = BOOK.read_text(encoding="utf-8-sig")
     text = raw[int(len(raw) * start):][:chars]
     return text[text.index("\n\n") + 2:]
