@@ -24,7 +24,8 @@ class GenerationOutput:
     finish_reason: str  # "eos", "stop" or "length"
     stats: GenerationStats
     prompt_token_ids: list[int]
-    logprobs: list[float] | None = None  # of teacher-forced continuation tokens (`score_continuation`)
+    logprobs: list[float] | None = None  # of each new token (`logprobs=`), or of teacher-forced continuation tokens
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # each step's most likely (token id, log-probability)
     trace: Trace | None = None  # attended / resident positions, when `compare(trace_steps=...)` asked for them
 
 
@@ -73,6 +74,14 @@ class LLM:
             )
         return content + answer_prefix
 
+    def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation (`[{"role": "system" | "user" | "assistant", "content": text}, ...]`) in the
+        model's chat template, ending with the assistant's generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SemkvError("this model's tokenizer has no chat template; send a completion prompt instead")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def encode(self, prompt: str, question: str | None = None, chat: bool = True,
                answer_prefix: str = "") -> tuple[list[int], int | None]:
         """Token ids of `prompt_text` and where the question starts in them (None without a question)."""
@@ -105,15 +114,17 @@ class LLM:
         ignore_eos: bool = False,
         progress: bool = False,
         method_params: dict[str, Any] | None = None,
+        logprobs: int | None = None,
     ) -> list[GenerationOutput]:
         """Generate for each prompt. `questions[i]`, when given, is appended to `prompts[i]` and marks where the
-        question starts, so prefill-eviction methods can run query-agnostic (`query_aware=False`)."""
+        question starts, so prefill-eviction methods can run query-agnostic (`query_aware=False`). logprobs: k >= 0
+        gives each output the log-probability of every new token and the k most likely tokens of each step."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise SemkvError("no prompts given")
         if questions is not None and len(questions) != len(prompts):
             raise SemkvError(f"{len(questions)} questions for {len(prompts)} prompts; give one per prompt")
-        params = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
+        params = self.sampling_params(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logprobs)
         kv_method = get_method(method, budget, **(method_params or {})).bound(self.config, self.tokenizer,
                                                                               self.engine.pool.page_size)
         seqs = []
@@ -122,13 +133,10 @@ class LLM:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise SemkvError(f"{which} is empty; give some text")
             ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat)
-            self._check_length(which, len(ids), max_new_tokens,
-                               allow_overlong or getattr(kv_method, "extrapolates", False))
-            seq = Sequence(i, ids, params, SeqKV(self.engine.pool), question_start)
-            seq.method_state = kv_method.new_state(seq)
-            seqs.append(seq)
-        self.engine.run(seqs, kv_method, self._stopper(params), progress)  # frees every request, however it ends
-        return [self._output(seq) for seq in seqs]
+            self.check_length(which, len(ids), max_new_tokens, allow_overlong, kv_method)
+            seqs.append(self.request(i, ids, params, kv_method, question_start))
+        self.engine.run(seqs, kv_method, self.stop_test(params), progress)  # frees every request, however it ends
+        return [self.output(seq) for seq in seqs]
 
     def compare(
         self,
@@ -173,15 +181,15 @@ class LLM:
         if continuation is not None:
             continuation = self._token_ids(continuation, "continuation")
             max_new_tokens = len(continuation)
-        params = self._sampling(max_new_tokens, 0.0, 0, 1.0, 0, stop, continuation is not None)
+        params = self.sampling_params(max_new_tokens, 0.0, 0, 1.0, 0, stop, continuation is not None)
         shared, own = [], []
         for i, m in enumerate(methods):
             m = m.bound(self.config, self.tokenizer, self.engine.pool.page_size)
-            self._check_length("the prompt", len(ids), max_new_tokens, allow_overlong or getattr(m, "extrapolates", False))
+            self.check_length("the prompt", len(ids), max_new_tokens, allow_overlong, m)
             (own if m.own_prefill(question_start is not None) else shared).append((i, m))
         if len(shared) == 1:  # nothing to share: a copy of the cache would only cost time
             own, shared = shared + own, []
-        stopper = self._stopper(params)
+        stopper = self.stop_test(params)
         steps = None if trace_steps is None else frozenset(trace_steps)
         # every request is released when it ends, and also when the caller stops iterating (a cancellation)
         if shared:
@@ -200,8 +208,7 @@ class LLM:
             finally:
                 self.engine.end([base], full)
         for i, m in own:
-            seq = Sequence(0, ids, params, SeqKV(self.engine.pool), question_start)
-            seq.method_state = m.new_state(seq)
+            seq = self.request(0, ids, params, m, question_start)
             seq.trace = None if steps is None else Trace(steps, weights=trace_weights)
             with self._ended_on_error(seq, m):
                 first = self.engine.prefill(seq, m, progress)
@@ -257,18 +264,37 @@ class LLM:
                 return token
 
         self.engine.generate([seq], method, [first], stopper, pick)  # releases the request, however it ends
-        out = self._output(seq)
+        out = self.output(seq)
         out.logprobs, out.trace = logprobs, seq.trace
         return out
 
-    def _sampling(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos) -> SamplingParams:
+    def sampling_params(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
+                        logprobs: int | None = None) -> SamplingParams:
+        """Checked sampling parameters (SemkvError names the first bad one)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         stops = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
-        return SamplingParams(max_new_tokens, float(temperature), top_k, float(top_p), int(seed), stops, ignore_eos)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise SemkvError(f"logprobs={logprobs!r} must be an int in 0..20 (the most likely tokens to list)")
+        return SamplingParams(max_new_tokens, float(temperature), top_k, float(top_p), int(seed), stops, ignore_eos,
+                              logprobs)
 
-    def _check_length(self, which: str, n_prompt: int, max_new: int, allowed: bool) -> None:
+    def request(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod,
+                question_start: int | None = None) -> Sequence:
+        """A request for the engine (`Engine.run`, `Scheduler.submit`): the prompt's tokens, its sampling, its pages
+        and the state of its (bound) method."""
+        seq = Sequence(seq_id, ids, params, SeqKV(self.engine.pool), question_start)
+        seq.method_state = method.new_state(seq)
+        return seq
+
+    def check_length(self, which: str, n_prompt: int, max_new: int, allow_overlong: bool = False,
+                     method: KVMethod | None = None,
+                     hint: str = "shorten it or pass allow_overlong=True (--allow-overlong)") -> None:
+        """Raise SemkvError when a prompt and its new tokens pass the model's context (unless allowed, or the method
+        extrapolates past it; the message ends with `hint`) or a sliding attention window."""
+        allowed = allow_overlong or getattr(method, "extrapolates", False)
         limit = self.max_context
         window = self.config.sliding_window
         if window is not None and n_prompt + max_new > window:
@@ -279,10 +305,10 @@ class LLM:
         if n_prompt + max_new > limit and not allowed:
             raise SemkvError(
                 f"{which} has {n_prompt} tokens and asks for {max_new} new tokens: {n_prompt + max_new} > the "
-                f"model's context of {limit} tokens; shorten it or pass allow_overlong=True (--allow-overlong)"
+                f"model's context of {limit} tokens; {hint}"
             )
 
-    def _stopper(self, params: SamplingParams):
+    def stop_test(self, params: SamplingParams):
         eos = set(self.config.eos_token_ids)
         longest = max((len(s) for s in params.stop), default=0)
 
@@ -299,10 +325,14 @@ class LLM:
 
         return is_stop
 
-    def _output(self, seq: Sequence) -> GenerationOutput:
+    def output(self, seq: Sequence) -> GenerationOutput:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         if seq.finish_reason == "stop":
             cut = min((text.find(s) for s in seq.params.stop if s in text), default=len(text))
             text = text[:cut]
-        return GenerationOutput(text, list(seq.output_ids), seq.finish_reason, seq.stats, list(seq.prompt_ids))
+        out = GenerationOutput(text, list(seq.output_ids), seq.finish_reason, seq.stats, list(seq.prompt_ids))
+        if seq.params.logprobs is not None:
+            out.logprobs = [t.logprob for t in seq.logprobs]
+            out.top_logprobs = [t.top for t in seq.logprobs]
+        return out
 

@@ -8,6 +8,7 @@ import semkv
 from semkv.engine.step import plan_chunks
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots
 from semkv.engine.memory import held_bytes
+from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import METHODS, get_method
 
@@ -352,3 +353,44 @@ def test_a_request_refused_at_admission_leaves_the_engine_usable(tiny_model_dir)
         greedy(llm, [PROMPTS[0] * 20], **kw)
     assert llm.engine.memory().held == (0, 0, 0, 0)
     assert greedy(llm, PROMPTS[:2], **kw) == want
+
+
+class Failure(RuntimeError):
+    pass
+
+
+def test_a_scheduler_that_contains_failures_serves_the_others(tiny_model_dir):
+    """With `contain=True` (the server's scheduler), requests of several methods decode side by side, each in its own
+    batch, with the tokens they get alone; a method that raises mid-decode fails its batch only, a request too large
+    for the pool fails alone, and when every request has ended nothing is held."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=300)
+    full, quest = get_method("full"), get_method("quest", budget=32)
+    want = {name: greedy(llm, PROMPTS, method=m) for name, m in (("full", full), ("quest", quest))}
+
+    class Broken(type(full)):
+        def end_step(self, seqs, logits, tokens):
+            if seqs[0].num_tokens > seqs[0].params.max_new_tokens // 2 + len(seqs[0].prompt_ids):
+                raise Failure("end_step")
+
+    params = llm.sampling_params(24, 0.0, 0, 1.0, 0, None, True)
+    bound = {name: m.bound(llm.config, llm.tokenizer, 16) for name, m in
+             (("full", full), ("quest", quest), ("broken", Broken()))}
+    scheduler = Scheduler(llm.engine, contain=True)
+    seqs = {}
+    for name in ("full", "quest", "broken"):
+        for i, prompt in enumerate(PROMPTS):
+            seq = llm.request(len(seqs), llm.encode(prompt, chat=False)[0], params, bound[name])
+            seqs[name, i] = seq
+            scheduler.submit(seq, bound[name], llm.stop_test(params))
+    huge = llm.request(99, [5] * 5000, params, bound["full"])
+    scheduler.submit(huge, bound["full"], llm.stop_test(params))
+    while scheduler.busy:
+        scheduler.advance()
+        assert len(scheduler.batches) <= 3
+    for name in ("full", "quest"):
+        assert [seqs[name, i].output_ids for i in range(len(PROMPTS))] == want[name]
+    failed = dict(scheduler.failed)
+    assert {s.seq_id for s in failed} == {seqs["broken", i].seq_id for i in range(len(PROMPTS))} | {99}
+    assert isinstance(failed[huge], MemoryError) and isinstance(failed[seqs["broken", 0]], Failure)
+    assert all(s.finish_reason == "error" for s in failed)
+    assert llm.engine.memory().held == (0, 0, 0, 0) and not scheduler.batches

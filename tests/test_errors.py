@@ -56,10 +56,19 @@ def test_help_does_not_load_torch():
             "sorted(m for m in sys.modules if m.startswith('semkv.methods')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] []"
-    for command in ([], ["generate"], ["eval"], ["bench"], ["inspect"], ["report"], ["calibrate"], ["methods"]):
+    for command in ([], ["generate"], ["eval"], ["bench"], ["inspect"], ["report"], ["calibrate"], ["methods"],
+                    ["serve"]):
         proc = subprocess.run([sys.executable, "-m", "semkv.cli.main", *command, "--help"], capture_output=True,
                               text=True)
         assert proc.returncode == 0 and "usage: semkv" in proc.stdout
+
+
+def test_serve_checks_its_flags_before_the_model_loads():
+    for flags, needle in [(["--method", "nope"], "unknown method 'nope'"), (["--port", "70000"], "--port 70000"),
+                          (["--method", "snapkv", "--budget", "-1"], "budget"),
+                          (["--max-concurrent-requests", "0"], "--max-concurrent-requests 0")]:
+        code, err = run_cli("serve", *flags)
+        assert code == 2 and err.startswith("semkv: error:") and needle in err, err
 
 
 def test_cli_exit_code_in_a_subprocess():

@@ -1,4 +1,4 @@
-"""`semkv` command line: generate, methods, calibrate, bench, eval, report, inspect.
+"""`semkv` command line: generate, methods, calibrate, bench, eval, report, serve, inspect.
 
 Bad input prints one line `semkv: error: ...` and exits with code 2; no traceback.
 """
@@ -145,6 +145,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
              _lazy("semkv.eval.cli", "run_eval")),
     "report": ("tables, plots and HTML views of a results directory", _lazy("semkv.eval.cli", "add_report"),
                _lazy("semkv.eval.cli", "run_report")),
+    "serve": ("an OpenAI-compatible HTTP server with a KV method per request (pip install 'semkv[serve]')",
+              _lazy("semkv.serve.cli", "add_arguments"), _lazy("semkv.serve.cli", "run")),
     "inspect": ("needle retention and critical-token recall of a method on one prompt, per layer and head",
                 _lazy("semkv.eval.cli", "add_inspect"), _lazy("semkv.eval.cli", "run_inspect")),
 }

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 
 import torch
 from tqdm.auto import tqdm
@@ -18,7 +17,8 @@ from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
-from semkv.engine.sampler import sample
+from semkv.engine.sampler import sample, token_logprob
+from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import Sequence
 from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
 from semkv.models.config import ModelConfig
@@ -270,26 +270,15 @@ class Engine:
         return [int(t) for t in read[2]] if tokens is not None else None
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
-        """Continuous batching: admit waiting requests while the pool can hold them to the end and the device the
-        method's state for them, prefill each on admission, decode the running batch one step at a time, release
-        finished requests. A request that cannot fit waits; one that cannot fit even alone is an error."""
-        waiting, running = deque(seqs), []
+        """Continuous batching (`Scheduler`): admit waiting requests while the pool can hold them to the end and the
+        device the method's state for them, prefill each on admission, decode the running batch one step at a time,
+        release finished requests. A request that cannot fit waits; one that cannot fit even alone is an error."""
+        scheduler = Scheduler(self)
         try:
-            graphs = self.graph_runner(method, seqs)
-            while waiting or running:
-                while waiting and (blocked := self.blocked(waiting[0], running, method)) is None:
-                    seq = waiting.popleft()
-                    first = self.prefill(seq, method, progress)
-                    self._append(seq, _sample(seq, first), is_stop)
-                    (self._done if seq.finished else running.append)(seq)
-                if not running and waiting:
-                    raise MemoryError(blocked)
-                if not running:  # the last requests finished at their first token
-                    break
-                self.step(running, method, graphs, is_stop)
-                for seq in [s for s in running if s.finished]:
-                    running.remove(seq)
-                    self._done(seq)
+            for seq in seqs:
+                scheduler.submit(seq, method, is_stop)
+            while scheduler.busy:
+                scheduler.advance(progress)
         finally:
             self.end(seqs, method)
 
@@ -301,14 +290,14 @@ class Engine:
         pick = pick or _sample
         try:
             for seq, logits in zip(seqs, first_logits):
-                self._append(seq, pick(seq, logits), is_stop)
+                self.append_token(seq, pick(seq, logits), is_stop)
             running = [s for s in seqs if not s.finished]
             graphs = self.graph_runner(method, seqs)
             while running:
                 self.step(running, method, graphs, is_stop, pick)
                 running = [s for s in running if not s.finished]
             for seq in seqs:
-                self._done(seq)
+                self.finish(seq)
         finally:
             self.end(seqs, method)
 
@@ -350,13 +339,14 @@ class Engine:
         if span:
             self.timer.stop(span)
         elapsed = time.perf_counter() - started
-        for seq, token in zip(running, tokens):
+        for b, (seq, token) in enumerate(zip(running, tokens)):
             resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step
             seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, resident)
             seq.stats.decode_s += elapsed
-            self._append(seq, token, is_stop)
+            self.append_token(seq, token, is_stop, logits[b])
 
-    def _done(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """A request ended: its mean attended tokens are final and everything it holds is released."""
         seq.stats.kv_attended_tokens = seq.attended_total / max(len(seq.output_ids) - 1, 1)
         self.release(seq)
 
@@ -392,16 +382,23 @@ class Engine:
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return free + cached - ACTIVATION_RESERVE
 
-    def graph_runner(self, method: KVMethod, seqs: list[Sequence]) -> GraphRunner | None:
-        """CUDA graphs for this generation, when the device, the method and the RoPE variant allow them."""
+    def graph_runner(self, method: KVMethod, seqs: list[Sequence], max_pages: int | None = None) -> GraphRunner | None:
+        """CUDA graphs for these requests, when the device, the method and the RoPE variant allow them; their page
+        tables hold `max_pages` (default: the longest request's)."""
         traced = any(s.trace is not None for s in seqs)  # a replayed graph runs no Python, so it records nothing
         if not (self.cuda_graphs and method.graph_safe and self.rotary.rope_type != "dynamic") or traced:
             return None
-        longest = max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
-        return GraphRunner(self, method, max_pages=-(-longest // self.pool.page_size) + 1)
+        if max_pages is None:
+            longest = max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
+            max_pages = -(-longest // self.pool.page_size) + 1
+        return GraphRunner(self, method, max_pages)
 
     @staticmethod
-    def _append(seq: Sequence, token: int, is_stop) -> None:
+    def append_token(seq: Sequence, token: int, is_stop, logits: torch.Tensor | None = None) -> None:
+        """Add a request's next token, with its log-probability from `logits` [vocab] when the request asks for
+        them, and apply its stop test."""
+        if logits is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(token_logprob(logits, token, seq.params.logprobs))
         seq.output_ids.append(token)
         seq.stats.new_tokens = len(seq.output_ids)
         reason = is_stop(seq)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from semkv.engine.sequence import SamplingParams
+from semkv.engine.sequence import SamplingParams, TokenLogprob
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -21,3 +21,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits[order[drop]] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The log-probability of `token` under logits [vocab] and the `top` most likely tokens with theirs."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprob(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))

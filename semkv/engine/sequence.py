@@ -20,6 +20,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: each new token's log-probability and the k most likely ones
 
 
 def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
@@ -34,6 +35,15 @@ def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any
         raise SemkvError(f"{spell('top_k')}={top_k!r} must be an int >= 0 (0 = off)")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise SemkvError(f"{spell('top_p')}={top_p!r} must be in (0, 1]")
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (before temperature and filters) and the most likely
+    tokens of that step with theirs, as many as the request asked for."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass
@@ -87,6 +97,7 @@ class Sequence:
         self.window_queries: dict[int, torch.Tensor] = {}  # layer -> last prompt queries, for shared prefills
         self.attended_total = 0.0  # sum over decode steps of attended slots per head, averaged over layers
         self.trace: Trace | None = None  # set to record resident / attended positions (engine/trace.py)
+        self.logprobs: list[TokenLogprob] = []  # one per new token when `params.logprobs` asks for them
 
     @property
     def num_tokens(self) -> int:
