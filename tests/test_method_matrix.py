@@ -45,6 +45,8 @@ MATRIX: dict[str, dict] = {  # the hard configuration of each method
 CASES = [(name, i, params) for name in METHODS if name != "full"
          for i, params in enumerate([dict()] + ([MATRIX[name]] if name in MATRIX else []))]
 IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]
+EVICTING = [(case, case_id) for case, case_id in zip(CASES, IDS)
+            if METHODS[case[0]].kind in ("prefill_eviction", "decode_eviction")]  # selection keeps every token
 
 CONTEXTS = [
     "Paged attention stores keys and values in fixed-size pages, and a page table maps positions to pages. " * 4,
@@ -112,11 +114,9 @@ def test_budget_is_respected(llm, name, i, params, budget):
         assert s.kv_attended_tokens < s.prompt_tokens  # something was left out
 
 
-@pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
+@pytest.mark.parametrize("name, i, params", [case for case, _ in EVICTING], ids=[i for _, i in EVICTING])
 def test_eviction_frees_pages(llm, name, i, params):
     method = get_method(name, SMALL, **params)
-    if method.kind not in ("prefill_eviction", "decode_eviction"):
-        pytest.skip("selection methods keep every token stored")
     pool = llm.engine.pool
     ids, start = llm.encode(CONTEXTS[0] * 3, QUESTIONS[0], chat=False)
     pages = {}
@@ -223,8 +223,9 @@ def serve(llm, method, copies: list) -> list[int]:
     release = llm.engine.release
 
     def recording(seq):
+        live = llm.engine.memory().requests
         release(seq)
-        if llm.engine.memory().requests == 0 and copies and copies[-1]() is not None:
+        if live and llm.engine.memory().requests == 0 and copies and copies[-1]() is not None:
             held.append(sum(held_bytes([copies[-1]()], llm.engine.device)))
 
     ids = llm.encode(CONTEXTS[0], QUESTIONS[0], chat=False)[0]
@@ -263,7 +264,7 @@ def test_nothing_grows(queued_llm, name, i, params):
     assert queued_llm.engine.memory().held == (0, 0, 0, 0)
     assert live_tensor_bytes() == baseline
     assert queued_llm.engine.pool.peak_in_use <= 2 * NEED  # two at a time: the requests did queue
-    assert len(held) >= QUEUED // 2 and len(set(held)) == 1
+    assert len(held) >= 2 and len(set(held)) == 1  # the batch emptied at least twice, holding the same each time
 
 
 class Failure(RuntimeError):
