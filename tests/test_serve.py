@@ -131,10 +131,12 @@ def test_eight_concurrent_clients_equal_one_by_one(server, smol_llm):
         ref = smol_llm.generate(prompt, max_new_tokens=24, chat=False, ignore_eos=True)[0]
         assert out.choices[0].text == ref.text
     after = server.metrics()
-    steps = after[("semkv_decode_batch_size_count", ())] - before.get(("semkv_decode_batch_size_count", ()), 0)
-    alone = (after[("semkv_decode_batch_size_bucket", (("le", "1.0"),))]
-             - before.get(("semkv_decode_batch_size_bucket", (("le", "1.0"),)), 0))
-    assert steps > 0 and alone < steps / 2  # most steps decoded several requests in one batch
+
+    def steps(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    wide = steps("semkv_decode_batch_size_count") - steps("semkv_decode_batch_size_bucket", (("le", "4.0"),))
+    assert wide > 0  # requests that arrived while others decoded joined their batch: steps of 5 to 8 requests
 
 
 def test_a_request_chooses_its_kv_method(server, smol_llm):
@@ -216,8 +218,10 @@ def test_a_cancelled_stream_frees_its_pages(server):
         got += bool(chunk.choices[0].text)
         if got == 3:
             break
-    running = server.metrics()
-    assert running[("semkv_kv_pool_pages", (("state", "in_use"),))] > 0
+    deadline = time.time() + 10  # the engine's part of /metrics is measured after steps, at most every 0.5 s
+    while (running := server.metrics())[("semkv_kv_pool_pages", (("state", "in_use"),))] == 0:
+        assert time.time() < deadline, "the running request holds no pages"
+        time.sleep(0.1)
     assert running[("semkv_requests_in_flight", ())] == 1
     stream.close()  # the client goes away mid-answer
     m, held = wait_until_idle(server)

@@ -150,18 +150,19 @@ class Worker:
         """Send each request's new tokens and ends to its handler; forget ended requests and unused methods."""
         failed = dict(self.scheduler.failed)
         self.scheduler.failed.clear()
-        now, ended = time.perf_counter(), False
+        now, changed = time.perf_counter(), False
         for seq, job in list(self.jobs.items()):
             n = len(seq.output_ids)
             if n > job.sent:
-                if job.sent == 0:
+                if job.sent == 0:  # admitted: the pool changed
                     self.metrics.first_token(now - job.submitted)
+                    changed = True
                 self.metrics.tokens(job.choice.name, n - job.sent)
                 job.put(("tokens", seq.output_ids[job.sent : n]))
                 job.sent = n
             if not seq.finished:
                 continue
-            ended = True
+            changed = True
             del self.jobs[seq]
             if seq in failed:
                 self.metrics.ended(job.choice.name, "error")
@@ -173,7 +174,7 @@ class Worker:
         used = {job.choice.key for job in self.jobs.values()}
         for key in [k for k in self.bound if k not in used]:
             del self.bound[key]
-        if ended or now - self.measured >= MEASURE_EVERY_S:  # memory() walks the methods' tensors: not every step
+        if changed or now - self.measured >= MEASURE_EVERY_S:  # memory() walks the methods' tensors: not every step
             self.measured = now
             self.metrics.update_engine(self.llm.engine.memory(), len(self.scheduler.running),
                                        len(self.scheduler.waiting))
