@@ -67,19 +67,19 @@ class LLM:
         answer prefix (after the template's generation prompt, so the model continues it)."""
         content = prompt if question is None else f"{prompt}\n\n{question}"
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise SemkvError("this model's tokenizer has no chat template; use chat=False (--no-chat)")
-            content = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-            )
+            content = self.chat_text([{"role": "user", "content": content}])
         return content + answer_prefix
 
-    def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation (`[{"role": "system" | "user" | "assistant", "content": text}, ...]`) in the
-        model's chat template, ending with the assistant's generation prompt."""
+    def chat_text(self, messages: Seq[dict[str, str]], hint: str = "use chat=False (--no-chat)") -> str:
+        """A conversation (`[{"role": "system" | "user" | "assistant", "content": text}, ...]`) in the model's chat
+        template, ending with the assistant's generation prompt; without a template, SemkvError ending with `hint`."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise SemkvError("this model's tokenizer has no chat template; send a completion prompt instead")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            raise SemkvError(f"this model's tokenizer has no chat template; {hint}")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+    def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
+        """Token ids of `chat_text(messages)`."""
+        text = self.chat_text(messages, "send a completion prompt instead")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode(self, prompt: str, question: str | None = None, chat: bool = True,
@@ -179,7 +179,7 @@ class LLM:
         methods = list(methods)
         ids, question_start = self._prompt_ids(prompt, question, chat, answer_prefix)
         if continuation is not None:
-            continuation = self._token_ids(continuation, "continuation")
+            continuation = self.token_ids(continuation, "continuation")
             max_new_tokens = len(continuation)
         params = self.sampling_params(max_new_tokens, 0.0, 0, 1.0, 0, stop, continuation is not None)
         shared, own = [], []
@@ -240,9 +240,10 @@ class LLM:
             return self.encode(prompt, question, chat, answer_prefix)
         if question is not None or answer_prefix:
             raise SemkvError("a question or answer prefix goes with a text prompt, not with token ids")
-        return self._token_ids(prompt, "prompt"), None
+        return self.token_ids(prompt, "prompt"), None
 
-    def _token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
+    def token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
+        """Token ids of a text (no special tokens added) or checked ids; SemkvError names `what` if they are bad."""
         if isinstance(tokens, str):
             tokens = self.tokenizer(tokens, add_special_tokens=False)["input_ids"]
         ids, vocab = list(tokens), self.config.vocab_size
@@ -269,9 +270,9 @@ class LLM:
         return out
 
     def sampling_params(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                        logprobs: int | None = None) -> SamplingParams:
-        """Checked sampling parameters (SemkvError names the first bad one)."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p)
+                        logprobs: int | None = None, spell: Callable[[str], str] = str) -> SamplingParams:
+        """Checked sampling parameters (SemkvError names the first bad one as `spell` writes it: `check_sampling`)."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p, spell)
         stops = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
@@ -328,11 +329,14 @@ class LLM:
     def output(self, seq: Sequence) -> GenerationOutput:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         if seq.finish_reason == "stop":
-            cut = min((text.find(s) for s in seq.params.stop if s in text), default=len(text))
-            text = text[:cut]
+            text = cut_at_stop(text, seq.params.stop)
         out = GenerationOutput(text, list(seq.output_ids), seq.finish_reason, seq.stats, list(seq.prompt_ids))
         if seq.params.logprobs is not None:
             out.logprobs = [t.logprob for t in seq.logprobs]
             out.top_logprobs = [t.top for t in seq.logprobs]
         return out
 
+
+def cut_at_stop(text: str, stops: Seq[str]) -> str:
+    """The text before the first stop string in it (all of it when none occurs)."""
+    return text[: min((text.find(s) for s in stops if s in text), default=len(text))]

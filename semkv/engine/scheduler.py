@@ -95,11 +95,6 @@ class Scheduler:
             for seq in [s for s in batch.running if s.finished]:
                 self._end(seq)
 
-    def close(self) -> None:
-        """Cancel every request left (a run that ends early, a server that stops)."""
-        for seq in list(self._method):
-            self.cancel(seq)
-
     def _stop_any(self, seq: Sequence) -> str:
         return self._stop[seq](seq)
 

@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from semkv.cli.args import parse_budget
-from semkv.engine.sequence import TokenLogprob, check_sampling
+from semkv.engine.sequence import TokenLogprob
 from semkv.errors import SemkvError
-from semkv.llm import LLM, GenerationOutput
+from semkv.llm import LLM, GenerationOutput, cut_at_stop
 from semkv.methods import get_method
 from semkv.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
 from semkv.serve.worker import Job, MethodChoice, Worker
@@ -111,10 +111,10 @@ def create_app(llm: LLM, worker: Worker, config: ServerConfig) -> FastAPI:
                 raise ApiError(400, "the prompt is empty; give some text", "prompt")
             ids, _ = llm.encode(prompt, chat=False)
         else:
-            vocab = llm.config.vocab_size
-            if not prompt or not all(0 <= t < vocab for t in prompt):
-                raise ApiError(400, f"the prompt must be non-empty text or token ids in [0, {vocab})", "prompt")
-            ids = list(prompt)
+            try:
+                ids = llm.token_ids(prompt, "prompt")
+            except SemkvError as exc:
+                raise ApiError(400, str(exc), "prompt") from None
         job = start(body, ids, body.max_tokens, body.logprobs)
         render = Completion(llm, config.model_name, body.logprobs is not None)
         return await answer(job, body, render, request)
@@ -154,11 +154,9 @@ def create_app(llm: LLM, worker: Worker, config: ServerConfig) -> FastAPI:
         except SemkvError as exc:
             raise ApiError(400, str(exc), "kv_params" if body.kv_params else "kv_method") from None
         try:
-            check_sampling(max_tokens, body.temperature, body.top_k, body.top_p,
-                           lambda n: OPENAI_NAMES.get(n, n))
             seed = body.seed if body.seed is not None else uuid.uuid4().int % 2**63
             sampling = llm.sampling_params(max_tokens, body.temperature, body.top_k, body.top_p, seed, body.stops(),
-                                           body.ignore_eos, logprobs)
+                                           body.ignore_eos, logprobs, lambda n: OPENAI_NAMES.get(n, n))
             llm.check_length("the prompt", len(ids), max_tokens, method=method,
                              hint="shorten it or ask for fewer max_tokens")
         except SemkvError as exc:
@@ -225,7 +223,7 @@ def create_app(llm: LLM, worker: Worker, config: ServerConfig) -> FastAPI:
                 if kind == "tokens":
                     ids += data
                     text = llm.tokenizer.decode(ids, skip_special_tokens=True)
-                    text = text[: min((text.find(s) for s in job.params.stop if s in text), default=len(text))]
+                    text = cut_at_stop(text, job.params.stop)
                     safe = len(text) - holdback
                     while safe > sent and text[safe - 1] == "\ufffd":  # a character still split across tokens
                         safe -= 1
