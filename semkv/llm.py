@@ -1,7 +1,11 @@
 """The user-facing API: `LLM(model).generate(prompts, method=..., budget=...)`."""
 from __future__ import annotations
 
+import functools
+import inspect as pyinspect
 import os
+import traceback
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Sequence as Seq
@@ -10,11 +14,15 @@ import torch
 
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.memory import MemoryUsage
+from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
 from semkv.engine.trace import Trace
 from semkv.errors import SemkvError
-from semkv.methods import KVMethod, get_method
-from semkv.models.loader import load_model, resolve_device, resolve_dtype
+from semkv.launch import Ranks, check_size, receive
+from semkv.methods import METHODS, KVMethod, get_method
+from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
+from semkv.models.parallel import TensorParallel, check_divisible
 
 
 @dataclass
@@ -29,6 +37,46 @@ class GenerationOutput:
     trace: Trace | None = None  # attended / resident positions, when `compare(trace_steps=...)` asked for them
 
 
+def on_every_rank(fn):
+    """An LLM call that, with tensor parallelism, rank 0 first sends to the other ranks (`Ranks.call`), which replay
+    it in step (their collectives must meet). They get no progress bars and no `inspect` callback. A generator is
+    run to its end on rank 0 too when its caller stops early, because the other ranks run it to its end."""
+    signature = pyinspect.signature(fn)
+
+    def send(self, args, kwargs) -> None:
+        if self.closed:
+            raise SemkvError("this LLM was closed (LLM.close() ended its other ranks); make a new one")
+        bound = signature.bind(self, *args, **kwargs)
+        for quiet in ("progress", "inspect"):
+            if quiet in bound.arguments:
+                bound.arguments[quiet] = None if quiet == "inspect" else False
+        self.ranks.call((fn.__name__, bound.args[1:], bound.kwargs))
+
+    if pyinspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def generator(self, *args, **kwargs):
+            if self.ranks is None:
+                yield from fn(self, *args, **kwargs)
+                return
+            send(self, args, kwargs)
+            items = fn(self, *args, **kwargs)
+            for item in items:
+                try:
+                    yield item
+                except GeneratorExit:
+                    for _ in items:
+                        pass
+                    raise
+        return generator
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        if self.ranks is not None:
+            send(self, args, kwargs)
+        return fn(self, *args, **kwargs)
+    return call
+
+
 class LLM:
     """A model loaded into semkv's paged engine.
 
@@ -38,24 +86,77 @@ class LLM:
     prefill step, so a long prompt never materialises a full score matrix. The KV pool holds `num_pages` pages, or
     on a GPU whatever fits in `gpu_memory_utilization` of the card (requests that do not fit wait: continuous
     batching); on the CPU it grows on demand. cuda_graphs: replay decode steps as CUDA graphs where the method
-    allows it.
+    allows it. tensor_parallel_size: shard the model over this many GPUs of the host (`models.parallel`; one
+    process per GPU, this one rank 0 and its sampler the one that decides), or over CPU processes (gloo) on the CPU;
+    `close()` ends them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
                  page_size: int = 16, prefill_chunk: int = 512, gpu_memory_utilization: float = 0.9,
-                 num_pages: int | None = None, cuda_graphs: bool = True):
+                 num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int")
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
             raise SemkvError(f"page_size={page_size!r} is out of range; allowed: 1..256")
         dev = resolve_device(device)
-        loaded = load_model(model, dev, resolve_dtype(dtype, dev))
+        check_size(tensor_parallel_size, dev)
+        settings = dict(model=model, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
+                        gpu_memory_utilization=gpu_memory_utilization, num_pages=num_pages, cuda_graphs=cuda_graphs)
+        self.ranks: Ranks | None = None
+        self.session: Session | None = None
+        self.closed = False
+        if tensor_parallel_size == 1:
+            self._load(dev, None, **settings)
+            return
+        check_divisible(model_config(model), tensor_parallel_size)  # before any process starts
+        self.ranks = Ranks(tensor_parallel_size, dev, _replay, (settings,))
+        self._closer = weakref.finalize(self, self.ranks.close)  # at the latest when the program ends
+        try:
+            self._load(self.ranks.device, self.ranks.tp, **settings)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, device: torch.device, tp: TensorParallel | None, model, dtype, page_size, prefill_chunk,
+              gpu_memory_utilization, num_pages, cuda_graphs) -> None:
+        loaded = load_model(model, device, resolve_dtype(dtype, device), tp)
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         self.source = loaded.source
-        self.engine = Engine(loaded.model, loaded.config, dev, next(loaded.model.parameters()).dtype,
+        self.engine = Engine(loaded.model, loaded.config, device, next(loaded.model.parameters()).dtype,
                              page_size=page_size, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                              num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.config.tp is None else self.config.tp.size
+
+    def close(self) -> None:
+        """End the other ranks of a tensor-parallel LLM (nothing to do otherwise); this LLM is unusable after."""
+        if self.ranks is not None:
+            self._closer()
+            self.closed = True
+
+    @on_every_rank
+    def calibrate(self, method: str, texts: list[str], max_tokens: int) -> dict[str, Any]:
+        """A method's offline calibration on this model (`KVMethod.calibrate`; `semkv calibrate` saves it)."""
+        if method not in METHODS:
+            raise SemkvError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+        return METHODS[method].calibrate(self, texts, max_tokens)
+
+    @on_every_rank
+    def memory(self) -> list[MemoryUsage]:
+        """`Engine.memory()` of every rank (one entry without tensor parallelism): pool pages in use, live requests
+        and the state methods hold, per process."""
+        usage = self.engine.memory()
+        return [usage] if self.config.tp is None else self.config.tp.gather_object(usage)
+
+    def new_session(self) -> "Session":
+        """The requests of a server, arriving over time (`Session`); one per LLM."""
+        if self.ranks is not None:
+            self.ranks.call(("new_session", (), {}))
+        self.session = Session(self)
+        return self.session
 
     @property
     def max_context(self) -> int:
@@ -96,6 +197,7 @@ class LLM:
         return enc["input_ids"], start
 
     # -- generation -----------------------------------------------------------------------------------------------
+    @on_every_rank
     @torch.inference_mode()
     def generate(
         self,
@@ -169,6 +271,7 @@ class LLM:
                                          progress, continuation, trace_steps, inspect, answer_prefix, trace_weights))
         return [outputs[i] for i in range(len(methods))]
 
+    @on_every_rank
     @torch.inference_mode()
     def compare_iter(self, prompt, methods, question=None, max_new_tokens=64, chat=True, stop=None,
                      allow_overlong=False, progress=False, continuation=None,
@@ -177,6 +280,9 @@ class LLM:
         """`compare`, yielding (index in `methods`, output) as each method finishes, so a caller can save results
         one by one."""
         methods = list(methods)
+        if trace_steps is not None and self.tensor_parallel_size > 1:
+            raise SemkvError("attention traces (trace_steps) need one process: a rank holds only its own heads; "
+                             "use tensor_parallel_size=1")
         ids, question_start = self._prompt_ids(prompt, question, chat, answer_prefix)
         if continuation is not None:
             continuation = self.token_ids(continuation, "continuation")
@@ -340,3 +446,72 @@ class LLM:
 def cut_at_stop(text: str, stops: Seq[str]) -> str:
     """The text before the first stop string in it (all of it when none occurs)."""
     return text[: min((text.find(s) for s in stops if s in text), default=len(text))]
+
+
+class Session:
+    """Requests that arrive over time, for a server: one `Scheduler(contain=True)`, requests of the same method key
+    sharing one bound copy of the method (so they decode in one batch). With tensor parallelism every rank keeps a
+    session and replays each call of rank 0's (`submit`, `advance`, `cancel`)."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.scheduler = Scheduler(llm.engine, contain=True)
+        self.requests: dict[int, tuple[Sequence, str]] = {}  # live requests by id, with their method keys
+        self.bound: dict[str, KVMethod] = {}  # method key -> the bound copy its live requests share
+
+    def _everywhere(self, name: str, *args) -> None:
+        if self.llm.ranks is not None:
+            self.llm.ranks.call(("session", name, args))
+
+    def submit(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod, key: str) -> Sequence:
+        """A new request (method: unbound; its key names its method, budget and parameters)."""
+        self._everywhere("submit", seq_id, ids, params, method, key)
+        bound = self.bound.get(key)
+        if bound is None:
+            bound = method.bound(self.llm.config, self.llm.tokenizer, self.llm.engine.pool.page_size)
+        seq = self.llm.request(seq_id, ids, params, bound)
+        self.bound[key] = bound
+        self.requests[seq_id] = seq, key
+        self.scheduler.submit(seq, bound, self.llm.stop_test(params))
+        return seq
+
+    def advance(self) -> None:
+        """`Scheduler.advance`; then forget ended requests and the methods no live request uses."""
+        self._everywhere("advance")
+        self.scheduler.advance()
+        self._sweep()
+
+    def cancel(self, seq_id: int) -> None:
+        self._everywhere("cancel", seq_id)
+        if seq_id in self.requests:
+            self.scheduler.cancel(self.requests[seq_id][0])
+        self._sweep()
+
+    def _sweep(self) -> None:
+        for seq_id in [i for i, (s, _) in self.requests.items() if s.finished]:
+            del self.requests[seq_id]
+        used = {key for _, key in self.requests.values()}
+        for key in [k for k in self.bound if k not in used]:
+            del self.bound[key]
+
+
+def _replay(tp: TensorParallel, device: torch.device, calls, settings: dict) -> None:
+    """A rank other than 0 of a tensor-parallel LLM: load its shard, then replay rank 0's calls until None. A call
+    that fails here fails on rank 0 too (the same checks on the same input), where the caller sees it."""
+    llm = LLM.__new__(LLM)
+    llm.ranks, llm.session, llm.closed = None, None, False
+    llm._load(device, tp, **settings)
+    while (what := receive(calls)) is not None:
+        try:
+            if what[0] == "session":
+                getattr(llm.session, what[1])(*what[2])
+                continue
+            name, args, kwargs = what
+            result = getattr(llm, name)(*args, **kwargs)
+            if pyinspect.isgenerator(result):
+                for _ in result:
+                    pass
+        except SemkvError:  # bad input: rank 0 raises the same error to its caller
+            pass
+        except Exception:  # noqa: BLE001 - shown, as rank 0 may not see it
+            traceback.print_exc()

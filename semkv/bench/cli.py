@@ -25,7 +25,7 @@ def parse_sizes(text: str, what: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--shape", default="llama3-8b",
-                     help="random-weight model shape: llama3-8b, qwen2-7b, qwen2.5-0.5b, smollm2-135m")
+                     help="random-weight model shape: llama3-8b, llama3-70b, qwen2-7b, qwen2.5-0.5b, smollm2-135m")
     src.add_argument("--model", default=None, help="a local model instead of a shape")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), bfloat16, float16, "
@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU the weights, KV pool and activations may take")
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N GPUs (one process each; the batch and memory columns are per GPU)")
     p.add_argument("--out", default="bench-results", help="output directory")
 
 
@@ -85,68 +87,44 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from semkv.bench import report
-    from semkv.bench.device import device_info
-    from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch
+    from semkv.launch import check_size, run_ranks
     from semkv.methods import METHODS
+    from semkv.models.loader import resolve_device
 
     methods = [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SemkvError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
-    batches, contexts = parse_batches(args.batches), parse_sizes(args.contexts, "contexts")
+    parse_batches(args.batches), parse_sizes(args.contexts, "contexts"), parse_budget(args.budget)
+    method_params(args.param)
     hf_points = parse_hf_points(args.hf)
-    budget, params = parse_budget(args.budget), method_params(args.param)
     if args.text_file and not args.model:
         raise SemkvError("--text-file needs --model: a random-weight shape has no real queries to measure")
-    engine, label, model_tokenizer = build_engine(args)
+    device = resolve_device(args.device)
+    check_size(args.tensor_parallel_size, device)
+    if args.tensor_parallel_size > 1:
+        from semkv.bench.shapes import hf_config_for
+        from semkv.models.config import ModelConfig
+        from semkv.models.loader import model_config
+        from semkv.models.parallel import check_divisible
 
-    def resolved(batch: int | str, context: int) -> int:
-        return largest_full_batch(engine, context, args.steps) if batch == "max" else batch
-
-    hf_points = [(resolved(b, c), c) for b, c in hf_points]
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer
-    text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
-    info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs,
-                                             contexts="random K/V" if text is None else
-                                             f"real prefill of {', '.join(args.text_file)} ({len(text.ids)} tokens)")
-    print(json.dumps(info))
-    results: dict = dict(info=info, decode=[], ttft=[], long_generation={}, hf=[])
-    cfg = engine.config
-    results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
-    for name in methods:
-        b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
-        for context in contexts:
-            for batch in (resolved(b, context) for b in batches):
-                try:
-                    row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
-                                       tokenizer=tokenizer, text=text)
-                except MemoryError as exc:
-                    print(f"{name} B={batch} ctx={context}: skipped ({exc})")
-                    continue
-                results["decode"].append(asdict(row))
-                print(report.decode_line(row))
-        if args.ttft:
-            for context in contexts:
-                ttft = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer, text=text)
-                results["ttft"].append(dict(method=name, context=context, ttft_s=ttft))
-        if args.long_gen:
-            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
-                                          tokenizer=tokenizer, text=text)
-            results["long_generation"][name] = curve
+        cfg = model_config(args.model) if args.model else ModelConfig.from_hf(hf_config_for(args.shape))
+        check_divisible(cfg, args.tensor_parallel_size)
+    results = run_ranks(args.tensor_parallel_size, device, measure, (args, methods))
     if hf_points:
         from semkv.bench.hf_baseline import hf_decode_tpot_ms
 
         shape = args.shape if args.model is None else None
         if shape is None:
             raise SemkvError("--hf needs --shape (HF is built from the shape's config)")
-        del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         for batch, context in hf_points:
+            if batch == "max":
+                batch = results["max_batch"][str(context)]
             try:
-                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(info["device"]),
-                                         torch.bfloat16 if "cuda" in info["device"] else torch.float32)
+                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(results["info"]["device"]),
+                                         torch.bfloat16 if "cuda" in results["info"]["device"] else torch.float32)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"HF eager B={batch} ctx={context}: out of GPU memory")
@@ -159,6 +137,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def measure(tp, device, args: argparse.Namespace, methods: list[str]) -> dict:
+    """The measurements of `run` on one rank (every rank of a tensor-parallel run does the same; rank 0 prints)."""
+    from semkv.bench import report
+    from semkv.bench.device import device_info
+    from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch
+
+    say = print if tp is None or tp.rank == 0 else (lambda *_: None)
+    batches, contexts = parse_batches(args.batches), parse_sizes(args.contexts, "contexts")
+    budget, params = parse_budget(args.budget), method_params(args.param)
+    engine, label, model_tokenizer = build_engine(args, device, tp)
+
+    def resolved(batch: int | str, context: int) -> int:
+        return largest_full_batch(engine, context, args.steps) if batch == "max" else batch
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer
+    text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
+    info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs,
+                                             contexts="random K/V" if text is None else
+                                             f"real prefill of {', '.join(args.text_file)} ({len(text.ids)} tokens)")
+    info["tensor_parallel_size"] = 1 if tp is None else tp.size
+    say(json.dumps(info))
+    results: dict = dict(info=info, decode=[], ttft=[], long_generation={}, hf=[],
+                         max_batch={str(c): resolved("max", c) for c in contexts} if engine.pool.max_pages else {})
+    cfg = engine.config
+    results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+    for name in methods:
+        b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
+        for context in contexts:
+            for batch in (resolved(b, context) for b in batches):
+                try:
+                    row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
+                                       tokenizer=tokenizer, text=text)
+                except MemoryError as exc:
+                    say(f"{name} B={batch} ctx={context}: skipped ({exc})")
+                    continue
+                results["decode"].append(asdict(row))
+                say(report.decode_line(row))
+        if args.ttft:
+            for context in contexts:
+                ttft = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer, text=text)
+                results["ttft"].append(dict(method=name, context=context, ttft_s=ttft))
+        if args.long_gen:
+            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
+                                          tokenizer=tokenizer, text=text)
+            results["long_generation"][name] = curve
+    return results
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -167,19 +194,18 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(args: argparse.Namespace, device, tp=None):
     from semkv.bench.shapes import random_model
     from semkv.engine.engine import Engine
-    from semkv.models.loader import load_model, resolve_device, resolve_dtype
+    from semkv.models.loader import load_model, resolve_dtype
 
-    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tokenizer = None
     if args.model:
-        loaded = load_model(args.model, device, dtype)
+        loaded = load_model(args.model, device, dtype, tp)
         model, config, label, tokenizer = loaded.model, loaded.config, loaded.source, loaded.tokenizer
     else:
-        model = random_model(args.shape, device, dtype)
+        model = random_model(args.shape, device, dtype, tp=tp)
         config, label = model.config, f"{args.shape} (random weights)"
     engine = Engine(model, config, device, dtype, page_size=args.page_size, cuda_graphs=not args.no_graphs,
                     gpu_memory_utilization=args.gpu_memory_utilization)

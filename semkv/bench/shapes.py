@@ -6,6 +6,7 @@ import torch
 from semkv.errors import SemkvError
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
+from semkv.models.parallel import TensorParallel, local_config
 
 SHAPES: dict[str, dict] = {
     # Llama-3.1-8B: 32 layers, 32 heads, 8 KV heads, Llama-3.1 RoPE scaling
@@ -14,6 +15,12 @@ SHAPES: dict[str, dict] = {
                       max_position_embeddings=131072, rope_theta=500000.0,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Llama-3.1-70B: 80 layers, 64 heads, 8 KV heads, hidden 8192 (tensor parallelism over 4 or 8 GPUs)
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=131072, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     # Qwen2-7B: 28 layers, 28 heads, 4 KV heads, q/k/v bias
     "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
@@ -41,10 +48,14 @@ def hf_config_for(shape: str):
 
 
 @torch.no_grad()
-def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
-    """A model of `shape` with random weights drawn on the device (std 0.02, norms at 1)."""
+def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 tp: TensorParallel | None = None) -> LlamaModel:
+    """A model of `shape` with random weights drawn on the device (std 0.02, norms at 1); with `tp`, one rank's
+    shard of that shape."""
     cfg = ModelConfig.from_hf(hf_config_for(shape))
     cfg.source = f"random:{shape}"
+    if tp is not None:
+        cfg = local_config(cfg, tp)
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device=device).to(dtype)

@@ -55,7 +55,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    lambda name: "--" + name.replace("_", "-"))
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, tensor_parallel_size=args.tensor_parallel_size)
     out = llm.generate(
         prompt,
         method=method,
@@ -121,8 +121,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
             raise SemkvError(f"text file {name!r} does not exist")
         texts.append(Path(name).read_text(encoding="utf-8", errors="replace"))
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    prefill_chunk=args.prefill_chunk)
-    data = METHODS[args.method].calibrate(llm, texts, args.max_tokens)
+                    prefill_chunk=args.prefill_chunk, tensor_parallel_size=args.tensor_parallel_size)
+    data = llm.calibrate(args.method, texts, args.max_tokens)
     path = calibration.save(args.method, llm.config.source, data)
     print(json.dumps(data, indent=2, default=str))
     print(f"saved to {path}", file=sys.stderr)

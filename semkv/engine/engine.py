@@ -42,6 +42,7 @@ class Engine:
         and DynSplit-KV's device rows); None: on CUDA whatever is free when a request is admitted, less the
         activation reserve; unbounded elsewhere."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.tp = config.tp  # tensor parallelism: every rank runs this engine in step with the others
         self.prefill_chunk, self.state_memory = prefill_chunk, state_memory
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         # one side stream for every graph capture: cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it
@@ -58,6 +59,8 @@ class Engine:
             free, total = torch.cuda.mem_get_info(device)
             page_bytes = 2 * page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
             num_pages = int((free - (1 - gpu_memory_utilization) * total - ACTIVATION_RESERVE) // page_bytes)
+            if self.tp is not None:  # every rank's pool the same size, so that all admit the same requests
+                num_pages = int(self.tp.host_min(num_pages))
             if num_pages < 2:
                 raise MemoryError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
         if num_pages is None:
@@ -289,8 +292,9 @@ class Engine:
         teacher-forces them through the decode steps (`LLM.score_continuation`)."""
         pick = pick or _sample
         try:
-            for seq, logits in zip(seqs, first_logits):
-                self.append_token(seq, pick(seq, logits), is_stop)
+            firsts = self.agree([pick(seq, logits) for seq, logits in zip(seqs, first_logits)])
+            for seq, token in zip(seqs, firsts):
+                self.append_token(seq, token, is_stop)
             running = [s for s in seqs if not s.finished]
             graphs = self.graph_runner(method, seqs)
             while running:
@@ -320,6 +324,8 @@ class Engine:
             logits, step = self.forward_step(running, method, inputs, plan)
         greedy = pick is _sample and all(s.params.temperature <= 0 for s in running)
         chosen = logits.argmax(-1) if greedy else None
+        if chosen is not None and self.tp is not None:
+            self.tp.broadcast(chosen)  # rank 0's sampler decides
         if greedy and method.graph_safe and type(method).begin_step is KVMethod.begin_step:
             # while the device runs this step, prepare the next one for the same batch (its tokens are this step's
             # greedy tokens, filled in on the device); a request that finishes now leaves a spare slot behind, and
@@ -333,7 +339,7 @@ class Engine:
             self.timer.stop(span)
         tokens = self.finish_step(running, step, chosen)  # greedy: one read for everything
         if tokens is None:
-            tokens = [pick(s, logits[b]) for b, s in enumerate(running)]
+            tokens = self.agree([pick(s, logits[b]) for b, s in enumerate(running)])
         span = self.timer.start("selection") if self.timer else None
         method.end_step(running, logits, tokens)
         if span:
@@ -344,6 +350,10 @@ class Engine:
             seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, resident)
             seq.stats.decode_s += elapsed
             self.append_token(seq, token, is_stop, logits[b])
+
+    def agree(self, tokens: list[int]) -> list[int]:
+        """Rank 0's tokens on every rank with tensor parallelism (its sampler decides), else the tokens."""
+        return tokens if self.tp is None else self.tp.broadcast_object(tokens)
 
     def finish(self, seq: Sequence) -> None:
         """A request ended: its mean attended tokens are final and everything it holds is released."""
@@ -366,6 +376,8 @@ class Engine:
                         "gpu_memory_utilization or shorten it)")
         state = method.admission_bytes(seq)
         room = self.state_room(method) if state else math.inf  # most admissions allocate nothing: no device query
+        if state and self.tp is not None:
+            room = self.tp.host_min(room)
         if state > room:
             return (f"request {seq.seq_id} needs {state / 2**30:.2f} GiB of {method.name} state beside the KV pool; "
                     f"{max(room, 0) / 2**30:.2f} GiB is free there (lower gpu_memory_utilization or shorten it)")

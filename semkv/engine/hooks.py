@@ -214,6 +214,13 @@ class KVMethod(BatchedHooks):
     kind: ClassVar[str] = "full"
     # Old parameter names still accepted by `get_method` (with a DeprecationWarning): old -> new.
     renamed: ClassVar[dict[str, str]] = {}
+    model: ClassVar[Any] = None  # the model's ModelConfig, set on the bound copy by `bind`
+
+    @property
+    def tp(self) -> Any:
+        """This rank's `models.parallel.TensorParallel` when the model is sharded over GPUs, else None (also before
+        `bind`): scores a layer's heads share are reduced over the ranks with it (`parallel.over_heads`)."""
+        return None if self.model is None else self.model.tp
 
     def __post_init__(self) -> None:
         validate_budget(self.budget)

@@ -78,7 +78,8 @@ class Scheduler:
             self.waiting.popleft()
             try:
                 first = self.engine.prefill(seq, method, progress)
-                self.engine.append_token(seq, sample(first, seq.params, seq.generator), self._stop[seq], first)
+                token = self.engine.agree([sample(first, seq.params, seq.generator)])[0]
+                self.engine.append_token(seq, token, self._stop[seq], first)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([seq], error)
                 continue

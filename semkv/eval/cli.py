@@ -92,7 +92,8 @@ def run_eval(args: argparse.Namespace) -> int:
     runner.run(preset.pop("tasks"), None if args.methods is None else parse_names(args.methods), **preset,
                query_aware=args.query_aware, model=args.model, device=args.device, dtype=args.dtype,
                page_size=args.page_size, prefill_chunk=args.prefill_chunk, data_dir=args.data_dir, out=args.out,
-               seed=args.seed, method_params=parse_method_params(args.param), trace_samples=args.trace_samples)
+               seed=args.seed, method_params=parse_method_params(args.param), trace_samples=args.trace_samples,
+               tensor_parallel_size=args.tensor_parallel_size)
     return 0
 
 
@@ -148,7 +149,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.needle and args.needle not in prompt:
         raise SemkvError(f"the needle {args.needle[:60]!r} is not in {args.prompt_file}")
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, tensor_parallel_size=args.tensor_parallel_size)
     result = inspect(llm, method, prompt, args.question, args.needle, args.answer, args.steps, args.chat, path.stem,
                      args.max_new_tokens)
     if not result["maps"]:

@@ -106,11 +106,12 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
         device: str = "auto", dtype: str = "auto", page_size: int = 16, prefill_chunk: int = 512,
         data_dir: str | None = None, out: str = "results", seed: int = 0,
         method_params: dict[str, dict[str, Any]] | None = None, ppl_tokens: int = 64, trace_samples: int = 1,
-        llm: Any = None, progress: bool = True) -> list[dict[str, Any]]:
+        llm: Any = None, progress: bool = True, tensor_parallel_size: int = 1) -> list[dict[str, Any]]:
     """Run the grid, skipping rows already in `out`; return every row of `out`. `methods` None means all of
     `semkv methods`; `llm` reuses a loaded `semkv.LLM` instead of loading `model`. Budgets: int tokens or float
     fractions; lengths: context tokens. `trace_samples`: the first N samples of each task and length also record what
-    each method attended at the first decode step (`semkv report --html`)."""
+    each method attended at the first decode step (`semkv report --html`; not with tensor parallelism, where a
+    process sees only its own heads)."""
     import semkv
 
     settings = dict(tasks=expand_tasks(tasks), methods=list(methods or METHODS), budgets=list(budgets), lengths=list(lengths),
@@ -128,7 +129,12 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     if previous:
         settings = _merge(previous["run"], settings)
     if llm is None:
-        llm = semkv.LLM(model, device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk)
+        llm = semkv.LLM(model, device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
+                        tensor_parallel_size=tensor_parallel_size)
+    if llm.tensor_parallel_size > 1 and trace_samples:
+        print("semkv eval: attention traces need one process; --trace-samples is 0 with tensor parallelism",
+              file=sys.stderr)
+        settings["trace_samples"] = trace_samples = 0
     for task in task_objs:
         if max(lengths) + task.max_new_tokens > llm.max_context:
             raise SemkvError(f"length {max(lengths)} + {task.max_new_tokens} new tokens of task {task.name!r} is "

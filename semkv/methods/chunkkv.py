@@ -41,17 +41,19 @@ from semkv.errors import check_range
 from semkv.methods.base import per_kv_head, window_attention
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
+from semkv.models.parallel import TensorParallel, over_heads
 
 
 def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
-                per_head: bool) -> torch.Tensor:
-    """Algorithm 1 from window attention probs [heads, w, n]: kept slots [kv_heads or 1, n_keep], ascending."""
+                per_head: bool, tp: TensorParallel | None = None) -> torch.Tensor:
+    """Algorithm 1 from window attention probs [heads, w, n]: kept slots [kv_heads or 1, n_keep], ascending. Chunks
+    shared by the heads are scored over every rank's heads (`tp`)."""
     n = probs.shape[-1]
     n_window = min(window, n_keep)
     prefix, fill = n - n_window, n_keep - n_window  # chunked part of the prompt, and its budget
     token_scores = per_kv_head(probs[..., :prefix].sum(1), kv_heads)  # [kv_heads, prefix]
     if not per_head:
-        token_scores = token_scores.mean(0, keepdim=True)  # [1, prefix]
+        token_scores = over_heads(tp, token_scores, 0, keepdim=True)  # [1, prefix]
     n_chunks = -(-prefix // chunk_size)
     padded = torch.nn.functional.pad(token_scores, (0, n_chunks * chunk_size - prefix))
     chunk_scores = padded.view(padded.shape[0], n_chunks, chunk_size).sum(-1)  # [S, n_chunks]
@@ -98,7 +100,8 @@ class ChunkKV(ScoredEviction):
         else:
             keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
             probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
-            keep = keep_chunks(probs, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head)
+            keep = keep_chunks(probs, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
+                               self.tp)
             seq.method_state[layer] = keep
         if keep.is_cuda:
             torch.cuda.synchronize(keep.device)  # scoring_s counts the GPU work, not only its launch

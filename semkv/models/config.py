@@ -36,6 +36,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: Any = None  # the transformers config, kept for RoPE scaling parameters
     source: str = ""  # the path the model was loaded from (keys per-model calibration files)
+    # this process's rank with tensor parallelism (`models.parallel.TensorParallel`): then the head, KV-head and MLP
+    # counts above are the rank's share (`parallel.local_config`)
+    tp: Any = None
 
     @property
     def group_size(self) -> int:

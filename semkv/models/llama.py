@@ -1,6 +1,7 @@
 """The Llama family as one compact decoder: RMSNorm, GQA attention (optional q/k/v bias and q/k norm), SwiGLU MLP.
 
-Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a HF state dict loads as is; `fuse()`
+With tensor parallelism (`parallel.py`) a rank holds its share of the heads and of the MLP, and the outputs of
+o_proj and down_proj are added over the ranks. Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a HF state dict loads as is; `fuse()`
 then concatenates q/k/v and gate/up into one projection each (fewer, larger matrix products per layer). Tokens of
 all sequences in a step are flattened to [tokens, hidden] (no padding); attention itself is delegated to the
 engine's `AttentionContext`, which applies RoPE, writes K/V into the paged cache and attends over the positions the
@@ -15,6 +16,7 @@ from torch import nn
 
 from semkv import kernels
 from semkv.models.config import ModelConfig
+from semkv.models.parallel import reduce
 
 
 class AttentionContext(Protocol):
@@ -52,7 +54,7 @@ def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, cfg.tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -75,12 +77,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         out = ctx.attend(self.layer, q, k, v)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(tokens, -1))
+        return reduce(self.tp, self.o_proj(out.reshape(tokens, -1)))  # every rank's heads added
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.tp = cfg.tp
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -90,7 +93,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        return reduce(self.tp, self.down_proj(kernels.silu_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):

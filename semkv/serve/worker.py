@@ -1,9 +1,10 @@
-"""The engine thread of `semkv serve`: one `LLM`, one `Scheduler` for the life of the server, requests in from the web
-handlers through a queue, tokens out to each request's asyncio queue.
+"""The engine thread of `semkv serve`: one `LLM`, one `Session` (its `Scheduler`) for the life of the server,
+requests in from the web handlers through a queue, tokens out to each request's asyncio queue.
 
 Requests that name the same method with the same budget and parameters share one bound method object, so they decode
 in one batch; different methods decode in their own batches, which take turns step by step (`Scheduler`). Every
-request is released when it ends: finished, stopped, failed, or cancelled because its client went away.
+request is released when it ends: finished, stopped, failed, or cancelled because its client went away. With tensor
+parallelism the session sends each of its calls to the other ranks, which replay it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from typing import Any, Callable
 
 import torch
 
-from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.llm import LLM
 from semkv.methods import KVMethod
@@ -71,10 +71,10 @@ class Job:
 class Worker:
     def __init__(self, llm: LLM, metrics: Metrics, idle_poll_s: float = 0.5):
         self.llm, self.metrics = llm, metrics
-        self.scheduler = Scheduler(llm.engine, contain=True)
+        self.session = llm.new_session()
+        self.scheduler = self.session.scheduler  # read for /metrics
         self.inbox: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
         self.jobs: dict[Sequence, Job] = {}
-        self.bound: dict[str, KVMethod] = {}  # method choice -> the bound copy its live requests share
         self.idle_poll_s = idle_poll_s
         self.next_id = 0
         self.stopping = False
@@ -111,7 +111,7 @@ class Worker:
                     for batch in self.scheduler.batches.values():
                         if batch.running:
                             self.metrics.batch.observe(len(batch.running))
-                    self.scheduler.advance()
+                    self.session.advance()
                     self._report()
 
     def _take(self, block: bool) -> None:
@@ -127,27 +127,23 @@ class Worker:
             elif kind == "submit":
                 self._start(job)
             elif job.seq is not None and job.seq in self.jobs:  # cancel
-                self.scheduler.cancel(job.seq)
+                self.session.cancel(job.seq.seq_id)
                 self._report()
 
     def _start(self, job: Job) -> None:
         try:
-            method = self.bound.get(job.choice.key)
-            if method is None:
-                method = job.method.bound(self.llm.config, self.llm.tokenizer, self.llm.engine.pool.page_size)
-            seq = self.llm.request(self.next_id, job.ids, job.params, method)
+            seq = self.session.submit(self.next_id, job.ids, job.params, job.method, job.choice.key)
         except Exception as error:  # noqa: BLE001 - the client gets it; the server goes on
             self.metrics.ended(job.choice.name, "error")
             job.put(("error", error))
             return
-        self.bound[job.choice.key] = method
-        self.next_id += 1
+        finally:
+            self.next_id += 1
         job.seq = seq
         self.jobs[seq] = job
-        self.scheduler.submit(seq, method, self.llm.stop_test(job.params))
 
     def _report(self) -> None:
-        """Send each request's new tokens and ends to its handler; forget ended requests and unused methods."""
+        """Send each request's new tokens and ends to its handler; forget ended requests."""
         failed = dict(self.scheduler.failed)
         self.scheduler.failed.clear()
         now, changed = time.perf_counter(), False
@@ -171,9 +167,6 @@ class Worker:
                 outcome = "cancelled" if seq.finish_reason == "cancelled" else "finished"
                 self.metrics.ended(job.choice.name, outcome, len(seq.prompt_ids), now - job.submitted)
                 job.put(("done", self.llm.output(seq)))
-        used = {job.choice.key for job in self.jobs.values()}
-        for key in [k for k in self.bound if k not in used]:
-            del self.bound[key]
         if changed or now - self.measured >= MEASURE_EVERY_S:  # memory() walks the methods' tensors: not every step
             self.measured = now
             self.metrics.update_engine(self.llm.engine.memory(), len(self.scheduler.running),

@@ -61,6 +61,7 @@ from semkv.methods.chess.cascade import cascade, cascade_ratios
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
 from semkv.methods.state.page_summaries import PageSummaries
 from semkv.models.config import ModelConfig
+from semkv.models.parallel import reduce
 from semkv.models.rotary import RotaryEmbedding
 
 PRESETS = {"conservative": (0.9, 0.9), "moderate": (0.8, 0.7), "aggressive": (0.5, 0.2)}
@@ -294,13 +295,14 @@ class Chess(KVMethod):
                   directions: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         """Dot products of the page vectors (Eq. 1) of pages [0, n_pages) with `directions` [b, r, layers, kv_heads,
         D]: the page sums of every layer are read in place through the page ids (`kernels.summary_dots`; the
-        vectors of all pages, layers flattened, are never built), then divided by the pages' counts: [b, r, n_pages]."""
+        vectors of all pages, layers flattened, are never built), then divided by the pages' counts: [b, r, n_pages].
+        With tensor parallelism the dot products add every rank's KV heads."""
         b, r = directions.shape[:2]
         pages = torch.arange(n_pages, device=directions.device).expand(b, -1)
         physical, filled, counts = self.page_sums(seqs, summarized, pages, n_pages, tables)
         dots = chess_kernels.summary_dots(self.summaries.data["sum"], physical, directions)  # [b, w, r]
         dots = dots.masked_fill((filled == 0)[..., None], 0.0)  # stale sums (even NaN) of unfilled KV pages
-        return dots.view(b, n_pages, -1, r).sum(2).transpose(1, 2) / counts.clamp(min=1)[:, None]
+        return reduce(self.tp, dots.view(b, n_pages, -1, r).sum(2).transpose(1, 2) / counts.clamp(min=1)[:, None])
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def selection_width(self, max_slots: int) -> int:
@@ -352,7 +354,7 @@ class Chess(KVMethod):
         if self.center:  # (v - mean) . (anchor - mean)
             mean = self.mean_vector(seqs, summarized, page.expand(len(seqs), -1), candidates, width, tables)
             dots = self.page_dots(seqs, summarized, width, torch.stack([anchor, mean], 1), tables)
-            scores = dots[:, 0] - dots[:, 1] + ((mean - anchor) * mean).sum((1, 2, 3))[:, None]
+            scores = dots[:, 0] - dots[:, 1] + reduce(self.tp, ((mean - anchor) * mean).sum((1, 2, 3)))[:, None]
         else:
             scores = self.page_dots(seqs, summarized, width, anchor[:, None], tables)[:, 0]  # Eq. 4
         share = k / candidates.sum(1).clamp(min=1)

@@ -188,7 +188,7 @@ class DynSplitKV(RowHolder, KVMethod):
         if state.dependency is None:
             is_delimiter = torch.tensor([t in self.candidates for t in seq.prompt_ids])
             state.dependency = AttentionDependency(is_delimiter, self.future_window, self.overlap,
-                                                   self.drop_penalty, self.document_tokens)
+                                                   self.drop_penalty, self.document_tokens, self.tp)
         n = min(start + q.shape[0], self.document_tokens)
         keys = seq.kv.gather(layer, torch.arange(n, device=q.device)[None])[0]  # [kv_heads, n, D]
         state.dependency.observe(q, keys, start)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from semkv.methods.base import window_attention
+from semkv.models.parallel import TensorParallel, over_heads
 
 DEFAULT_DELIMITERS = ".!?;:,'\"()[]{}\n"
 # The paper's Table 7 (Mistral-7B-Instruct-v0.2), by delimiter text. Newline and braces are not in the table; they
@@ -71,7 +72,8 @@ class AttentionDependency:
     """
 
     def __init__(self, is_delimiter: torch.Tensor, future_window: int, overlap: int, drop_penalty: float,
-                 limit: int):
+                 limit: int, tp: TensorParallel | None = None):
+        self.tp = tp  # the mean over query heads takes every rank's heads
         self.is_delimiter = is_delimiter  # [n] bool, by position
         self.future_window, self.overlap, self.drop_penalty = future_window, overlap, drop_penalty
         self.limit = min(limit, is_delimiter.shape[0])  # only queries at positions < limit are used
@@ -86,7 +88,7 @@ class AttentionDependency:
             qpos = torch.arange(lo, hi, device=q.device)
             key_pos = torch.arange(hi, device=q.device)[None].expand(keys.shape[0], -1)
             probs = window_attention(q[lo - start:hi - start], keys[:, :hi], key_pos, qpos)  # [heads, m, hi]
-            self.add_rows(probs.mean(0), qpos)
+            self.add_rows(over_heads(self.tp, probs, 0), qpos)
 
     def add_rows(self, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         """probs [m, n] attention rows (already averaged over heads) of queries at positions qpos [m]."""

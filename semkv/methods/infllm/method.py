@@ -60,6 +60,7 @@ from semkv.errors import SemkvError, check_range
 from semkv.kernels import reference
 from semkv.methods.infllm import kernels as infllm_kernels
 from semkv.methods.state.page_storage import PageStorage, slot_scores
+from semkv.models.parallel import over_heads
 
 
 @dataclass
@@ -307,8 +308,8 @@ class InfLLM(KVMethod):
             dots = kernels.paged_dot(q, self.block_keys.data, block_tables,
                                      torch.arange(candidates, device=device))  # [B, heads, N]
             block_scores = dots.view(n.shape[0], heads, -1, candidates).mean(2)  # [B, kv_heads, N]: q_mean . key
-            if not self.per_head:
-                block_scores = block_scores.sum(1, keepdim=True)  # [B, 1, N]
+            if not self.per_head:  # the layer's blocks: scored by every rank's heads
+                block_scores = over_heads(self.tp, block_scores, 1, "sum", keepdim=True)  # [B, 1, N]
             index = torch.arange(candidates, device=device)
             candidate = (index >= (init // bs)[:, None]) & (index < formed[:, None])  # [B, N]
             top = block_scores.masked_fill(~candidate[:, None], float("-inf")).topk(blocks, dim=-1).indices

@@ -53,6 +53,7 @@ from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers, head_vote
+from semkv.models.parallel import cosine
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
 
@@ -135,7 +136,7 @@ class TokenSelect(KVMethod):
         candidates = torch.arange(lo, hi, device=q.device)
         scores = kernels.paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
         kv_heads = kv.pool.num_kv_heads if self.scope == "kv_head" else None
-        return head_vote(scores, k, self.selection, kv_heads) + lo
+        return head_vote(scores, k, self.selection, kv_heads, self.tp) + lo
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
@@ -184,7 +185,7 @@ class TokenSelect(KVMethod):
         kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
         slots = tokenselect_kernels.token_select(q, batch.pool.k, batch.tables[:, layer], n, width,
                                      batch.step_plan.cache_row, self._cache, layer, sink, recent,
-                                     self.theta, self.selection, kv_heads)  # [B, S, budget]
+                                     self.theta, self.selection, kv_heads, self.tp)  # [B, S, budget]
         return Selection(slots, n.clamp(max=budget)[:, None].expand(-1, slots.shape[1]))
 
     def step_plan(self, batch: DecodeBatch) -> "CacheRows | None":
@@ -244,7 +245,7 @@ class TokenSelect(KVMethod):
         cache = seq.method_state[layer]
         extra = seq.stats.extra
         extra["selection_cache_lookups"] += 1
-        if cache is not None and torch.cosine_similarity(flat, cache[0], dim=0) >= self.theta:
+        if cache is not None and cosine(self.tp, flat, cache[0], dim=0) >= self.theta:  # every rank's heads
             extra["selection_cache_hits"] += 1
             top = cache[1]
         else:

@@ -4,18 +4,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from semkv.kernels.reference import paged_dot
+from semkv.models.parallel import TensorParallel, cosine, reduce
 
 
-def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None) -> torch.Tensor:
+def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None,
+              tp: TensorParallel | None = None) -> torch.Tensor:
     """TokenSelect's selection functions (Eqs. 5-7): scores [..., heads, n] (q_h . k of each candidate, -inf where
     not a candidate) -> indices of the k chosen candidates [..., S, k], ascending. "soft_vote": softmax per head,
     summed over the heads; "top_k": the logits summed; "hard_vote": each head's top-k counted, ties broken by the
-    soft vote. kv_heads None: one vote over all heads (S = 1); otherwise one per KV group (S = kv_heads)."""
+    soft vote. kv_heads None: one vote over all heads (S = 1), every rank's heads with tensor parallelism (`tp`);
+    otherwise one per KV group (S = kv_heads)."""
     def over_heads(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
-        return x.sum(-2, keepdim=True) if kv_heads is None else x.unflatten(-2, (kv_heads, -1)).sum(-2)
+        if kv_heads is None:
+            return reduce(tp, x.sum(-2, keepdim=True))
+        return x.unflatten(-2, (kv_heads, -1)).sum(-2)
 
     if selection == "top_k":
         total = over_heads(scores)
@@ -25,7 +29,7 @@ def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None
             total = soft
         else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
             hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
-            voters = scores.shape[-2] // soft.shape[-2]
+            voters = scores.shape[-2] // soft.shape[-2] * (tp.size if tp is not None and kv_heads is None else 1)
             total = over_heads(hits) + soft / (2 * voters)
     return total.topk(k, dim=-1).indices.sort(dim=-1).values
 
@@ -53,7 +57,8 @@ class SelectionCacheBuffers:
 
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, n_sink: int, n_recent: int,
-                 theta: float, selection: str, kv_heads: int | None) -> torch.Tensor:
+                 theta: float, selection: str, kv_heads: int | None,
+                 tp: TensorParallel | None = None) -> torch.Tensor:
     """One layer of TokenSelect's decode selection for a batch, Selection Cache included (Algorithm 1).
 
     q [B, heads, D] current queries; tables [B, max_pages]; num_slots [B] stored slots (current token included);
@@ -69,14 +74,14 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     flat = q.flatten(1).float()  # [B, heads * D]
     cached = cache.q[rows, layer]
     sparse = num_slots > budget  # [B]
-    similar = F.cosine_similarity(flat, cached, dim=-1) >= theta
+    similar = cosine(tp, flat, cached) >= theta  # over every rank's heads
     hit = sparse & (cache.valid[rows, layer] != 0) & similar
     refresh = sparse & ~hit
     slot = torch.arange(width, device=q.device)
     scores = paged_dot(q, k_pool, tables, slot)  # [B, heads, width]
     candidate = (slot >= n_sink) & (slot < (num_slots - n_recent)[:, None])  # [B, width]
     scores = scores.masked_fill(~candidate[:, None], float("-inf"))
-    top = torch.where(refresh[:, None, None], head_vote(scores, k, selection, kv_heads), cache.top[rows, layer])
+    top = torch.where(refresh[:, None, None], head_vote(scores, k, selection, kv_heads, tp), cache.top[rows, layer])
     cache.top[rows, layer] = top  # [B, S, k]
     cache.q[rows, layer] = torch.where(refresh[:, None], flat, cached)
     cache.valid[rows, layer] = sparse.to(torch.int8)
