@@ -21,7 +21,7 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -67,23 +67,25 @@ def needle_shares(kv, layer: int, selection, needle: torch.Tensor) -> list[float
 
 
 def track_needle(method, needle: torch.Tensor, log: list[float]):
-    """Record the needle shares of every decode step and layer of `method` into `log`: from the per-layer `select`,
-    or from the once-per-step `plan_selection` (CHESS), which then serves every layer and replaces `select`."""
-    inner_select, inner_plan = method.select, method.plan_selection
+    """`method` in a subclass that records the needle shares of every decode step and layer into `log`: from the
+    per-layer `select`, or from the once-per-step `plan_selection` (CHESS), which then serves every layer. A subclass,
+    because the engine runs a bound copy of the method (`KVMethod.bound`): attributes set on the object are not
+    copied, its class and fields are."""
 
-    def select(layer, batch, q):
-        selection = inner_select(layer, batch, q)
-        log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
-        return selection
-
-    def plan_selection(batch, plan):
-        selection = inner_plan(batch, plan)
-        for layer in range(batch.num_slots.shape[1]):
+    class Tracked(type(method)):
+        def select(self, layer, batch, q):
+            selection = super().select(layer, batch, q)
             log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
-        return selection
+            return selection
 
-    method.select, method.plan_selection = select, plan_selection
-    return method
+        def plan_selection(self, batch, plan):
+            selection = super().plan_selection(batch, plan)
+            for layer in range(batch.num_slots.shape[1]):
+                log.extend(needle_shares(batch.seqs[0].kv, layer, selection, needle))
+            return selection
+
+    Tracked.__name__ = type(method).__name__
+    return Tracked(**{f.name: getattr(method, f.name) for f in fields(method) if f.init})
 
 
 @dataclass
@@ -132,8 +134,7 @@ def run_passkey(llm, args) -> dict:
                 named[f"chess-{p}{v}"] = (Sweep(budget=budget, preset=p, grid=sweep, needle=needle, **kw)
                                           if p == "moderate" else Chess(budget=budget, preset=p, **kw))
         logs = {name: [] for name in named}
-        for name, m in named.items():
-            track_needle(m, needle, logs[name])
+        named = {name: track_needle(m, needle, logs[name]) for name, m in named.items()}
         new_tokens = 2 if args.sweep_only else args.new_tokens  # the sweep needs one decode step
         outs = llm.compare(prompt, list(named.values()), question=QUESTION, max_new_tokens=new_tokens)
         for (name, m), out in zip(named.items(), outs):

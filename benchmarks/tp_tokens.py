@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--new", type=int, default=24)
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (default: all)")
     p.add_argument("--out", default="tp_tokens.json")
     args = p.parse_args()
     runs: dict[int, dict[str, list]] = {}
@@ -44,7 +45,8 @@ def main() -> None:
     for size in [1] + [int(s) for s in args.sizes.split(",")]:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=size)
         started = time.perf_counter()
-        runs[size] = {f"{m}@{b}": tokens(llm, m, b, args.new) for m in METHODS for b in (args.budget, args.fraction)
+        runs[size] = {f"{m}@{b}": tokens(llm, m, b, args.new) for m in args.methods.split(",")
+                      for b in (args.budget, args.fraction)
                       if m != "full" or b == args.budget}
         seconds[size] = time.perf_counter() - started
         llm.close()

@@ -176,6 +176,23 @@ def test_command_line_generate_and_bench_with_two_ranks(pair, tiny_model_dir, tm
     assert results["info"]["tensor_parallel_size"] == 2
     assert [(r["method"], r["batch"], r["context"]) for r in results["decode"]] == [("full", 2, 256), ("chunkkv", 2, 256)]
     assert run.stdout.count("B=2 ") == 2  # rank 0 alone prints
+    # semkv eval: the same predictions and scores as one process (no selection diagnostics: they need traces)
+    from semkv.eval import runner
+
+    grid = ["--task", "passkey,perplexity", "--methods", "full,snapkv", "--budgets", "64", "--lengths", "512",
+            "--samples", "1", "--prefill-chunk", "48"]
+    run = subprocess.run(cli + ["eval", "--model", path, "--device", "cpu", "--tensor-parallel-size", "2",
+                                "--out", str(tmp_path / "ev2"), *grid], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    mine = runner.run(["passkey", "perplexity"], ["full", "snapkv"], [64], [512], 1, llm=one,
+                      out=str(tmp_path / "ev1"), progress=False, prefill_chunk=48)
+    theirs = runner.run(["passkey", "perplexity"], ["full", "snapkv"], [64], [512], 1, llm=one,
+                        out=str(tmp_path / "ev2"), progress=False, prefill_chunk=48)  # its finished rows
+    assert [(r["task"], r["method"], r.get("prediction")) for r in mine] == [
+        (r["task"], r["method"], r.get("prediction")) for r in theirs]
+    # the same up to the order in which the all-reduce adds float32 partial sums (perplexity of a random model ~1e5)
+    assert [r["score"] for r in theirs] == pytest.approx([r["score"] for r in mine], rel=1e-6)
+    assert all("diag" not in r for r in theirs) and any("diag" in r for r in mine)
     bad = subprocess.run(cli + ["generate", "--model", path, "--device", "cpu", "--prompt", "hi",
                                 "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "tensor_parallel_size=3 does not divide" in bad.stderr

@@ -110,8 +110,8 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     """Run the grid, skipping rows already in `out`; return every row of `out`. `methods` None means all of
     `semkv methods`; `llm` reuses a loaded `semkv.LLM` instead of loading `model`. Budgets: int tokens or float
     fractions; lengths: context tokens. `trace_samples`: the first N samples of each task and length also record what
-    each method attended at the first decode step (`semkv report --html`; not with tensor parallelism, where a
-    process sees only its own heads)."""
+    each method attended at the first decode step (`semkv report --html`). With tensor parallelism, where a process
+    sees only its own heads, there are neither traces nor selection diagnostics."""
     import semkv
 
     settings = dict(tasks=expand_tasks(tasks), methods=list(methods or METHODS), budgets=list(budgets), lengths=list(lengths),
@@ -131,9 +131,9 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     if llm is None:
         llm = semkv.LLM(model, device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
                         tensor_parallel_size=tensor_parallel_size)
-    if llm.tensor_parallel_size > 1 and trace_samples:
-        print("semkv eval: attention traces need one process; --trace-samples is 0 with tensor parallelism",
-              file=sys.stderr)
+    if llm.tensor_parallel_size > 1:
+        print("semkv eval: attention traces need one process (a rank holds only its own heads): with tensor "
+              "parallelism the rows have no selection diagnostics and --trace-samples is 0", file=sys.stderr)
         settings["trace_samples"] = trace_samples = 0
     for task in task_objs:
         if max(lengths) + task.max_new_tokens > llm.max_context:
@@ -175,7 +175,7 @@ def run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], tr
         prompt, question, chat, continuation = sample.context, sample.question, task.chat, None
     trace_file = store.trace_path(task.name, sample.sample_id)
     view = store.read_trace(trace_file) if traced and trace_file.is_file() else None
-    diagnosed = continuation is None
+    diagnosed = continuation is None and llm.tensor_parallel_size == 1  # traces need one process
     steps = range(min(DIAG_STEPS, task.max_new_tokens)) if diagnosed else [0] if traced else None
     # Full KV first: the diagnostics' reference, run even when its own row is done
     full_arm = next((a for a in arms if a.method == "full"), Arm("full", None, {}))
