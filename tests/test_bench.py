@@ -124,3 +124,19 @@ def test_text_contexts_need_a_local_model_and_readable_text(tiny_model_dir, tmp_
     binary.write_bytes(bytes([0xFF, 0xFE, 0x00, 0x80]) * 8)
     assert main(args + ["--model", str(tiny_model_dir("llama")), "--text-file", str(binary)]) == 2
     assert f"--text-file {str(binary)!r}: cannot read it as UTF-8 text" in capsys.readouterr().err
+
+
+def test_the_hf_reference_runs_with_its_default_sdpa_attention_and_eager(tmp_path):
+    """`--hf` times transformers' decode with the attention a user gets by default (sdpa), or eager when asked;
+    the report names which."""
+    from semkv.bench import report
+    from semkv.bench.hf_baseline import hf_decode_tpot_ms
+
+    rows = []
+    for attention in ("sdpa", "eager"):
+        tpot = hf_decode_tpot_ms("smollm2-135m", 1, 64, 2, torch.device("cpu"), torch.float32, attention)
+        assert tpot > 0
+        rows.append(dict(batch=1, context=64, tpot_ms=tpot, tokens_per_s=1e3 / tpot, attention=attention))
+    report.write(dict(info={}, decode=[], ttft=[], long_generation={}, hf=rows), tmp_path)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    assert [line.split(" | ")[0] for line in lines if line.startswith(("| sdpa", "| eager"))] == ["| sdpa", "| eager"]

@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
     p.add_argument("--long-gen", type=int, default=0, help="TPOT over this many generated tokens (largest context)")
     p.add_argument("--hf", default="",
-                   help="points 'BxCTX' (e.g. 1x4k,maxx32k) to time HF transformers' eager decode ('max' as in --batches)")
+                   help="points 'BxCTX' (e.g. 1x4k,maxx32k) to time HF transformers' decode ('max' as in --batches)")
+    p.add_argument("--hf-attention", default="sdpa", choices=("sdpa", "eager"),
+                   help="HF's attention for --hf: sdpa (transformers' default, what a user gets) or eager")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
     p.add_argument("--text-file", action="append", default=None, metavar="FILE",
@@ -124,13 +126,15 @@ def run(args: argparse.Namespace) -> int:
                 batch = results["max_batch"][str(context)]
             try:
                 tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(results["info"]["device"]),
-                                         torch.bfloat16 if "cuda" in results["info"]["device"] else torch.float32)
+                                         torch.bfloat16 if "cuda" in results["info"]["device"] else torch.float32,
+                                         args.hf_attention)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                print(f"HF eager B={batch} ctx={context}: out of GPU memory")
+                print(f"HF {args.hf_attention} B={batch} ctx={context}: out of GPU memory")
                 continue
-            results["hf"].append(dict(batch=batch, context=context, tpot_ms=tpot, tokens_per_s=1e3 * batch / tpot))
-            print(f"HF eager B={batch} ctx={context}: {tpot:.2f} ms/token")
+            results["hf"].append(dict(batch=batch, context=context, tpot_ms=tpot, tokens_per_s=1e3 * batch / tpot,
+                                      attention=args.hf_attention))
+            print(f"HF {args.hf_attention} B={batch} ctx={context}: {tpot:.2f} ms/token")
     out = Path(args.out)
     report.write(results, out)
     print(f"wrote {out}/results.json, results.md and plots")
