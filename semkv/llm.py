@@ -151,10 +151,9 @@ class LLM:
         usage = self.engine.memory()
         return [usage] if self.config.tp is None else self.config.tp.gather_object(usage)
 
+    @on_every_rank
     def new_session(self) -> "Session":
         """The requests of a server, arriving over time (`Session`); one per LLM."""
-        if self.ranks is not None:
-            self.ranks.call(("new_session", (), {}))
         self.session = Session(self)
         return self.session
 

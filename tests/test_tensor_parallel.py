@@ -83,7 +83,8 @@ def test_compare_and_continuous_batching_equal_one_process(pair):
 
 def test_bad_sizes_are_named(tiny_model_dir):
     path = tiny_model_dir("llama")
-    with pytest.raises(SemkvError, match=r"tensor_parallel_size=4 does not divide this model's 2 KV heads; allowed: 1, 2"):
+    allowed = r"tensor_parallel_size=4 does not divide this model's 2 KV heads; allowed: 1, 2"
+    with pytest.raises(SemkvError, match=allowed):
         semkv.LLM(path, device="cpu", tensor_parallel_size=4)
     with pytest.raises(SemkvError, match=r"tensor_parallel_size=0 must be an int >= 1"):
         semkv.LLM(path, device="cpu", tensor_parallel_size=0)
@@ -174,7 +175,8 @@ def test_command_line_generate_and_bench_with_two_ranks(pair, tiny_model_dir, tm
     assert run.returncode == 0, run.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["info"]["tensor_parallel_size"] == 2
-    assert [(r["method"], r["batch"], r["context"]) for r in results["decode"]] == [("full", 2, 256), ("chunkkv", 2, 256)]
+    rows = [(r["method"], r["batch"], r["context"]) for r in results["decode"]]
+    assert rows == [("full", 2, 256), ("chunkkv", 2, 256)]
     assert run.stdout.count("B=2 ") == 2  # rank 0 alone prints
     # semkv eval: the same predictions and scores as one process (no selection diagnostics: they need traces)
     from semkv.eval import runner

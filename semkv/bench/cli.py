@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from semkv.cli.args import parse_budget, parse_params
@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SemkvError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
-    parse_batches(args.batches), parse_sizes(args.contexts, "contexts"), parse_budget(args.budget)
-    method_params(args.param)
+    grid = Grid(methods, parse_batches(args.batches), parse_sizes(args.contexts, "contexts"),
+                parse_budget(args.budget), method_params(args.param))
     hf_points = parse_hf_points(args.hf)
     if args.text_file and not args.model:
         raise SemkvError("--text-file needs --model: a random-weight shape has no real queries to measure")
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = model_config(args.model) if args.model else ModelConfig.from_hf(hf_config_for(args.shape))
         check_divisible(cfg, args.tensor_parallel_size)
-    results = run_ranks(args.tensor_parallel_size, device, measure, (args, methods))
+    results = run_ranks(args.tensor_parallel_size, device, measure, (args, grid))
     if hf_points:
         from semkv.bench.hf_baseline import hf_decode_tpot_ms
 
@@ -125,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
             if batch == "max":
                 batch = results["max_batch"][str(context)]
             try:
-                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(results["info"]["device"]),
-                                         torch.bfloat16 if "cuda" in results["info"]["device"] else torch.float32,
-                                         args.hf_attention)
+                on = results["info"]["device"]
+                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(on),
+                                         torch.bfloat16 if "cuda" in on else torch.float32, args.hf_attention)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"HF {args.hf_attention} B={batch} ctx={context}: out of GPU memory")
@@ -141,15 +141,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(tp, device, args: argparse.Namespace, methods: list[str]) -> dict:
+@dataclass
+class Grid:
+    """What `run` measures, parsed from the command line once."""
+
+    methods: list[str]
+    batches: list[int | str]
+    contexts: list[int]
+    budget: int | float | None
+    params: dict[str, dict]
+
+
+def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     """The measurements of `run` on one rank (every rank of a tensor-parallel run does the same; rank 0 prints)."""
     from semkv.bench import report
     from semkv.bench.device import device_info
     from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch
 
     say = print if tp is None or tp.rank == 0 else (lambda *_: None)
-    batches, contexts = parse_batches(args.batches), parse_sizes(args.contexts, "contexts")
-    budget, params = parse_budget(args.budget), method_params(args.param)
+    methods, batches, contexts, budget, params = grid.methods, grid.batches, grid.contexts, grid.budget, grid.params
     engine, label, model_tokenizer = build_engine(args, device, tp)
 
     def resolved(batch: int | str, context: int) -> int:

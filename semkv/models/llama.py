@@ -1,11 +1,12 @@
 """The Llama family as one compact decoder: RMSNorm, GQA attention (optional q/k/v bias and q/k norm), SwiGLU MLP.
 
-With tensor parallelism (`parallel.py`) a rank holds its share of the heads and of the MLP, and the outputs of
-o_proj and down_proj are added over the ranks. Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a HF state dict loads as is; `fuse()`
+Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a HF state dict loads as is; `fuse()`
 then concatenates q/k/v and gate/up into one projection each (fewer, larger matrix products per layer). Tokens of
 all sequences in a step are flattened to [tokens, hidden] (no padding); attention itself is delegated to the
 engine's `AttentionContext`, which applies RoPE, writes K/V into the paged cache and attends over the positions the
-KV method selected. Norms and the SwiGLU product go through `semkv.kernels` (fused Triton kernels on CUDA).
+KV method selected. Norms and the SwiGLU product go through `semkv.kernels` (fused Triton kernels on CUDA). With
+tensor parallelism (`parallel.py`) a rank holds its share of the heads and of the MLP, and the outputs of o_proj and
+down_proj are added over the ranks.
 """
 from __future__ import annotations
 

@@ -18,9 +18,6 @@ import torch.distributed as dist
 
 from semkv.errors import SemkvError
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
 @dataclass(eq=False)
 class TensorParallel:
     """This process's place among the ranks: `group` carries tensors (NCCL on GPUs, gloo on the CPU), `host` Python
@@ -31,9 +28,9 @@ class TensorParallel:
     group: Any
     host: Any
 
-    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """x summed (or max / min) over the ranks, in place; returned for chaining."""
-        dist.all_reduce(x, op=_OPS[op], group=self.group)
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place; returned for chaining."""
+        dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,26 +57,18 @@ class TensorParallel:
         return float(t)
 
 
-def reduce(tp: TensorParallel | None, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """x reduced over the ranks (a partial sum of each rank's heads, summed). Without tensor parallelism, x itself."""
-    return x if tp is None else tp.all_reduce(x, op)
+def reduce(tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks (a partial sum of each rank's heads). Without tensor parallelism, x itself."""
+    return x if tp is None else tp.all_reduce(x)
 
 
 def over_heads(tp: TensorParallel | None, x: torch.Tensor, dim: int, op: str = "mean",
                keepdim: bool = False) -> torch.Tensor:
-    """x reduced over its dimension of heads (op: mean, sum, max, min), every rank's heads included: what a score
-    that a layer's heads share is made of. The ranks hold equal shares of the heads, so the mean is the mean of the
-    ranks' means."""
-    if op == "mean":
-        out = x.mean(dim, keepdim=keepdim)
-    elif op == "sum":
-        out = x.sum(dim, keepdim=keepdim)
-    else:
-        out = x.amax(dim, keepdim=keepdim) if op == "max" else x.amin(dim, keepdim=keepdim)
-    if tp is None:
-        return out
-    tp.all_reduce(out, "sum" if op == "mean" else op)
-    return out / tp.size if op == "mean" else out
+    """x reduced over its dimension of heads (op: mean or sum), every rank's heads included: what a score that a
+    layer's heads share is made of. The ranks hold equal shares of the heads, so the mean is the mean of the ranks'
+    means."""
+    out = reduce(tp, x.mean(dim, keepdim=keepdim) if op == "mean" else x.sum(dim, keepdim=keepdim))
+    return out / tp.size if op == "mean" and tp is not None else out
 
 
 def cosine(tp: TensorParallel | None, a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -108,7 +97,7 @@ def local_config(cfg, tp: TensorParallel):
                                intermediate_size=cfg.intermediate_size // tp.size, tp=tp)
 
 
-def shard_slice(name: str, shape: tuple[int, ...], local) -> tuple[int, int, int] | str | None:
+def shard_slice(name: str, local) -> tuple[int, int, int] | str | None:
     """How rank `local.tp.rank` takes the full checkpoint tensor `name` (HF names): (dim, start, stop) of its part,
     "rank0" for a bias added after the reduction (whole on rank 0, zero elsewhere), or None (replicated)."""
     r = local.tp.rank
@@ -130,7 +119,7 @@ def shard_slice(name: str, shape: tuple[int, ...], local) -> tuple[int, int, int
 
 def take_shard(name: str, tensor, local) -> torch.Tensor:
     """This rank's part of a checkpoint tensor; `tensor` is a torch tensor or a safetensors slice (read lazily)."""
-    how = shard_slice(name, tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape), local)
+    how = shard_slice(name, local)
     if how is None:
         return tensor[:]
     if how == "rank0":

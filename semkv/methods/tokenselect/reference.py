@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from semkv.kernels.reference import paged_dot
-from semkv.models.parallel import TensorParallel, cosine, reduce
+from semkv.models.parallel import TensorParallel, cosine, over_heads
 
 
 def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None,
@@ -16,21 +16,21 @@ def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None
     summed over the heads; "top_k": the logits summed; "hard_vote": each head's top-k counted, ties broken by the
     soft vote. kv_heads None: one vote over all heads (S = 1), every rank's heads with tensor parallelism (`tp`);
     otherwise one per KV group (S = kv_heads)."""
-    def over_heads(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
+    def per_set(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
         if kv_heads is None:
-            return reduce(tp, x.sum(-2, keepdim=True))
+            return over_heads(tp, x, -2, "sum", keepdim=True)
         return x.unflatten(-2, (kv_heads, -1)).sum(-2)
 
     if selection == "top_k":
-        total = over_heads(scores)
+        total = per_set(scores)
     else:
-        soft = over_heads(torch.softmax(scores, dim=-1))
+        soft = per_set(torch.softmax(scores, dim=-1))
         if selection == "soft_vote":
             total = soft
         else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
             hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
             voters = scores.shape[-2] // soft.shape[-2] * (tp.size if tp is not None and kv_heads is None else 1)
-            total = over_heads(hits) + soft / (2 * voters)
+            total = per_set(hits) + soft / (2 * voters)
     return total.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
