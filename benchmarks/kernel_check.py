@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import reference, triton_decode, triton_fused, triton_page_select, triton_prefill
+from semkv.kernels import (cudnn_prefill, reference, triton_decode, triton_fused, triton_page_select,
+                           triton_prefill)
 from semkv.methods.chess import reference as chess_reference, triton_summary_dot
 from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chunk_refresh, triton_chunk_slots,
                                     triton_slot_stamps)
@@ -79,22 +80,30 @@ def check_decode(gen, bandwidth: float) -> list[dict]:
 
 
 def check_prefill(gen) -> list[dict]:
+    """The paged Triton prefill kernel (with its log-sum-exps; a short chunk over a long context splits it) and the
+    cuDNN path of long chunks (`kernels.cudnn_prefill`), against the float32 reference."""
     from triton.testing import do_bench
 
     rows = []
-    for start, chunk in [(0, 512), (8192, 512), (32768, 2048)]:
+    for start, chunk in [(0, 512), (8192, 512), (32768, 2048), (0, 8192), (24576, 8192)]:
         k, v, tables = pool(start + chunk, 1, gen)
         table = tables[0]
         q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-        want = reference.prefill_attention(q.float(), k.float(), v.float(), table, start, None, D**-0.5)
-        got = triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5)
-        tri_ms = do_bench(lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5),
-                          return_mode="median")
-        ref_ms = do_bench(lambda: reference.prefill_attention(q, k, v, table, start, None, D**-0.5),
-                          return_mode="median")
+        want, want_lse = reference.prefill_attention(q.float(), k.float(), v.float(), table, start, None, D**-0.5,
+                                                     lse=True)
         flops = 4 * chunk * (start + chunk / 2) * D * H
-        rows.append(dict(kernel="prefill", start=start, chunk=chunk, err=rel_err(got, want), triton_ms=tri_ms,
-                         reference_ms=ref_ms, triton_tflops=flops / tri_ms / 1e9))
+        paths = [("triton", lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5, lse=True))]
+        if cudnn_prefill.usable(q, None):
+            paths.append(("cudnn", lambda: cudnn_prefill.prefill_attention(q, k, v, table, start, D**-0.5, lse=True)))
+        for path, fn in paths:
+            got, got_lse = fn()
+            ms = do_bench(fn, return_mode="median")
+            rows.append(dict(kernel="prefill", path=path, start=start, chunk=chunk,
+                             err=max(rel_err(got, want), rel_err(got_lse, want_lse)), triton_ms=ms,
+                             reference_ms=do_bench(lambda: reference.prefill_attention(q, k, v, table, start, None,
+                                                                                        D**-0.5),
+                                                   return_mode="median"),
+                             triton_tflops=flops / ms / 1e9))
     return rows
 
 
@@ -241,11 +250,12 @@ def check_prompt_sums(gen) -> list[dict]:
     context, chunk = 32768, 512
     k, _, tables = pool(context, 1, gen)
     q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-    args = (q, k, tables[0], context - chunk, D**-0.5)
+    _, lse = triton_prefill.prefill_attention(q, k, k, tables[0], context - chunk, None, D**-0.5, lse=True)
+    args = (q, k, tables[0], context - chunk, D**-0.5, lse)
     want = h2o_reference.prompt_attention_sums(q.float(), k.float(), *args[2:])
     got = triton_attention_scores.prompt_attention_sums(*args)
     triton_ms = do_bench(lambda: triton_attention_scores.prompt_attention_sums(*args))
-    flops = 2 * 2 * H * chunk * context * D  # q . k twice: the log-sum-exp pass and the column sums
+    flops = 2 * H * chunk * context * D  # q . k once: the log-sum-exps come from the prefill attention
     return [dict(kernel="prompt_attention_sums", context=context, chunk=chunk, err=rel_err(got, want),
                  triton_ms=triton_ms, reference_ms=do_bench(lambda: h2o_reference.prompt_attention_sums(*args)),
                  triton_tflops=flops / triton_ms / 1e9)]
@@ -398,6 +408,23 @@ def check_plan_slots(gen, batch: int = 32, kept: int = 11) -> list[dict]:
                  eager_ms=do_bench(graphed(plan_slots)))]
 
 
+def check_soft_vote(gen) -> list[dict]:
+    """TokenSelect's prefill vote (a 512-query chunk's mean query over 1M candidates, 28 heads): the Triton soft
+    vote against torch's softmax summed over the heads, and the top-2048 it leads to."""
+    from triton.testing import do_bench
+
+    from semkv.methods.tokenselect import triton_soft_vote
+
+    scores = torch.randn(28, 2**20, device="cuda", generator=gen) * 3
+    want = torch.softmax(scores, -1).sum(0, keepdim=True)
+    got = triton_soft_vote.soft_vote(scores)
+    same_top = torch.equal(got.topk(2048).indices.sort().values, want.topk(2048).indices.sort().values)
+    return [dict(kernel="soft_vote", err=rel_err(got, want), same_top=same_top,
+                 triton_ms=do_bench(lambda: triton_soft_vote.soft_vote(scores), return_mode="median"),
+                 reference_ms=do_bench(lambda: torch.softmax(scores, -1).sum(0, keepdim=True),
+                                       return_mode="median"))]
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -408,7 +435,7 @@ def main() -> int:
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
             + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
             + check_plan_slots(gen)
-            + check_token_select(gen, bandwidth))
+            + check_token_select(gen, bandwidth) + check_soft_vote(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -452,10 +479,14 @@ def main() -> int:
             print(f"| H2O prompt_attention_sums (one layer) | {r['chunk']} queries x {r['context']} keys | "
                   f"{r['err']:.1e} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | "
                   f"{r['triton_tflops']:.0f} TFLOP/s |")
+        elif r["kernel"] == "soft_vote":
+            print(f"| TokenSelect soft_vote (prefill) | 28 heads x 1M candidates | {r['err']:.1e} (top-2048 "
+                  f"{'equal' if r['same_top'] else 'DIFFERS'}) | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | - |")
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:
-            print(f"| prefill | start={r['start']} chunk={r['chunk']} | {r['err']:.1e} | {r['triton_ms']:.3f} | "
+            print(f"| prefill ({r.get('path', 'triton')}) | start={r['start']} chunk={r['chunk']} | {r['err']:.1e} | "
+                  f"{r['triton_ms']:.3f} | "
                   f"{r['reference_ms']:.3f} | {r['triton_tflops']:.0f} TFLOP/s |")
     print("ALL KERNELS MATCH" if not bad else f"MISMATCH in {len(bad)} rows")
     return 0 if not bad else 1

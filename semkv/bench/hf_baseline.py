@@ -41,3 +41,30 @@ def hf_decode_tpot_ms(shape: str, batch: int, context: int, steps: int, device: 
         torch.cuda.empty_cache()
     times = sorted(times[3:])
     return 1e3 * times[len(times) // 2]
+
+
+@torch.inference_mode()
+def hf_prefill_s(shape: str, context: int, device: torch.device, dtype: torch.dtype, repeats: int = 2,
+                 attn_implementation: str = "sdpa") -> list[float]:
+    """Seconds `transformers` takes to prefill one prompt of `context` tokens and give its first token's logits (as
+    `generate` does: the cache filled, logits of the last position only), `repeats` times in one process: the
+    first run pays what a process pays once."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = hf_config_for(shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+    ids = torch.randint(1, config.vocab_size - 1, (1, context), device=device)
+    times = []
+    for _ in range(repeats):
+        cache = DynamicCache(config=config)
+        sync(device)
+        started = time.perf_counter()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        sync(device)
+        times.append(time.perf_counter() - started)
+        del cache
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times

@@ -311,23 +311,35 @@ def step_breakdown(engine: Engine, method: KVMethod, seqs: list[Sequence]) -> di
     return dict(step=step, **totals, rest=step - sum(totals.values()))
 
 
+def prefill_flops(config, context: int) -> float:
+    """Floating-point operations of a prefill of `context` tokens: every token through the linear layers, causal
+    attention (q . k and p . v over each query's earlier tokens), the LM head at the last token."""
+    heads, kv_heads, dim, hidden = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+    linear = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * config.intermediate_size
+    attention = 4 * heads * dim * context * (context + 1) / 2
+    return config.num_layers * (2 * context * linear + attention) + 2 * hidden * config.vocab_size
+
+
 @torch.inference_mode()
 def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | None = None, tokenizer=None,
-               text: TextContexts | None = None) -> float:
-    """Seconds from prompt to first token (a real prefill) for one request."""
+               text: TextContexts | None = None, repeats: int = 2) -> list[float]:
+    """Seconds from prompt to first token (a real prefill) for one request, `repeats` requests one after the other:
+    the first pays what the method's first request pays in a process (the engine's own warm-up is done at load)."""
     method = get_method(name, budget, **(params or {}))
     method.bind(engine.config, tokenizer, engine.pool.page_size)
     ids = (text.window(0, 1, context) if text is not None
            else [1 + t % (engine.config.vocab_size - 2) for t in range(context)])
-    seq = Sequence(0, ids, SamplingParams(max_new_tokens=1), SeqKV(engine.pool))
-    seq.method_state = method.new_state(seq)
-    sync(engine.device)
-    started = time.perf_counter()
-    engine.prefill(seq, method)
-    sync(engine.device)
-    elapsed = time.perf_counter() - started
-    engine.end([seq], method)
-    return elapsed
+    times = []
+    for _ in range(repeats):
+        seq = Sequence(0, ids, SamplingParams(max_new_tokens=1), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
+        sync(engine.device)
+        started = time.perf_counter()
+        engine.prefill(seq, method)
+        sync(engine.device)
+        times.append(time.perf_counter() - started)
+        engine.end([seq], method)
+    return times
 
 
 @torch.inference_mode()

@@ -13,18 +13,26 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from semkv import kernels
 from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
-from semkv.engine.sequence import Sequence
+from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
 
+# prefill chunk by "on CUDA": long chunks keep the GEMMs and the attention at full speed (Llama-3.1-8B shape on an
+# H100, 32k Full-KV prefill: 2.12 s at 512, 1.24 s at 8192, 1.21 s at 16384; benchmarks/results/
+# 2026-11-26-h100-prefill.md); their activations (about 2.4 GB at 16384 for that shape) come out of the memory
+# `gpu_memory_utilization` leaves beside the pool. On the CPU the reference attention's mask grows with the chunk.
+DEFAULT_CHUNK = {True: 16384, False: 512}
+WARM_UP_MAX_LEN = 131072  # the longest context `warm_up` prepares the prefill for
+WARM_UP_PROMPT = 300  # tokens of its short prefill: long enough for the kernels' prefill-sized variants
 ACTIVATION_RESERVE = 2 * 2**30  # device bytes kept free for activations and captured graphs beside the KV pool
 
 
@@ -34,16 +42,20 @@ def _sample(seq: Sequence, logits: torch.Tensor) -> int:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 page_size: int = 16, prefill_chunk: int = 512, cuda_graphs: bool = True,
-                 num_pages: int | None = None, gpu_memory_utilization: float = 0.9, state_memory: int | None = None):
+                 page_size: int = 16, prefill_chunk: int | None = None, cuda_graphs: bool = True,
+                 num_pages: int | None = None, gpu_memory_utilization: float = 0.9, state_memory: int | None = None,
+                 warm_up: bool = True):
         """num_pages: size of the KV pool, fixed; None sizes it from free GPU memory (keeping
         `1 - gpu_memory_utilization` of the card and `ACTIVATION_RESERVE` for activations free) on CUDA, and lets
         it grow on demand on the CPU. state_memory: bytes a method's state beside the pool may take (SentenceKV's
         and DynSplit-KV's device rows); None: on CUDA whatever is free when a request is admitted, less the
-        activation reserve; unbounded elsewhere."""
+        activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per prefill chunk; None: 16384 on CUDA,
+        512 on the CPU (`DEFAULT_CHUNK`). warm_up: on CUDA, compile the kernels and build the
+        prefill attention's plans now (`warm_up`), so that the first request runs at the speed of the next."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.tp = config.tp  # tensor parallelism: every rank runs this engine in step with the others
-        self.prefill_chunk, self.state_memory = prefill_chunk, state_memory
+        self.prefill_chunk = prefill_chunk or DEFAULT_CHUNK[device.type == "cuda"]
+        self.state_memory = state_memory
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         # one side stream for every graph capture: cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it
         # ever ran on, so a new stream per capture would grow memory with every generation
@@ -69,6 +81,27 @@ class Engine:
             self.pool = KVPool(*shape, num_pages=num_pages, max_pages=num_pages)
         self._rank_cos_sin = (torch.empty(0), torch.empty(0))
         self._live: dict[Sequence, KVMethod] = {}  # admitted requests, not yet released, and their methods
+        if warm_up and device.type == "cuda":
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """What a process pays once, paid at load: a short Full-KV prefill and decode step compile the Triton
+        kernels (Triton also keeps them on disk for later processes), and the prefill attention's plans for full
+        chunks are built up to the longest context the model and the pool take (at most `WARM_UP_MAX_LEN`)."""
+        method = KVMethod()  # the interface's defaults are Full KV
+        method.bind(self.config, None, self.pool.page_size)
+        seq = Sequence(-1, [0] * WARM_UP_PROMPT, SamplingParams(max_new_tokens=2), SeqKV(self.pool))
+        try:
+            self.prefill(seq, method)
+            self.append_token(seq, 0, lambda _: None)
+            self.decode_step([seq], method)
+        finally:
+            self.end([seq], method)
+        capacity = self.pool.max_pages * self.pool.page_size if self.pool.max_pages else WARM_UP_MAX_LEN
+        longest = min(self.config.max_position_embeddings, capacity, WARM_UP_MAX_LEN)
+        kernels.warm_up_prefill(self.pool.k, self.pool.v, self.config.num_heads, self.scale, self.prefill_chunk,
+                                longest)
 
     def rank_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ranks 0..n-1, for methods whose attention rotates keys by rank (cached)."""
@@ -90,8 +123,9 @@ class Engine:
         split = seq.question_start if method.uses_question_split() and seq.question_start else n
         phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
         window = max(method.window_size(), record_window)
+        chunk = min(method.prefill_chunk() or self.prefill_chunk, self.prefill_chunk)
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases
-                 for a, b in plan_chunks(lo, hi, self.prefill_chunk, window if evict else 0)]
+                 for a, b in plan_chunks(lo, hi, chunk, window if evict else 0)]
         ids = torch.tensor(seq.prompt_ids, device=self.device)
         bar = tqdm(total=n, desc="prefill", unit="tok", disable=not progress, leave=False)
         logits = None

@@ -4,9 +4,10 @@ A method is a dataclass of its parameters; the engine binds a private copy of it
 hooks at fixed points, never looking inside. Core hooks (`KVMethod`), which a simple method implements:
 
 Prefill (one sequence, chunk by chunk, layer by layer):
-    observe_prefill(layer, seq, q, start)  -> watch a chunk (e.g. accumulate attention statistics)
     prefill_context(layer, seq, q, start)  -> slots of earlier tokens this chunk attends to (None: all)
                                               [sparse prefill]
+    observe_prefill(layer, seq, q, start, lse) -> watch a chunk after its attention (e.g. accumulate attention
+                                              statistics from its log-sum-exps: `prefill_lse`)
     evict_prefill(layer, seq, q_window)    -> slots to keep [kv_heads or 1, n_keep] (None: keep all)   [eviction]
         called once per layer right after the last prompt chunk's attention; `q_window` are the queries of the last
         `window_size()` prompt tokens. The engine compacts the kept slots and frees the pages behind them.
@@ -212,6 +213,8 @@ class KVMethod(BatchedHooks):
     #   "full": no budget; "prefill_eviction": the prompt is compressed to the budget, generated tokens are appended;
     #   "decode_eviction": resident tokens never exceed the budget; "selection": every step attends to <= budget.
     kind: ClassVar[str] = "full"
+    # True when `observe_prefill` wants the log-sum-exps of the chunk's attention
+    prefill_lse: ClassVar[bool] = False
     # Old parameter names still accepted by `get_method` (with a DeprecationWarning): old -> new.
     renamed: ClassVar[dict[str, str]] = {}
     model: ClassVar[Any] = None  # the model's ModelConfig, set on the bound copy by `bind`
@@ -261,6 +264,11 @@ class KVMethod(BatchedHooks):
         the query's). False (the default): keys are stored after RoPE with their absolute positions."""
         return False
 
+    def prefill_chunk(self) -> int | None:
+        """The longest prefill chunk the method allows, where its prefill depends on the chunks (TokenSelect selects
+        the context of each chunk); the engine's chunk when shorter. None: no limit."""
+        return None
+
     def uses_question_split(self) -> bool:
         """True when prefill-time compression must run before the question is read (query-agnostic mode)."""
         return False
@@ -274,8 +282,12 @@ class KVMethod(BatchedHooks):
     def prefill_context(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> torch.Tensor | None:
         return None
 
-    def observe_prefill(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> None:
-        """See each prefill chunk: q [C, heads, D] (after RoPE) of tokens stored at slots [start, start + C)."""
+    def observe_prefill(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int,
+                        lse: torch.Tensor | None) -> None:
+        """See each prefill chunk after its attention: q [C, heads, D] (after RoPE) of tokens stored at slots
+        [start, start + C); lse [C, heads] float32, the log-sum-exp of each query's logits `scale * q . k` over the
+        keys it attended to, when the method sets `prefill_lse` (else None): the attention kernel's by-product, so
+        that attention probabilities cost no second softmax pass."""
         return None
 
     def evict_prefill(self, layer: int, seq: "Sequence", q_window: torch.Tensor) -> torch.Tensor | None:

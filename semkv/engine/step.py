@@ -52,17 +52,20 @@ class PrefillStep:
         else:
             q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, self.positions, *pool.flat())
         kv.num_slots[layer] = start + chunk
-        self.method.observe_prefill(layer, self.seq, q, start)
         context = self.method.prefill_context(layer, self.seq, q, start)
+        lse = self.method.prefill_lse
         key_rope = None
         if by_rank:  # ranks: the context slots first, then the chunk
             n_ctx = start if context is None else context.shape[1]
             key_rope = self.engine.rank_rope(n_ctx + chunk)
             q = self.engine.rotary.rotate(q, key_rope[0][n_ctx:], key_rope[1][n_ctx:])
             out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
-                                              key_rope)
+                                              key_rope, lse=lse)
         else:
-            out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale)
+            out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
+                                            lse=lse)
+        out, lse = out if lse else (out, None)
+        self.method.observe_prefill(layer, self.seq, q, start, lse)
         if self.record_window:
             self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
         if self.evict:

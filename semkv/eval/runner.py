@@ -103,7 +103,7 @@ def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
 
 def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | float] = (128, 512),
         lengths: Seq[int] = (2048,), samples: int = 4, *, query_aware: bool | None = None, model: str | None = None,
-        device: str = "auto", dtype: str = "auto", page_size: int = 16, prefill_chunk: int = 512,
+        device: str = "auto", dtype: str = "auto", page_size: int = 16, prefill_chunk: int | None = None,
         data_dir: str | None = None, out: str = "results", seed: int = 0,
         method_params: dict[str, dict[str, Any]] | None = None, ppl_tokens: int = 64, trace_samples: int = 1,
         llm: Any = None, progress: bool = True, tensor_parallel_size: int = 1) -> list[dict[str, Any]]:

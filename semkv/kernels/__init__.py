@@ -28,13 +28,24 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, max_len: 
     return reference.decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale)
 
 
-def prefill_attention(q, k_pool, v_pool, table, start, context, scale):
+def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False):
     """See `reference.prefill_attention`."""
     if use_triton(q.device):
-        from semkv.kernels import triton_prefill
+        from semkv.kernels import cudnn_prefill, triton_prefill
 
-        return triton_prefill.prefill_attention(q, k_pool, v_pool, table, start, context, scale)
-    return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale)
+        if cudnn_prefill.usable(q, context):
+            return cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, scale, lse=lse)
+        return triton_prefill.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
+    return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
+
+
+def warm_up_prefill(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) -> None:
+    """Prepare the full-prefill attention of chunks of `chunk` tokens up to max_len tokens (cuDNN's plans, where that
+    path serves them; `cudnn_prefill.warm_up`)."""
+    if use_triton(k_pool.device):
+        from semkv.kernels import cudnn_prefill
+
+        cudnn_prefill.warm_up(k_pool, v_pool, heads, scale, chunk, max_len)
 
 
 def rms_norm(x, weight, eps, residual=None):

@@ -200,12 +200,15 @@ def prefill_attention(
     context: torch.Tensor | None,
     scale: float,
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    lse: bool = False,
+    query_block: int = 256,
+):
     """A chunk of C query tokens stored at slots [start, start + C) of one sequence and layer.
 
     q [C, heads, D]; table [max_pages]; context: logical slots [S, n] (S in {1, kv_heads}) of earlier tokens the chunk
     attends to, or None for all slots < start. The chunk attends to itself causally. key_rope: cos/sin [>= n, D] by
-    rank in the attended list (context, then the chunk). Returns [C, heads, D].
+    rank in the attended list (context, then the chunk). Returns out [C, heads, D]; with lse=True also the log-sum-exp
+    of each query's visible logits `scale * q . k` [C, heads] float32 (taken `query_block` queries at a time).
     """
     chunk, n_heads, dim = q.shape
     kv_heads = k_pool.shape[2]
@@ -227,8 +230,17 @@ def prefill_attention(
     mask = (key_idx < n_ctx) | (key_idx - n_ctx <= query_idx)  # [C, n]: context visible, chunk causal
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != n_heads
-    )  # [1, heads, C, D]
-    return out[0].transpose(0, 1)
+    )[0].transpose(0, 1)  # [C, heads, D]
+    if not lse:
+        return out
+    grouped = q.view(chunk, k.shape[1], -1, dim).float()  # [C, S', group, D]
+    keys = k[0].float()  # [S', n, D]
+    sums = []
+    for a in range(0, chunk, query_block):
+        logits = torch.einsum("ckgd,knd->ckgn", grouped[a : a + query_block], keys) * scale
+        visible = mask[a : a + query_block, None, None, :]
+        sums.append(torch.logsumexp(logits.masked_fill(~visible, float("-inf")), -1).flatten(1))
+    return out, torch.cat(sums)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -55,49 +55,52 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _rope_store(Q, K, V, COS, SIN, ROWS, POS, QO, KF, VF, PF,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_rt, stride_rh,
-                stride_ot, stride_oh, stride_fr, stride_fh, stride_pr, stride_pos,
-                HEADS: tl.constexpr, HALF: tl.constexpr):
-    t = tl.program_id(0)
+                stride_ot, stride_oh, stride_fr, stride_fh, stride_pr, stride_pos, tokens,
+                HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tokens
     h = tl.program_id(1)
-    d = tl.arange(0, HALF)
-    c = tl.load(COS + t * stride_ct + d).to(tl.float32)
-    s = tl.load(SIN + t * stride_ct + d).to(tl.float32)
+    live = t < tokens
+    t2, m2 = t[:, None], live[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    c = tl.load(COS + t2 * stride_ct + d, mask=m2, other=0.0).to(tl.float32)  # [BLOCK_T, HALF]
+    s = tl.load(SIN + t2 * stride_ct + d, mask=m2, other=0.0).to(tl.float32)
     if h < HEADS:  # a query head: rotate into the output
-        x1 = tl.load(Q + t * stride_qt + h * stride_qh + d).to(tl.float32)
-        x2 = tl.load(Q + t * stride_qt + h * stride_qh + HALF + d).to(tl.float32)
-        base = QO + t * stride_ot + h * stride_oh
-        tl.store(base + d, (x1 * c - x2 * s).to(QO.dtype.element_ty))
-        tl.store(base + HALF + d, (x2 * c + x1 * s).to(QO.dtype.element_ty))
+        x1 = tl.load(Q + t2 * stride_qt + h * stride_qh + d, mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(Q + t2 * stride_qt + h * stride_qh + HALF + d, mask=m2, other=0.0).to(tl.float32)
+        base = QO + t2 * stride_ot + h * stride_oh
+        tl.store(base + d, (x1 * c - x2 * s).to(QO.dtype.element_ty), mask=m2)
+        tl.store(base + HALF + d, (x2 * c + x1 * s).to(QO.dtype.element_ty), mask=m2)
     else:  # a KV head: rotate the key, store key, value and position at the head's row of the pool
         kh = h - HEADS
-        row = tl.load(ROWS + t * stride_rt + kh * stride_rh).to(tl.int64)
-        x1 = tl.load(K + t * stride_kt + kh * stride_kh + d).to(tl.float32)
-        x2 = tl.load(K + t * stride_kt + kh * stride_kh + HALF + d).to(tl.float32)
-        kbase = KF + row * stride_fr + kh * stride_fh
-        tl.store(kbase + d, (x1 * c - x2 * s).to(KF.dtype.element_ty))
-        tl.store(kbase + HALF + d, (x2 * c + x1 * s).to(KF.dtype.element_ty))
-        vbase = VF + row * stride_fr + kh * stride_fh
-        tl.store(vbase + d, tl.load(V + t * stride_vt + kh * stride_vh + d))
-        tl.store(vbase + HALF + d, tl.load(V + t * stride_vt + kh * stride_vh + HALF + d))
-        tl.store(PF + row * stride_pr + kh, tl.load(POS + t * stride_pos).to(tl.int32))
+        row = tl.load(ROWS + t * stride_rt + kh * stride_rh, mask=live, other=0).to(tl.int64)
+        x1 = tl.load(K + t2 * stride_kt + kh * stride_kh + d, mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(K + t2 * stride_kt + kh * stride_kh + HALF + d, mask=m2, other=0.0).to(tl.float32)
+        kbase = KF + row[:, None] * stride_fr + kh * stride_fh
+        tl.store(kbase + d, (x1 * c - x2 * s).to(KF.dtype.element_ty), mask=m2)
+        tl.store(kbase + HALF + d, (x2 * c + x1 * s).to(KF.dtype.element_ty), mask=m2)
+        vbase = VF + row[:, None] * stride_fr + kh * stride_fh
+        tl.store(vbase + d, tl.load(V + t2 * stride_vt + kh * stride_vh + d, mask=m2), mask=m2)
+        tl.store(vbase + HALF + d, tl.load(V + t2 * stride_vt + kh * stride_vh + HALF + d, mask=m2), mask=m2)
+        tl.store(PF + row * stride_pr + kh, tl.load(POS + t * stride_pos, mask=live).to(tl.int32), mask=live)
 
 
 def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
     """Rotate q [T, heads, D] and k [T, kv_heads, D] by cos/sin [T, D] (RoPE tables: both halves equal, as
     `RotaryEmbedding.cos_sin` makes them); store k, v and positions [T] (any stride: a decode step passes a column
     of its packed inputs) at the pool rows [T, kv_heads] of kf/vf [rows, kv_heads, D] and pf [rows, kv_heads].
-    Returns the rotated q."""
+    Returns the rotated q. A program takes 16 tokens of one head (one token in a decode step's small batch)."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty_like(q)
-    _rope_store[(tokens, heads + kv_heads)](
+    block = 16 if tokens >= 256 else 1
+    _rope_store[(triton.cdiv(tokens, block), heads + kv_heads)](
         q, k, v, cos, sin, rows, positions, out, kf, vf, pf,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), rows.stride(0),
         rows.stride(1),
-        out.stride(0), out.stride(1), kf.stride(0), kf.stride(1), pf.stride(0), positions.stride(0),
-        HEADS=heads, HALF=dim // 2,
+        out.stride(0), out.stride(1), kf.stride(0), kf.stride(1), pf.stride(0), positions.stride(0), tokens,
+        HEADS=heads, HALF=dim // 2, BLOCK_T=block,
     )
     return out

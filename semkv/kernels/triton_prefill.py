@@ -1,24 +1,63 @@
 """Triton prefill attention over the paged cache: a chunk of queries attends to a context (every earlier slot, or an
 index list for sparse prefill) plus itself causally, reading K/V through the page table (FlashAttention-style online
-softmax, no gathered copy). Same contract as `reference.prefill_attention`.
+softmax in base 2, no gathered copy). Same contract as `reference.prefill_attention`.
+
+- The context and the chunk's own keys are two loops: the context and the chunk's key blocks below a query block's
+  diagonal need no mask; only the diagonal blocks are masked.
+- Query blocks are launched longest first (the causal part grows with the block index).
+- When the chunk's query blocks are too few to fill the device (a short chunk over a long context, the TokenSelect
+  paper's Figure-7 shape), the context is split over programs (`splits`) that each keep their own softmax
+  statistics; the partial outputs are merged by their log-sum-exps.
+- The log-sum-exp of each query's logits comes out as well, for methods that score the prompt from it (H2O).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for head_dim <= 128 on Hopper (the best at a 512-query chunk over 1M
+# keys and within 1% of the best at 8k chunks on an H100: benchmarks/prefill_sweep.py), and a smaller tile for wider
+# heads and other GPUs' shared memory
+TILE = (128, 64, 4, 3)
+TILE_SPARSE = (64, 64, 4, 3)  # an index list (TokenSelect's 2688 slots): the tile before TILE, twice as fast there
+TILE_WIDE = (64, 64, 4, 2)
+
 
 @triton.jit
+def _block(q, K, V, Table, slot, valid, kvh, stride_kr, stride_kh, d, m, l, acc, visible, scale_log2,
+           PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """One block of keys at logical slots `slot` [BLOCK_N] folded into the running max m, sum l and output acc."""
+    page = tl.load(Table + slot // PAGE, mask=valid, other=0)
+    row = page.to(tl.int64) * PAGE + slot % PAGE
+    k = tl.load(K + row[:, None] * stride_kr + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(V + row[:, None] * stride_kr + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l, acc
+
+
+@triton.jit(do_not_specialize=["start", "chunk", "n_ctx", "split_len"])
 def _prefill(
-    Q, K, V, Table, Context, O,
-    stride_qm, stride_qh, stride_kr, stride_kh, stride_cs, stride_om, stride_oh,
-    start, chunk, n_ctx, scale,
+    Q, K, V, Table, Context, O, LSE,
+    stride_qm, stride_qh, stride_kr, stride_kh, stride_cs, stride_os, stride_om, stride_oh, stride_ls, stride_lm,
+    start, chunk, n_ctx, split_len, scale_log2,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, PER_HEAD: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, PER_HEAD: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal part first
     h = tl.program_id(1)
+    part = tl.program_id(2)
     kvh = h // GROUP
     sel = kvh if PER_HEAD else 0
     rows_q = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index inside the chunk
@@ -29,50 +68,92 @@ def _prefill(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # virtual key index j: [0, n_ctx) context, then [n_ctx, n_ctx + chunk) the chunk itself (causal)
-    end = n_ctx + tl.minimum(chunk, (mb + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    # the context: this program's part of [0, n_ctx)
+    lo = part * split_len
+    hi = tl.minimum(n_ctx, lo + split_len)
+    for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
-        in_ctx = j < n_ctx
+        valid = j < hi
         if HAS_CONTEXT:
-            ctx_slot = tl.load(Context + sel * stride_cs + j, mask=in_ctx, other=0)
+            slot = tl.load(Context + sel * stride_cs + j, mask=valid, other=0)
         else:
-            ctx_slot = j
-        slot = tl.where(in_ctx, ctx_slot, start + j - n_ctx)
-        valid = j < end
-        page = tl.load(Table + slot // PAGE, mask=valid, other=0)
-        row = page.to(tl.int64) * PAGE + slot % PAGE
-        k = tl.load(K + row[:, None] * stride_kr + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
-        visible = valid[None, :] & (in_ctx[None, :] | ((j - n_ctx)[None, :] <= rows_q[:, None]))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + row[:, None] * stride_kr + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m = m_new
+            slot = j
+        m, l, acc = _block(q, K, V, Table, slot, valid, kvh, stride_kr, stride_kh, d, m, l, acc, valid[None, :],
+                           scale_log2, PAGE, True)
+    # the chunk itself, causal, in the last part: blocks below the diagonal whole, then the diagonal masked
+    if part == tl.num_programs(2) - 1:
+        diagonal = mb * BLOCK_M
+        for n0 in range(0, diagonal, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            valid = j < diagonal  # all true: the blocks below the diagonal
+            m, l, acc = _block(q, K, V, Table, start + j, valid, kvh, stride_kr, stride_kh, d, m, l, acc,
+                               valid[None, :], scale_log2, PAGE, False)
+        for n0 in range(diagonal, tl.minimum(chunk, diagonal + BLOCK_M), BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            valid = j < chunk
+            visible = valid[None, :] & (j[None, :] <= rows_q[:, None])
+            m, l, acc = _block(q, K, V, Table, start + j, valid, kvh, stride_kr, stride_kh, d, m, l, acc, visible,
+                               scale_log2, PAGE, True)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(O + rows_q[:, None] * stride_om + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-             mask=q_mask[:, None])
+    tl.store(O + part * stride_os + rows_q[:, None] * stride_om + h * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=q_mask[:, None])
+    if WRITE_LSE:  # log2 units; -inf where a part saw no key
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(LSE + part * stride_ls + rows_q * stride_lm + h, lse, mask=q_mask)
 
 
-def prefill_attention(q, k_pool, v_pool, table, start, context, scale, block_m=64, block_n=64):
-    """q [C, heads, D]; table [max_pages]; context [S, n] logical slots or None (all slots < start)."""
+def tile_for(dim: int, device: torch.device, sparse: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the tuned tiles on Hopper-class shared memory, else a small one."""
+    if dim <= 128 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return TILE_SPARSE if sparse else TILE
+    return TILE_WIDE
+
+
+def num_splits(programs: int, n_ctx: int, sms: int, block_n: int) -> int:
+    """Parts the context is split into when the query blocks leave SMs idle: as many as keep the programs within two
+    per SM (one wave: a partial second wave costs more than it gains), each part at least 64 key blocks long (a
+    short context, such as a sparse prefill's, gains less than merging the parts costs)."""
+    if programs >= sms:
+        return 1
+    return max(1, min(2 * sms // programs, n_ctx // (64 * block_n)))
+
+
+def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False, tile=None, splits=None):
+    """q [C, heads, D]; table [max_pages]; context [S, n] logical slots or None (all slots < start). Returns
+    out [C, heads, D], and with lse=True also the natural-log log-sum-exp of each query's logits [C, heads] float32.
+    tile / splits: override `tile_for` / `num_splits` (tests and benchmarks)."""
     chunk, n_heads, dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     kf, vf = k_pool.view(-1, kv_heads, dim), v_pool.view(-1, kv_heads, dim)
-    out = torch.empty_like(q)
+    block_m, block_n, warps, stages = tile or tile_for(dim, q.device, context is not None)
     n_ctx = start if context is None else context.shape[1]
+    m_blocks = triton.cdiv(chunk, block_m)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
+        splits = num_splits(m_blocks * n_heads, n_ctx, sms, block_n)
+    split_len = triton.cdiv(triton.cdiv(max(n_ctx, 1), splits), block_n) * block_n
+    splits = max(1, triton.cdiv(n_ctx, split_len))
+    if splits == 1:
+        out = torch.empty_like(q)
+        lse_out = torch.empty(chunk, n_heads, device=q.device, dtype=torch.float32) if lse else out
+    else:  # per-part outputs and log-sum-exps, merged below
+        out = torch.empty(splits, chunk, n_heads, dim, device=q.device, dtype=torch.float32)
+        lse_out = torch.empty(splits, chunk, n_heads, device=q.device, dtype=torch.float32)
     ctx_arg = context if context is not None else table
-    _prefill[(triton.cdiv(chunk, block_m), n_heads)](
-        q, kf, vf, table, ctx_arg, out,
+    _prefill[(m_blocks, n_heads, splits)](
+        q, kf, vf, table, ctx_arg, out, lse_out,
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), ctx_arg.stride(0) if context is not None else 0,
-        out.stride(0), out.stride(1),
-        start, chunk, n_ctx, scale,
+        out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2),
+        lse_out.stride(0) if splits > 1 else 0, lse_out.stride(-2),
+        start, chunk, n_ctx, split_len, scale * LOG2E,
         GROUP=n_heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         HAS_CONTEXT=context is not None, PER_HEAD=context is not None and context.shape[0] > 1,
+        WRITE_LSE=lse or splits > 1, num_warps=warps, num_stages=stages,
     )
-    return out
+    if splits > 1:
+        natural = lse_out * math.log(2)  # [splits, C, heads]
+        weights = torch.softmax(natural, dim=0)  # each part's share of the softmax mass
+        natural = torch.logsumexp(natural, dim=0)
+        out = (weights[..., None] * out).sum(0).to(q.dtype)
+        return (out, natural) if lse else out
+    return (out, lse_out * math.log(2)) if lse else out

@@ -181,7 +181,8 @@ class DynSplitKV(RowHolder, KVMethod):
         return self.document_tokens > 0  # otherwise the prefill is plain Full KV and can be shared
 
     # -- prefill --------------------------------------------------------------------------------------------------
-    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
+    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int,
+                        lse: torch.Tensor | None) -> None:
         if start >= self.document_tokens:
             return
         state = seq.method_state

@@ -14,10 +14,10 @@ def accumulate_attention(logits, counts, pages, positions, pos_pool, scores):
     return reference.accumulate_attention(logits, counts, pages, positions, pos_pool, scores)
 
 
-def prompt_attention_sums(q, k_pool, table, start, scale):
+def prompt_attention_sums(q, k_pool, table, start, scale, lse):
     """See `reference.prompt_attention_sums`."""
     if use_triton(q.device):
         from semkv.methods.h2o import triton_attention_scores
 
-        return triton_attention_scores.prompt_attention_sums(q, k_pool, table, start, scale)
-    return reference.prompt_attention_sums(q, k_pool, table, start, scale)
+        return triton_attention_scores.prompt_attention_sums(q, k_pool, table, start, scale, lse)
+    return reference.prompt_attention_sums(q, k_pool, table, start, scale, lse)

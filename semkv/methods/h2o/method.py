@@ -8,7 +8,8 @@ lowest accumulated score outside the recent window.
 
 Readings of the paper (each a choice a careful reimplementation makes):
 - Prefill: the attention each prompt key receives from all prompt queries is accumulated chunk by chunk (never the
-  full L x L matrix; on the GPU two Triton passes over the paged keys, `kernels.prompt_attention_sums`); at the end
+  full L x L matrix; on the GPU one Triton pass over the paged keys, `kernels.prompt_attention_sums`, normalised by
+  the log-sum-exps the prefill attention kernel already computed); at the end
   of prefill each KV head keeps its `budget - n_recent` top-scored tokens plus the last `n_recent` prompt tokens (the
   reference code's prompt-time selection).
 - Decode: the victim is chosen in `begin_step`, before the new token's query is seen, so the cache never exceeds the
@@ -63,6 +64,7 @@ class H2O(KVMethod):
     summary = "H2O: heavy hitters by accumulated attention + recent window; evicts the lightest token while decoding"
     kind = "decode_eviction"
     graph_safe = True
+    prefill_lse = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,10 +90,12 @@ class H2O(KVMethod):
         return pool.num_layers * pool.num_kv_heads * len(seq.prompt_ids) * 4 + self.scores.growth_bytes(pool)
 
     # -- prefill ----------------------------------------------------------------------------------------------------
-    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
-        """Add the attention the chunk's queries give every stored key (causal; `kernels.prompt_attention_sums`)."""
+    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int,
+                        lse: torch.Tensor | None) -> None:
+        """Add the attention the chunk's queries give every stored key (causal; `kernels.prompt_attention_sums`,
+        normalised by the log-sum-exps the prefill attention computed)."""
         kv = seq.kv
-        received = h2o_kernels.prompt_attention_sums(q, kv.pool.k, kv.table[layer], start, q.shape[-1] ** -0.5)
+        received = h2o_kernels.prompt_attention_sums(q, kv.pool.k, kv.table[layer], start, q.shape[-1] ** -0.5, lse)
         seq.method_state.prefill_scores[layer][:, : received.shape[1]] += received
 
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:

@@ -27,14 +27,15 @@ def accumulate_attention(logits: torch.Tensor, counts: torch.Tensor, pages: torc
 
 
 def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, start: int, scale: float,
-                          query_block: int = 256) -> torch.Tensor:
+                          lse: torch.Tensor, query_block: int = 256) -> torch.Tensor:
     """The attention each key of one sequence and layer receives from a prefill chunk (H2O's prompt scores).
 
     q [C, heads, D]: the chunk's queries, stored at slots [start, start + C), slot = position; table [max_pages];
-    k_pool [pages, page_size, kv_heads, D] holds the keys of slots [0, start + C). Each query's causal softmax over
-    those keys (logits `scale * q . k`, float32) is summed over the chunk's queries and each KV group's query heads:
-    float32 [kv_heads, start + C]. Queries are taken `query_block` at a time, so at most [heads, query_block,
-    start + C] logits exist at once."""
+    k_pool [pages, page_size, kv_heads, D] holds the keys of slots [0, start + C); lse [C, heads]: each query's
+    log-sum-exp over its causal keys (the prefill attention's, `kernels.prefill_attention(lse=True)`). Each query's
+    probabilities `exp(scale * q . k - lse)` (float32) are summed over the chunk's queries and each KV group's query
+    heads: float32 [kv_heads, start + C]. Queries are taken `query_block` at a time, so at most
+    [heads, query_block, start + C] logits exist at once."""
     chunk, n_heads, dim = q.shape
     kv_heads = k_pool.shape[2]
     end = start + chunk
@@ -42,9 +43,11 @@ def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Te
     rows = physical_rows(table[None], slots[None], k_pool.shape[1])[0]
     keys = k_pool.view(-1, kv_heads, dim)[rows].float()  # [end, kv_heads, D]
     grouped = q.view(chunk, kv_heads, n_heads // kv_heads, dim).float()
+    norms = lse.view(chunk, kv_heads, -1).permute(1, 2, 0)  # [KH, group, C]
     sums = torch.zeros(kv_heads, end, dtype=torch.float32, device=q.device)
     for a in range(0, chunk, query_block):
         logits = torch.einsum("wkgd,nkd->kgwn", grouped[a : a + query_block], keys) * scale  # [KH, group, w, end]
         future = slots[None, :] > start + torch.arange(a, a + logits.shape[2], device=q.device)[:, None]  # [w, end]
-        sums += torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((1, 2))
+        probs = torch.exp(logits - norms[:, :, a : a + query_block, None]).masked_fill(future, 0.0)
+        sums += probs.sum((1, 2))
     return sums

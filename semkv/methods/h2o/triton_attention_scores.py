@@ -5,11 +5,11 @@
   at zero the slot that holds the current token. Replaces a float64 softmax and about a dozen small gather /
   element-wise kernels per layer; reads and writes only the `counts[b]` resident slots of each row, so the result does
   not depend on how wide the logits are padded. Torch reference: `reference.accumulate_attention`.
-- `prompt_attention_sums` (prefill): the attention every key receives from a chunk of prompt queries, in two passes
-  that read the keys through the page table and never hold the [heads, C, L] probabilities: `_prompt_lse` takes each
-  query's log-sum-exp over its causal keys (FlashAttention's running max and sum), then `_prompt_column_sums` gives
-  each program a block of keys of one KV head, recomputes the logits of every query of the group that sees them and
-  sums `exp(logit - lse)`. Torch reference: `reference.prompt_attention_sums`.
+- `prompt_attention_sums` (prefill): the attention every key receives from a chunk of prompt queries, in one pass
+  that reads the keys through the page table and never holds the [heads, C, L] probabilities: each query's
+  log-sum-exp comes from the prefill attention kernel (`kernels.prefill_attention(lse=True)`), and
+  `_prompt_column_sums` gives each program a block of keys of one KV head, recomputes the logits of every query of the
+  group that sees them and sums `exp(logit - lse)`. Torch reference: `reference.prompt_attention_sums`.
 """
 from __future__ import annotations
 
@@ -83,35 +83,9 @@ def _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE: tl.c
 
 
 @triton.jit
-def _prompt_lse(Q, K, TABLE, LSE, stride_qm, stride_qh, stride_kr, stride_kh, start, chunk, scale,
-                GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PAGE: tl.constexpr):
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # queries of the chunk, at positions start + rows
-    d = tl.arange(0, D)
-    q = tl.load(Q + rows[:, None] * stride_qm + head * stride_qh + d[None, :], mask=(rows < chunk)[:, None],
-                other=0.0)
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    end = start + tl.minimum(chunk, (block + 1) * BLOCK_M)  # keys this block's queries can see
-    for n0 in range(0, end, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        valid = j < end
-        k = _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(valid[None, :] & (j[None, :] <= start + rows[:, None]), s, float("-inf"))
-        new_top = tl.maximum(top, tl.max(s, 1))  # finite: key 0 is visible to every query
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top[:, None]), 1)
-        top = new_top
-    tl.store(LSE + head * chunk + rows, top + tl.log(total), mask=rows < chunk)
-
-
-@triton.jit
-def _prompt_column_sums(Q, K, TABLE, LSE, OUT, stride_qm, stride_qh, stride_kr, stride_kh, start, chunk, scale,
-                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PAGE: tl.constexpr):
+def _prompt_column_sums(Q, K, TABLE, LSE, OUT, stride_qm, stride_qh, stride_kr, stride_kh, stride_lm, start, chunk,
+                        scale_log2, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     n_keys = start + chunk
@@ -128,25 +102,24 @@ def _prompt_column_sums(Q, K, TABLE, LSE, OUT, stride_qm, stride_qh, stride_kr, 
             in_chunk = rows < chunk
             q = tl.load(Q + rows[:, None] * stride_qm + head * stride_qh + d[None, :], mask=in_chunk[:, None],
                         other=0.0)
-            lse = tl.load(LSE + head * chunk + rows, mask=in_chunk, other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+            lse = tl.load(LSE + rows * stride_lm + head, mask=in_chunk, other=0.0) * 1.4426950408889634
+            s = tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]  # [BLOCK_M, BLOCK_N], log2 units
             seen = in_chunk[:, None] & valid[None, :] & (j[None, :] <= start + rows[:, None])
-            received += tl.sum(tl.where(seen, tl.exp(s - lse[:, None]), 0.0), 0)
+            received += tl.sum(tl.where(seen, tl.exp2(s), 0.0), 0)
     tl.store(OUT + kv_head * n_keys + j, received, mask=valid)
 
 
 def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, start: int, scale: float,
-                          block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                          lse: torch.Tensor, block_m: int = 64, block_n: int = 128, num_warps: int = 8
+                          ) -> torch.Tensor:
     """See `reference.prompt_attention_sums` (same arguments): float32 [kv_heads, start + C]."""
     chunk, n_heads, dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     k_flat = k_pool.view(-1, kv_heads, dim)
-    lse = torch.empty(n_heads, chunk, dtype=torch.float32, device=q.device)
+    lse = lse.contiguous()
     out = torch.empty(kv_heads, start + chunk, dtype=torch.float32, device=q.device)
-    common = dict(GROUP=n_heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page)
-    strides = (q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1))
-    _prompt_lse[(triton.cdiv(chunk, block_m), n_heads)](q, k_flat, table, lse, *strides, start, chunk, scale,
-                                                         **common)
-    _prompt_column_sums[(triton.cdiv(start + chunk, block_n), kv_heads)](q, k_flat, table, lse, out, *strides, start,
-                                                                         chunk, scale, **common)
+    _prompt_column_sums[(triton.cdiv(start + chunk, block_n), kv_heads)](
+        q, k_flat, table, lse, out, q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), lse.stride(0),
+        start, chunk, scale * 1.4426950408889634,
+        GROUP=n_heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, num_warps=num_warps)
     return out

@@ -167,7 +167,8 @@ class InfLLM(KVMethod):
         return self.scores.data, self.block_keys.data
 
     # -- prefill ----------------------------------------------------------------------------------------------------
-    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> None:
+    def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int,
+                        lse: torch.Tensor | None) -> None:
         """Add the chunk's band contributions to the scores of the keys in its queries' windows (the chunk's own
         slots start at zero)."""
         if self.budget is None:

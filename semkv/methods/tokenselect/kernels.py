@@ -16,3 +16,13 @@ def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink
                                    theta, selection, kv_heads)
     return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta,
                                   selection, kv_heads, tp)
+
+
+def head_vote(scores, k, selection, kv_heads, tp=None):
+    """See `reference.head_vote`; the soft vote over a layer's heads on one GPU sums its softmaxes in Triton
+    (`triton_soft_vote`), the rest runs the reference."""
+    if use_triton(scores.device) and selection == "soft_vote" and kv_heads is None and tp is None and scores.dim() == 2:
+        from semkv.methods.tokenselect import triton_soft_vote
+
+        return triton_soft_vote.soft_vote(scores).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return reference.head_vote(scores, k, selection, kv_heads, tp)

@@ -14,7 +14,7 @@ Readings of the paper (each a parameter where it matters):
 - Budget split: `budget` = initial + k + recent attended slots per layer and decode step. The paper's setting,
   128 + 2048 + 512, is `budget=2688`; a small budget shrinks the initial tokens to at most budget // 8 and the recent
   window to at most budget // 4 (at least 1: the current token) and k takes the rest.
-- Prefill uses the engine's chunks (`LLM(prefill_chunk=512)`, the paper's 512; no separate parameter): a chunk
+- Prefill runs in chunks of at most `chunk` tokens (the paper's 512; the engine's chunk when shorter): a chunk
   attends to itself causally plus `budget` earlier slots: initial, top-k by the chunk's mean query, and the recent
   tokens just before the chunk. While the budget covers every earlier token the chunk attends to all of them, so
   prefill then equals Full KV exactly.
@@ -25,7 +25,7 @@ Readings of the paper (each a parameter where it matters):
   rows that hit; fractional budgets and extrapolation keep it per sequence on the host.
 - Exact mode (default) scores post-RoPE keys with post-RoPE queries. `extrapolate=True` stores keys before RoPE,
   scores without positions, and rotates the attended keys by their rank (`KVMethod.rope_by_rank`), so the model sees
-  positions below budget + prefill_chunk however long the input: keep that under the model's context.
+  positions below budget + chunk however long the input: keep that under the model's context.
 
 Parameters
 ----------
@@ -40,6 +40,7 @@ theta: Selection Cache threshold on the cosine similarity of consecutive queries
     [-1, 1]; 1.0 practically disables the cache, -1 reuses each layer's first decode selection (every lookup hits:
     the bound `semkv bench` measures the cache against).
 extrapolate: store keys before RoPE and rotate the attended ones by rank (the paper's length-extrapolation setting).
+chunk: the longest prefill chunk, 512 (paper Sec. 6.1); each chunk selects its own context.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resol
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
-from semkv.methods.tokenselect.reference import SelectionCacheBuffers, head_vote
+from semkv.methods.tokenselect.reference import SelectionCacheBuffers
 from semkv.models.parallel import cosine
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
@@ -73,6 +74,7 @@ class TokenSelect(KVMethod):
     scope: str = "layer"
     theta: float = 0.9
     extrapolate: bool = False
+    chunk: int = 512
 
     kind = "selection"
     name = "tokenselect"
@@ -84,6 +86,7 @@ class TokenSelect(KVMethod):
         check_range("n_recent", self.n_recent, 1, None, int)
         check_range("theta", self.theta, -1.0, 1.0)
         check_range("extrapolate", self.extrapolate, types=bool)
+        check_range("chunk", self.chunk, 1, None, int)
         check_choice("selection", self.selection, SELECTIONS)
         check_choice("scope", self.scope, ("layer", "kv_head"))
         if self.extrapolate and self.budget is not None and not isinstance(self.budget, int):
@@ -96,6 +99,9 @@ class TokenSelect(KVMethod):
 
     def rope_by_rank(self) -> bool:
         return self.extrapolate
+
+    def prefill_chunk(self) -> int:
+        return self.chunk
 
     @property
     def graph_safe(self) -> bool:
@@ -136,7 +142,7 @@ class TokenSelect(KVMethod):
         candidates = torch.arange(lo, hi, device=q.device)
         scores = kernels.paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
         kv_heads = kv.pool.num_kv_heads if self.scope == "kv_head" else None
-        return head_vote(scores, k, self.selection, kv_heads, self.tp) + lo
+        return tokenselect_kernels.head_vote(scores, k, self.selection, kv_heads, self.tp) + lo
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:

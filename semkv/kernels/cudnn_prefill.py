@@ -1,0 +1,107 @@
+"""Full prefill attention (a chunk over every earlier slot and itself) through cuDNN's fused attention, the kernel
+library NVIDIA tunes for Hopper, reached through torch: on an H100 it runs a causal 8k chunk at about 610 TFLOP/s
+where FlashAttention-2 (torch's flash backend) and the paged Triton kernel run at about 350
+(`benchmarks/prefill_sweep.py`).
+
+cuDNN reads contiguous K/V, so the sequence's slots [0, start + C) are gathered out of the pages first (one copy of
+their K/V, about 1% of the attention's time at 32k). The chunk then attends in two unmasked-or-square calls that cuDNN
+runs at full speed (a lower-right causal mask over a rectangle is not one of them): the context [0, start) without a
+mask, and the chunk's own slots with the square causal mask. The two partial outputs merge by their log-sum-exps.
+Sparse prefill (an index list) and short chunks (few query blocks: the Triton kernel splits the context instead)
+stay on `triton_prefill`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MIN_CHUNK = 1024  # shorter chunks: the Triton kernel, whose context splits fill the device
+PAD = 1024  # chunk lengths are padded to a multiple of this (fewer cuDNN plans)
+
+
+def usable(q: torch.Tensor, context: torch.Tensor | None) -> bool:
+    """True when this path serves the call: full attention, a long chunk, 16-bit values, head_dim <= 128, a Hopper
+    (or later) GPU whose torch build has cuDNN."""
+    return (context is None and q.shape[0] >= MIN_CHUNK and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] <= 128 and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, heads, C, D], k/v [1, kv_heads, n, D] -> out [1, heads, C, D], natural-log lse [1, heads, C] float32."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                  scale=scale)[:2]
+    return out, lse.view(q.shape[:3])
+
+
+@triton.jit
+def _merge(OA, LA, OB, LB, OUT, LSE, stride_ah, stride_am, stride_bh, stride_bm, stride_la, stride_lb, chunk,
+           HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """One head's block of queries: the attention over two disjoint key sets from each one's output and
+    log-sum-exp (each set weighted by its share of the softmax mass), written as [C, heads, D] (the layout the model
+    reads), and the lse of the union."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    valid = rows < chunk
+    la = tl.load(LA + h * stride_la + rows, mask=valid, other=0.0)
+    lb = tl.load(LB + h * stride_lb + rows, mask=valid, other=0.0)
+    top = tl.maximum(la, lb)
+    wa, wb = tl.exp(la - top), tl.exp(lb - top)
+    total = wa + wb
+    oa = tl.load(OA + h * stride_ah + rows[:, None] * stride_am + d[None, :], mask=valid[:, None], other=0.0)
+    ob = tl.load(OB + h * stride_bh + rows[:, None] * stride_bm + d[None, :], mask=valid[:, None], other=0.0)
+    out = (oa.to(tl.float32) * (wa / total)[:, None] + ob.to(tl.float32) * (wb / total)[:, None])
+    tl.store(OUT + rows[:, None] * (HEADS * D) + h * D + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=valid[:, None])
+    tl.store(LSE + rows * HEADS + h, top + tl.log(total), mask=valid)
+
+
+def merged(out_a, lse_a, out_b, lse_b, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_merge` of [1, heads, C', D] outputs and [1, heads, C'] lses, cut to the first `chunk` queries:
+    out [C, heads, D], lse [C, heads] float32."""
+    _, heads, _, dim = out_a.shape
+    out = torch.empty(chunk, heads, dim, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(chunk, heads, dtype=torch.float32, device=out_a.device)
+    block = 64
+    _merge[(triton.cdiv(chunk, block), heads)](
+        out_a, lse_a, out_b, lse_b, out, lse, out_a.stride(1), out_a.stride(2), out_b.stride(1), out_b.stride(2),
+        lse_a.stride(1), lse_b.stride(1), chunk, HEADS=heads, D=dim, BLOCK=block)
+    return out, lse
+
+
+def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
+    """`reference.prefill_attention` with context None: q [C, heads, D] of slots [start, start + C) over every slot
+    below start + C. Returns out [C, heads, D] (and the natural-log lse [C, heads] float32 with lse=True).
+
+    cuDNN builds an execution plan for each new shape (about 50 ms on an H100), so the chunk is padded with zero
+    queries and keys to a multiple of `PAD` (the causal mask keeps the real queries off the padded keys): a chunk of
+    any length then reuses one of a few plans per context length (`warm_up` builds the full chunks' ones)."""
+    chunk, heads, dim = q.shape
+    n = start + chunk
+    _, page, kv_heads, _ = k_pool.shape
+    pad = -chunk % PAD
+    pages = table[: -(-n // page)]
+    k, v = (x[pages].view(-1, kv_heads, dim)[:n].transpose(0, 1)[None] for x in (k_pool, v_pool))  # [1, KH, n, D]
+    qt, own_k, own_v = q.transpose(0, 1)[None], k[:, :, start:], v[:, :, start:]  # [1, heads or KH, C, D] views
+    if pad:
+        qt, own_k, own_v = (F.pad(x, (0, 0, 0, pad)) for x in (qt, own_k, own_v))  # [.., C + pad, D]
+    out, total = _attend(qt, own_k, own_v, True, scale)
+    if start:
+        out, total = merged(*_attend(qt, k[:, :, :start], v[:, :, :start], False, scale), out, total, chunk)
+    else:
+        out, total = out[0, :, :chunk].transpose(0, 1), total[0, :, :chunk].transpose(0, 1)
+    return (out, total) if lse else out
+
+
+def warm_up(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) -> None:
+    """Build the plans of full chunks of `chunk` tokens at every start below max_len (reading the pool's scratch
+    page), so that the first long prompt pays no plan building; a shorter last chunk builds its own on first use."""
+    dtype, device, dim = k_pool.dtype, k_pool.device, k_pool.shape[-1]
+    table = torch.zeros(-(-max_len // k_pool.shape[1]) + 1, dtype=torch.int32, device=device)
+    q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)
+    if usable(q, None):
+        for start in range(0, max(max_len - chunk, 0) + 1, chunk):
+            prefill_attention(q, k_pool, v_pool, table, start, scale, lse=True)
