@@ -503,3 +503,17 @@ def test_tokenselect_soft_vote_kernel_matches_the_summed_softmaxes():
     assert got.shape == (1, 1000) and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     top = got.topk(50, dim=-1).indices.sort(dim=-1).values
     assert torch.equal(top, head_vote(scores, 50, "soft_vote", None))
+
+
+def test_cudnn_prefill_turns_itself_off_with_one_warning_when_cudnn_refuses():
+    """A torch or cuDNN that cannot run the fused attention leaves prefill to the Triton kernel for the rest of the
+    process, with one warning naming the error (the output stays the same; only the speed differs)."""
+    from semkv.kernels import cudnn_prefill
+
+    q = torch.zeros(2048, 4, 16, dtype=torch.bfloat16)
+    try:
+        with pytest.warns(RuntimeWarning, match="no cuDNN attention in this build"):
+            cudnn_prefill.turn_off(RuntimeError("no cuDNN attention in this build"))
+        assert not cudnn_prefill.usable(q, None)
+    finally:
+        cudnn_prefill._failed.clear()

@@ -1,5 +1,6 @@
-"""Attention over the paged cache: Triton kernels on CUDA, the plain-torch reference elsewhere (or when
-`SEMKV_KERNELS=reference`). Both take the same arguments, so the engine and the methods never see which one runs."""
+"""Attention over the paged cache: Triton kernels on CUDA (and cuDNN's fused attention for long prefill chunks on
+Hopper: `cudnn_prefill`), the plain-torch reference elsewhere (or when `SEMKV_KERNELS=reference`). All take the same
+arguments, so the engine and the methods never see which one runs."""
 from __future__ import annotations
 
 import os
@@ -34,7 +35,12 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
         from semkv.kernels import cudnn_prefill, triton_prefill
 
         if cudnn_prefill.usable(q, context):
-            return cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, scale, lse=lse)
+            try:
+                return cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, scale, lse=lse)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # cuDNN refused the call
+                cudnn_prefill.turn_off(exc)
         return triton_prefill.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
     return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
 

@@ -12,6 +12,8 @@ stay on `triton_prefill`.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,12 +23,24 @@ MIN_CHUNK = 1024  # shorter chunks: the Triton kernel, whose context splits fill
 PAD = 1024  # chunk lengths are padded to a multiple of this (fewer cuDNN plans)
 
 
+_failed: list[str] = []  # the error that turned this path off in this process, if any
+
+
 def usable(q: torch.Tensor, context: torch.Tensor | None) -> bool:
     """True when this path serves the call: full attention, a long chunk, 16-bit values, head_dim <= 128, a Hopper
-    (or later) GPU whose torch build has cuDNN."""
-    return (context is None and q.shape[0] >= MIN_CHUNK and q.dtype in (torch.bfloat16, torch.float16)
+    (or later) GPU whose torch build has cuDNN, and no earlier call of the path failed (`turn_off`)."""
+    return (not _failed and context is None and q.shape[0] >= MIN_CHUNK and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] <= 128 and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+def turn_off(error: Exception) -> None:
+    """cuDNN refused a call (an old cuDNN, a torch build without its attention; running out of memory is not a
+    refusal and propagates): warn once and let the Triton kernel serve every later call of the process (the same
+    result, at its own speed)."""
+    _failed.append(f"{type(error).__name__}: {error}")
+    warnings.warn(f"cuDNN prefill attention is unavailable ({_failed[0].splitlines()[0]}); the Triton kernel serves "
+                  "prefill instead", RuntimeWarning, stacklevel=3)
 
 
 def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +116,12 @@ def warm_up(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) 
     dtype, device, dim = k_pool.dtype, k_pool.device, k_pool.shape[-1]
     table = torch.zeros(-(-max_len // k_pool.shape[1]) + 1, dtype=torch.int32, device=device)
     q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)
-    if usable(q, None):
+    if not usable(q, None):
+        return
+    try:
         for start in range(0, max(max_len - chunk, 0) + 1, chunk):
             prefill_attention(q, k_pool, v_pool, table, start, scale, lse=True)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # cuDNN refused the call
+        turn_off(exc)
