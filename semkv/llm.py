@@ -87,9 +87,9 @@ class LLM:
     The KV pool holds `num_pages` pages, or on a GPU whatever fits in `gpu_memory_utilization` of the card (requests
     that do not fit wait: continuous batching); on the CPU it grows on demand. On a GPU the engine compiles its
     kernels and prepares the prefill attention at load (`Engine.warm_up`). cuda_graphs: replay decode steps as CUDA
-    graphs where the method allows it. tensor_parallel_size: shard the model over this many GPUs of the host (`models.parallel`; one
-    process per GPU, this one rank 0 and its sampler the one that decides), or over CPU processes (gloo) on the CPU;
-    `close()` ends them.
+    graphs where the method allows it. tensor_parallel_size: shard the model over this many GPUs of the host
+    (`models.parallel`; one process per GPU, this one rank 0 and its sampler the one that decides), or over CPU
+    processes (gloo) on the CPU; `close()` ends them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
@@ -217,15 +217,20 @@ class LLM:
         progress: bool = False,
         method_params: dict[str, Any] | None = None,
         logprobs: int | None = None,
+        answer_prefixes: Seq[str] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for each prompt. `questions[i]`, when given, is appended to `prompts[i]` and marks where the
         question starts, so prefill-eviction methods can run query-agnostic (`query_aware=False`). logprobs: k >= 0
-        gives each output the log-probability of every new token and the k most likely tokens of each step."""
+        gives each output the log-probability of every new token and the k most likely tokens of each step.
+        `answer_prefixes[i]`: text the answer starts with, after the chat template (as in `compare`). The prompts run
+        together through continuous batching."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise SemkvError("no prompts given")
         if questions is not None and len(questions) != len(prompts):
             raise SemkvError(f"{len(questions)} questions for {len(prompts)} prompts; give one per prompt")
+        if answer_prefixes is not None and len(answer_prefixes) != len(prompts):
+            raise SemkvError(f"{len(answer_prefixes)} answer prefixes for {len(prompts)} prompts; give one per prompt")
         params = self.sampling_params(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logprobs)
         kv_method = get_method(method, budget, **(method_params or {})).bound(self.config, self.tokenizer,
                                                                               self.engine.pool.page_size)
@@ -234,7 +239,8 @@ class LLM:
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             if not isinstance(prompt, str) or not prompt.strip():
                 raise SemkvError(f"{which} is empty; give some text")
-            ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat)
+            ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat,
+                                              "" if answer_prefixes is None else answer_prefixes[i])
             self.check_length(which, len(ids), max_new_tokens, allow_overlong, kv_method)
             seqs.append(self.request(i, ids, params, kv_method, question_start))
         self.engine.run(seqs, kv_method, self.stop_test(params), progress)  # frees every request, however it ends

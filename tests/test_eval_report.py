@@ -92,3 +92,28 @@ def test_report_for_one_sample_and_png(results, capsys):
     pixels = imread(png)[..., :3]
     orange = (pixels[..., 0] > 0.95) & (pixels[..., 1] > 0.5) & (pixels[..., 1] < 0.8) & (pixels[..., 2] < 0.3)
     assert orange.mean() > 0.01  # the attended tokens are highlighted
+
+
+def test_speed_table_and_pareto_plot_put_quality_beside_speed(tmp_path):
+    """Batched runs' speed against Full KV's at the same length, beside each arm's score as a share of Full KV's (a
+    task where Full KV scores 0 says nothing about the others and is left out)."""
+    from semkv.eval import report
+
+    def row(task, method, budget, score):
+        return dict(task=task, length=1024, sample_id="s0", method=method, budget=budget, score=score)
+
+    rows = [row("passkey", "full", None, 80.0), row("passkey", "snapkv", 0.1, 60.0), row("passkey", "quest", 0.1, 80.0),
+            row("vt", "full", None, 50.0), row("vt", "snapkv", 0.1, 50.0), row("vt", "quest", 0.1, 25.0),
+            row("cwe", "full", None, 0.0), row("cwe", "snapkv", 0.1, 10.0), row("cwe", "quest", 0.1, 0.0)]
+    runs = [dict(task=t, length=1024, method=m, budget=b, samples=4, wall_s=w, new_tokens=400, tpot_ms=w * 10,
+                 peak_memory_gib=p, attended=a)
+            for t in ("passkey", "vt", "cwe")
+            for m, b, w, p, a in [("full", None, 2.0, 30.0, 1000), ("snapkv", 0.1, 1.0, 10.0, 100),
+                                  ("quest", 0.1, 0.5, 12.0, 100)]]
+    assert report.relative_quality(rows) == {(1024, "full", None): 100.0, (1024, "snapkv", 0.1): 87.5,
+                                             (1024, "quest", 0.1): 75.0}
+    table = report.speed_table(rows, runs)
+    assert "| 1024 | snapkv@0.1 | 400.0 | 2.00 | 10.00 | 10.0 | 100 | 87.5 |" in table
+    assert "| 1024 | quest@0.1 | 800.0 | 4.00 | 5.00 | 12.0 | 100 | 75.0 |" in table
+    assert table.index("| full |") < table.index("snapkv")
+    assert_real_png(report._pareto_plot(1024, rows, runs, tmp_path / "pareto.png"))

@@ -85,6 +85,29 @@ def test_second_run_skips_finished_rows_and_extends(clean_run, tiny_llm, tmp_pat
         run(**dict(GRID, seed=4), out=str(copy), llm=tiny_llm, progress=False)
 
 
+def test_batched_run_equals_one_by_one_and_records_its_speed(clean_run, tiny_llm, tmp_path):
+    """Batched mode (the default on a GPU): each method runs both samples together through continuous batching;
+    every row equals the one-by-one run's, and runs.jsonl holds each run's speed, consistent with its rows."""
+    _, rows = clean_run
+    out = tmp_path / "batched"
+    batched = run(**GRID, out=str(out), llm=tiny_llm, progress=False, batched=True)
+    strip = lambda rs: sorted((row_key(r), r["prediction"], r["score"]) for r in rs)  # noqa: E731
+    assert strip(batched) == strip(rows)
+    assert all("diag" not in r for r in batched)  # diagnostics need one eager sequence
+    runs = ResultsDir(out).runs()
+    assert sorted((r["method"], r["budget"]) for r in runs) == sorted({(r["method"], r["budget"]) for r in rows})
+    for record in runs:
+        mine = [r for r in batched if (r["method"], r["budget"]) == (record["method"], record["budget"])]
+        assert record["samples"] == len(mine) == 2 and record["length"] == 192 and record["task"] == "passkey"
+        assert record["new_tokens"] == sum(r["stats"]["new_tokens"] for r in mine)
+        assert record["tokens_per_s"] == pytest.approx(record["new_tokens"] / record["wall_s"])
+        assert record["tpot_ms"] > 0 and record["peak_memory_gib"] is None  # no device memory on the CPU
+        assert record["attended"] == pytest.approx(sum(r["stats"]["kv_attended_tokens"] for r in mine) / 2)
+    assert json.loads((out / "config.json").read_text())["run"]["batched"] is True
+    run(**GRID, out=str(out), llm=tiny_llm, progress=False, batched=True)  # finished: nothing runs again
+    assert len(ResultsDir(out).runs()) == len(runs)
+
+
 def test_config_json_reproduces_the_run(clean_run, tmp_path):
     out, rows = clean_run
     config = json.loads((out / "config.json").read_text())

@@ -62,6 +62,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per perplexity sample (64)")
     p.add_argument("--trace-samples", type=int, default=1, help="samples per task and length traced for the HTML view")
+    p.add_argument("--batched", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each method's samples of a task and length together through continuous batching and "
+                        "record the run's speed (default: on a GPU; no selection diagnostics or traces then)")
     p.add_argument("--quick", action="store_true",
                    help="a small suite over every method: 200 runs of 512 and 1024 tokens (about 9 minutes on 2 idle "
                         "CPU cores, longer on a busy machine)")
@@ -93,7 +96,7 @@ def run_eval(args: argparse.Namespace) -> int:
                query_aware=args.query_aware, model=args.model, device=args.device, dtype=args.dtype,
                page_size=args.page_size, prefill_chunk=args.prefill_chunk, data_dir=args.data_dir, out=args.out,
                seed=args.seed, method_params=parse_method_params(args.param), trace_samples=args.trace_samples,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, batched=args.batched)
     return 0
 
 

@@ -3,7 +3,8 @@ traced sample.
 
 Scores are the mean over samples (0..100); perplexity is exp(total NLL / total scored tokens). Plots: score (or
 perplexity) vs budget per task, one panel per method with a line per context length, Full KV dashed; depth x length
-heatmaps per method and budget for tasks whose samples have a needle depth. Matplotlib is used through `Figure`
+heatmaps per method and budget for tasks whose samples have a needle depth; with batched runs (`runs.jsonl`), a
+Pareto plot per length: score as % of Full KV against throughput as x Full KV. Matplotlib is used through `Figure`
 (Agg), never pyplot, so no global backend is touched.
 """
 from __future__ import annotations
@@ -87,6 +88,72 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
                   *[DIAG_COLUMNS[key] for key in diag]]
         parts.append(f"### {task} ({metric}; {n} samples)\n\n" + _markdown(header, lines))
     return "\n\n".join(parts)
+
+
+def run_speeds(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, float]]:
+    """(length, method, budget) -> the speed of its batched runs over every task: tokens per second (all tokens over
+    all seconds), TPOT and attended KV (means weighted by samples), the highest peak memory."""
+    speeds = {}
+    for key, group in _group(runs, "length", "method", "budget").items():
+        samples = sum(r["samples"] for r in group)
+        peaks = [r["peak_memory_gib"] for r in group if r["peak_memory_gib"] is not None]
+        speeds[key] = {"tokens_per_s": sum(r["new_tokens"] for r in group) / sum(r["wall_s"] for r in group),
+                       "tpot_ms": sum(r["tpot_ms"] * r["samples"] for r in group) / samples,
+                       "attended": sum(r["attended"] * r["samples"] for r in group) / samples,
+                       "peak_memory_gib": max(peaks) if peaks else None}
+    return speeds
+
+
+def relative_quality(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """(length, method, budget) -> the mean over generative tasks of the arm's score as a percentage of Full KV's at
+    that task and length (tasks where Full KV scores 0 are left out)."""
+    cells = _group([r for r in rows if r["task"] != PERPLEXITY], "task", "length", "method", "budget")
+    shares: dict[tuple, list[float]] = defaultdict(list)
+    for (task, length, method, budget), rs in cells.items():
+        full = cells.get((task, length, "full", None))
+        if full and _aggregate(full) > 0:
+            shares[(length, method, budget)].append(100 * _aggregate(rs) / _aggregate(full))
+    return {key: sum(v) / len(v) for key, v in shares.items()}
+
+
+def speed_table(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+    """Per length and arm: the batched runs' speed beside the quality (% of Full KV) measured in the same runs."""
+    speeds, quality = run_speeds(runs), relative_quality(rows)
+    lines = []
+    for length, method, budget in sorted(speeds, key=lambda k: (k[0], k[1] != "full", k[1], *_budget_order(k[2]))):
+        speed, full = speeds[(length, method, budget)], speeds.get((length, "full", None))
+        share = quality.get((length, method, budget))
+        peak = speed["peak_memory_gib"]
+        lines.append([str(length), _label(method, budget), f"{speed['tokens_per_s']:.1f}",
+                      "-" if full is None else f"{speed['tokens_per_s'] / full['tokens_per_s']:.2f}",
+                      f"{speed['tpot_ms']:.2f}", "-" if peak is None else f"{peak:.1f}", f"{speed['attended']:.0f}",
+                      "-" if share is None else f"{share:.1f}"])
+    header = ["length", "method", "tokens/s", "x Full KV", "TPOT ms", "peak GiB", "KV attended/step",
+              "score % of Full KV"]
+    return _markdown(header, lines)
+
+
+def _pareto_plot(length: int, rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> Path:
+    """Score as % of Full KV against throughput as x Full KV, one point per method and budget, at one length."""
+    from matplotlib.figure import Figure
+
+    speeds, quality = run_speeds(runs), relative_quality(rows)
+    full = speeds[(length, "full", None)]["tokens_per_s"]
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.subplots()
+    for (n, method, budget), speed in speeds.items():
+        if n == length and (n, method, budget) in quality:
+            x, y = speed["tokens_per_s"] / full, quality[(n, method, budget)]
+            ax.scatter([x], [y], marker="*" if method == "full" else "o", s=60)
+            ax.annotate(_label(method, budget), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(100, ls="--", lw=1, color="grey")
+    ax.axvline(1, ls="--", lw=1, color="grey")
+    ax.set_xlabel("throughput, x Full KV (same run's tokens per second)")
+    ax.set_ylabel("score, % of Full KV (mean over tasks)")
+    ax.set_title(f"{length} tokens: quality against speed")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def cost_table(rows: list[dict[str, Any]]) -> str:
@@ -186,6 +253,10 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None)
         if any(r["depth"] is not None for r in task_rows):
             images.append(_depth_heatmaps(task, [r for r in task_rows if r["depth"] is not None],
                                           plots / f"{task}_depth_heatmap.png"))
+    runs = store.runs()
+    speeds = run_speeds(runs)
+    for length in sorted({n for n, method, budget in speeds if method == "full"}):
+        images.append(_pareto_plot(length, rows, runs, plots / f"pareto_{length}.png"))
     views = [store.find_trace(s) for s in html_samples] if html_samples else [store.read_trace(p)
                                                                                for p in store.traces()]
     links = [html.write(v, pages / f"{store.trace_path(v['task'], v['sample_id']).name[:-8]}.html") for v in views]
@@ -196,7 +267,13 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None)
             "Needle kept: share of (layer, KV head) pairs that attended every answer-span token at the first "
             "decode steps; layers keeping needle: layers where all heads did; top-k / mass recall: share of Full "
             "KV's top-k (k = budget) attention mass, and of all its attention mass, on the attended positions.\n",
-            "## Scores\n", summary_table(rows), "\n## Cost\n", cost_table(rows), "\n## Plots\n"]
+            "## Scores\n", summary_table(rows), "\n## Cost\n", cost_table(rows)]
+    if runs:
+        text += ["\n## Speed of the batched runs\n", "Each method ran the samples of a task and length together "
+                 "through continuous batching; tokens/s: tokens generated over the run's seconds (prefill included); "
+                 "x Full KV: against Full KV's runs at that length; score: the mean over tasks of the score as a "
+                 "percentage of Full KV's (the Pareto plots draw the two).\n", speed_table(rows, runs)]
+    text += ["\n## Plots\n"]
     text += [f"![{p.stem}](plots/{p.name})" for p in images]
     if links:
         text += ["\n## What each method attended (HTML)\n"] + [f"- [{p.stem}](html/{p.name})" for p in links]

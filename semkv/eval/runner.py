@@ -3,8 +3,10 @@
 Each sample is prefilled once with Full KV and every method that can start from that prefill runs from a copy of it
 (`LLM.compare_iter`); methods that change prefill itself prefill on their own. Generative samples are traced over
 their first `DIAG_STEPS` decode steps, with Full KV first as the reference (run even when its row is done), and each
-row gets its selection diagnostics (`diagnostics.py`: needle retention where the sample has needles, recall). A row per sample x method x budget is
-appended to `predictions.jsonl` as soon as it is done, so a rerun skips what is finished; `config.json` holds every
+row gets its selection diagnostics (`diagnostics.py`: needle retention where the sample has needles, recall). In
+batched mode (the default on a GPU) each method runs all samples of a task and length through continuous batching
+instead, and the speed of that run goes to `runs.jsonl`. A row per sample x method x budget is appended to
+`predictions.jsonl` as soon as it is done, so a rerun skips what is finished; `config.json` holds every
 setting, the resolved method parameters and the versions, and `run_config` repeats a run from it.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -106,15 +109,21 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
         device: str = "auto", dtype: str = "auto", page_size: int = 16, prefill_chunk: int | None = None,
         data_dir: str | None = None, out: str = "results", seed: int = 0,
         method_params: dict[str, dict[str, Any]] | None = None, ppl_tokens: int = 64, trace_samples: int = 1,
-        llm: Any = None, progress: bool = True, tensor_parallel_size: int = 1) -> list[dict[str, Any]]:
+        llm: Any = None, progress: bool = True, tensor_parallel_size: int = 1,
+        batched: bool | None = None) -> list[dict[str, Any]]:
     """Run the grid, skipping rows already in `out`; return every row of `out`. `methods` None means all of
     `semkv methods`; `llm` reuses a loaded `semkv.LLM` instead of loading `model`. Budgets: int tokens or float
     fractions; lengths: context tokens. `trace_samples`: the first N samples of each task and length also record what
     each method attended at the first decode step (`semkv report --html`). With tensor parallelism, where a process
-    sees only its own heads, there are neither traces nor selection diagnostics."""
+    sees only its own heads, there are neither traces nor selection diagnostics.
+
+    batched (None: on a GPU): each method runs the samples of a generative task and length together through
+    continuous batching (`run_batch`), and the run's speed goes to `runs.jsonl` beside the scores; the rows then have
+    no selection diagnostics or traces (those need one eager sequence). Perplexity samples run one by one."""
     import semkv
 
-    settings = dict(tasks=expand_tasks(tasks), methods=list(methods or METHODS), budgets=list(budgets), lengths=list(lengths),
+    settings = dict(tasks=expand_tasks(tasks), methods=list(methods or METHODS), budgets=list(budgets),
+                    lengths=list(lengths),
                     samples=samples, seed=seed, query_aware=query_aware, model=model if llm is None else llm.source,
                     device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
                     data_dir=None if data_dir is None else str(data_dir), method_params=method_params or {},
@@ -131,6 +140,11 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     if llm is None:
         llm = semkv.LLM(model, device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
                         tensor_parallel_size=tensor_parallel_size)
+    if batched is None:
+        batched = llm.engine.device.type == "cuda"
+    settings["batched"] = batched
+    if batched:
+        settings["trace_samples"] = trace_samples = 0
     if llm.tensor_parallel_size > 1:
         print("semkv eval: attention traces need one process (a rank holds only its own heads): with tensor "
               "parallelism the rows have no selection diagnostics and --trace-samples is 0", file=sys.stderr)
@@ -143,13 +157,25 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     store.repair()
     done = {row_key(r) for r in store.rows()}
     work = []  # (task, sample, arms still to run, traced)
+    batches = []  # (task, arm, samples it still has to run): batched mode, generative tasks
     for task in task_objs:
+        together = batched and not isinstance(task, PerplexityTask)
         for length in lengths:
-            for i, sample in enumerate(task.samples(llm.tokenizer, length, samples, seed)):
+            drawn = list(task.samples(llm.tokenizer, length, samples, seed))
+            for arm in arms if together else []:
+                todo = [s for s in drawn if sample_key(task, s, arm) not in done]
+                if todo:
+                    batches.append((task, arm, todo))
+            for i, sample in enumerate([] if together else drawn):
                 pending = [a for a in arms if sample_key(task, sample, a) not in done]
                 if pending:
                     work.append((task, sample, pending, i < trace_samples))
-    bar = tqdm(total=sum(len(w[2]) for w in work), desc="eval", unit="run", disable=not progress, dynamic_ncols=True)
+    total = sum(len(w[2]) for w in work) + sum(len(b[2]) for b in batches)
+    bar = tqdm(total=total, desc="eval", unit="run", disable=not progress, dynamic_ncols=True)
+    for task, arm, todo in batches:
+        bar.set_postfix_str(f"{task.name} {todo[0].length} {arm.label}")
+        torch.manual_seed(seed)
+        run_batch(llm, store, task, arm, todo, bar)
     for task, sample, pending, traced in work:
         bar.set_postfix_str(sample.sample_id)
         torch.manual_seed(seed)
@@ -164,6 +190,48 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
 def sample_key(task, sample: Sample, arm: Arm) -> tuple:
     return row_key({"task": task.name, "length": sample.length, "sample_id": sample.sample_id,
                     "method": arm.method, "budget": arm.budget})
+
+
+def sample_row(task, sample: Sample, arm: Arm) -> dict[str, Any]:
+    """A row's identity and the sample's answers and metadata (the caller adds the prediction, score and stats)."""
+    return {"task": task.name, "length": sample.length, "sample_id": sample.sample_id, "depth": sample.depth,
+            "method": arm.method, "budget": arm.budget, "answers": sample.answers,
+            "meta": {k: v for k, v in sample.meta.items() if isinstance(v, (str, int, float, bool, type(None)))}}
+
+
+def run_batch(llm, store: ResultsDir, task, arm: Arm, samples: list[Sample], bar) -> None:
+    """One arm on samples of one generative task and length, all through one continuous-batching run
+    (`LLM.generate`): a row per sample (no diagnostics), and the run's speed in `runs.jsonl`: tokens generated per
+    second of the run (prefill included), TPOT (mean over the requests of decode time per token after the first),
+    the peak device memory the run needed (the KV pool counted by its pages in use at the peak, `needed_memory_gib`)
+    and the mean KV attended per decode step."""
+    from semkv.bench.run import needed_memory_gib, sync
+
+    engine = llm.engine
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    engine.pool.peak_in_use = engine.pool.in_use
+    sync(engine.device)
+    started = time.perf_counter()
+    outputs = llm.generate([s.context for s in samples], arm.build(), max_new_tokens=task.max_new_tokens,
+                           chat=task.chat, questions=[s.question for s in samples],
+                           answer_prefixes=[s.answer_prefix for s in samples])
+    sync(engine.device)
+    wall = time.perf_counter() - started
+    for sample, out in zip(samples, outputs):
+        row = sample_row(task, sample, arm)
+        row.update(prediction=out.text, score=task.score(out.text, sample), finish_reason=out.finish_reason,
+                   stats=out.stats.as_dict())
+        store.append(row)
+        bar.update(1)
+    stats = [out.stats for out in outputs]
+    store.append_run({
+        "task": task.name, "length": samples[0].length, "method": arm.method, "budget": arm.budget,
+        "samples": len(samples), "wall_s": wall, "new_tokens": sum(s.new_tokens for s in stats),
+        "tokens_per_s": sum(s.new_tokens for s in stats) / wall,
+        "tpot_ms": 1e3 * sum(s.decode_s / max(s.new_tokens - 1, 1) for s in stats) / len(stats),
+        "peak_memory_gib": needed_memory_gib(engine) if engine.device.type == "cuda" else None,
+        "attended": sum(s.kv_attended_tokens for s in stats) / len(stats), "device": str(engine.device)})
 
 
 def run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], traced: bool, bar) -> None:
@@ -192,9 +260,7 @@ def run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], tr
                     llm, sample.context, sample.question, chat, sample.answer_prefix, sample.needles, sample.answers)
             if not any(arm is a for a in arms):
                 continue
-        row = {"task": task.name, "length": sample.length, "sample_id": sample.sample_id, "depth": sample.depth,
-               "method": arm.method, "budget": arm.budget, "answers": sample.answers,
-               "meta": {k: v for k, v in sample.meta.items() if isinstance(v, (str, int, float, bool, type(None)))}}
+        row = sample_row(task, sample, arm)
         if continuation is not None:
             row.update(prediction=None, **task.score_logprobs(out.logprobs))
         else:

@@ -14,7 +14,7 @@ from typing import Any
 
 from semkv.errors import SemkvError
 
-CONFIG, PREDICTIONS, TRACES = "config.json", "predictions.jsonl", "traces"
+CONFIG, PREDICTIONS, RUNS, TRACES = "config.json", "predictions.jsonl", "runs.jsonl", "traces"
 
 
 def row_key(row: dict[str, Any]) -> tuple:
@@ -57,6 +57,24 @@ class ResultsDir:
         with open(self.predictions, "a", encoding="utf-8") as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
+
+    def append_run(self, record: dict[str, Any]) -> None:
+        """The speed of one continuous-batching run (`runner.run_batch`): one line of `runs.jsonl`."""
+        with open(self.path / RUNS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every recorded batched run, a torn last line ignored."""
+        path = self.path / RUNS
+        if not path.is_file():
+            return []
+        runs = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                runs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return runs
 
     def config(self) -> dict[str, Any] | None:
         path = self.path / CONFIG
