@@ -11,15 +11,23 @@ from semkv.bench.shapes import hf_config_for
 from semkv.bench.run import sync
 
 
+def hf_model(shape: str, device: torch.device, dtype: torch.dtype, attn_implementation: str):
+    """The shape's `transformers` model with random weights, made on the device, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config_for(shape), dtype=dtype,
+                                                attn_implementation=attn_implementation).eval()
+
+
 @torch.inference_mode()
 def hf_decode_tpot_ms(shape: str, batch: int, context: int, steps: int, device: torch.device, dtype: torch.dtype,
                       attn_implementation: str = "sdpa") -> float:
     """Median ms per decode step of `transformers` with `batch` sequences of `context` cached tokens."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    config = hf_config_for(shape)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+    model = hf_model(shape, device, dtype, attn_implementation)
+    config = model.config
     cache = DynamicCache(config=config)
     gen = torch.Generator(device=device).manual_seed(0)
     shape_kv = (batch, config.num_key_value_heads, context, config.hidden_size // config.num_attention_heads)
@@ -49,11 +57,10 @@ def hf_prefill_s(shape: str, context: int, device: torch.device, dtype: torch.dt
     """Seconds `transformers` takes to prefill one prompt of `context` tokens and give its first token's logits (as
     `generate` does: the cache filled, logits of the last position only), `repeats` times in one process: the
     first run pays what a process pays once."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    config = hf_config_for(shape)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+    model = hf_model(shape, device, dtype, attn_implementation)
+    config = model.config
     ids = torch.randint(1, config.vocab_size - 1, (1, context), device=device)
     times = []
     for _ in range(repeats):

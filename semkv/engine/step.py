@@ -53,18 +53,18 @@ class PrefillStep:
             q = kernels.rope_store(q, k, v, self.cos, self.sin, rows, self.positions, *pool.flat())
         kv.num_slots[layer] = start + chunk
         context = self.method.prefill_context(layer, self.seq, q, start)
-        lse = self.method.prefill_lse
+        wants_lse = self.method.prefill_lse
         key_rope = None
         if by_rank:  # ranks: the context slots first, then the chunk
             n_ctx = start if context is None else context.shape[1]
             key_rope = self.engine.rank_rope(n_ctx + chunk)
             q = self.engine.rotary.rotate(q, key_rope[0][n_ctx:], key_rope[1][n_ctx:])
             out = reference.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
-                                              key_rope, lse=lse)
+                                              key_rope, lse=wants_lse)
         else:
             out = kernels.prefill_attention(q, pool.k, pool.v, kv.table[layer], start, context, self.engine.scale,
-                                            lse=lse)
-        out, lse = out if lse else (out, None)
+                                            lse=wants_lse)
+        out, lse = out if wants_lse else (out, None)
         self.method.observe_prefill(layer, self.seq, q, start, lse)
         if self.record_window:
             self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()

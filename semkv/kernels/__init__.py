@@ -35,12 +35,9 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
         from semkv.kernels import cudnn_prefill, triton_prefill
 
         if cudnn_prefill.usable(q, context):
-            try:
-                return cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, scale, lse=lse)
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except RuntimeError as exc:  # cuDNN refused the call
-                cudnn_prefill.turn_off(exc)
+            out = cudnn_prefill.attend(q, k_pool, v_pool, table, start, scale, lse=lse)
+            if out is not None:
+                return out
         return triton_prefill.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
     return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
 

@@ -34,9 +34,20 @@ def usable(q: torch.Tensor, context: torch.Tensor | None) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
+def attend(q, k_pool, v_pool, table, start, scale, lse=False):
+    """`prefill_attention`, or None where cuDNN refuses the call (an old cuDNN, a torch build without its attention):
+    the path is then turned off for the process (`turn_off`). Running out of memory is not a refusal and propagates."""
+    try:
+        return prefill_attention(q, k_pool, v_pool, table, start, scale, lse)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        turn_off(exc)
+        return None
+
+
 def turn_off(error: Exception) -> None:
-    """cuDNN refused a call (an old cuDNN, a torch build without its attention; running out of memory is not a
-    refusal and propagates): warn once and let the Triton kernel serve every later call of the process (the same
+    """cuDNN refused a call: warn once and let the Triton kernel serve every later call of the process (the same
     result, at its own speed)."""
     _failed.append(f"{type(error).__name__}: {error}")
     warnings.warn(f"cuDNN prefill attention is unavailable ({_failed[0].splitlines()[0]}); the Triton kernel serves "
@@ -118,10 +129,6 @@ def warm_up(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) 
     q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)
     if not usable(q, None):
         return
-    try:
-        for start in range(0, max(max_len - chunk, 0) + 1, chunk):
-            prefill_attention(q, k_pool, v_pool, table, start, scale, lse=True)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:  # cuDNN refused the call
-        turn_off(exc)
+    for start in range(0, max(max_len - chunk, 0) + 1, chunk):
+        if attend(q, k_pool, v_pool, table, start, scale, lse=True) is None:
+            return

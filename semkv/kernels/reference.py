@@ -208,7 +208,8 @@ def prefill_attention(
     q [C, heads, D]; table [max_pages]; context: logical slots [S, n] (S in {1, kv_heads}) of earlier tokens the chunk
     attends to, or None for all slots < start. The chunk attends to itself causally. key_rope: cos/sin [>= n, D] by
     rank in the attended list (context, then the chunk). Returns out [C, heads, D]; with lse=True also the log-sum-exp
-    of each query's visible logits `scale * q . k` [C, heads] float32 (taken `query_block` queries at a time).
+    of each query's visible logits `scale * q . k` [C, heads] float32: the attention is then computed from the
+    logits it already holds, `query_block` queries at a time, instead of by SDPA (one pass over the logits, not two).
     """
     chunk, n_heads, dim = q.shape
     kv_heads = k_pool.shape[2]
@@ -228,19 +229,20 @@ def prefill_attention(
     key_idx = torch.arange(n, device=device)[None, :]
     query_idx = torch.arange(chunk, device=device)[:, None]
     mask = (key_idx < n_ctx) | (key_idx - n_ctx <= query_idx)  # [C, n]: context visible, chunk causal
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != n_heads
-    )[0].transpose(0, 1)  # [C, heads, D]
     if not lse:
-        return out
-    grouped = q.view(chunk, k.shape[1], -1, dim).float()  # [C, S', group, D]
-    keys = k[0].float()  # [S', n, D]
-    sums = []
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != n_heads
+        )[0].transpose(0, 1)  # [C, heads, D]
+    grouped = q.view(chunk, kv_heads, -1, dim).float()  # [C, KH, group, D]
+    keys, values = k[0].float(), v[0].float()  # [KH, n, D]
+    outs, sums = [], []
     for a in range(0, chunk, query_block):
         logits = torch.einsum("ckgd,knd->ckgn", grouped[a : a + query_block], keys) * scale
-        visible = mask[a : a + query_block, None, None, :]
-        sums.append(torch.logsumexp(logits.masked_fill(~visible, float("-inf")), -1).flatten(1))
-    return out, torch.cat(sums)
+        logits = logits.masked_fill(~mask[a : a + query_block, None, None, :], float("-inf"))
+        norm = torch.logsumexp(logits, -1, keepdim=True)  # [w, KH, group, 1]
+        outs.append(torch.einsum("ckgn,knd->ckgd", torch.exp(logits - norm), values).flatten(1, 2))
+        sums.append(norm[..., 0].flatten(1))
+    return torch.cat(outs).to(q.dtype), torch.cat(sums)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
