@@ -228,16 +228,18 @@ def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32
         return tokenselect_reference.SelectionCacheBuffers.allocate(batch + 1, 2, H * D, 1, k, torch.device("cuda"))
 
     args = (k_pool, tables, num_slots, width, rows)
+    parts = torch.tensor([[sink, k, recent]], device="cuda").expand(batch, -1)  # [B, 3] each row's split
     ref_cache, got_cache = fresh(), fresh()
-    want = tokenselect_reference.token_select(q, *args, ref_cache, 1, sink, recent, 0.9, "soft_vote", None)
-    got = triton_token_select.token_select(q, *args, got_cache, 1, sink, recent, 0.9, "soft_vote", None)
+    want = tokenselect_reference.token_select(q, *args, ref_cache, 1, parts, sink + k + recent, 0.9, "soft_vote",
+                                              None)
+    got = triton_token_select.token_select(q, *args, got_cache, 1, parts, sink + k + recent, 0.9, "soft_vote", None)
     differ = sum(len(set(want[b, 0].tolist()) - set(got[b, 0].tolist())) for b in range(batch)) / (batch * k)
     state_equal = all(torch.equal(getattr(ref_cache, n), getattr(got_cache, n)) for n in ("q", "valid", "counts"))
     timing_cache = fresh()
-    miss_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, sink, recent, 1.5,
-                                                                "soft_vote", None))
-    hit_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, sink, recent, -2.0,
-                                                               "soft_vote", None))
+    miss_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, parts, sink + k + recent,
+                                                                1.5, "soft_vote", None))
+    hit_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, parts, sink + k + recent,
+                                                               -2.0, "soft_vote", None))
     key_bytes = float(num_slots.sum()) * HK * D * 2
     return [dict(kernel="token_select", batch=batch, context=context, err=differ if state_equal else float("inf"),
                  miss_ms=miss_ms, hit_ms=hit_ms, floor_ms=1e3 * key_bytes / bandwidth)]

@@ -22,11 +22,12 @@ rows = torch.arange(1, B + 1, device="cuda")
 for budget in (2688, 328):
     sink, recent = min(128, budget // 8), min(512, budget // 4)
     k = budget - sink - recent
+    parts = torch.tensor([[sink, k, recent]], device="cuda").expand(B, -1)  # [B, 3] each row's split
     cache = tokenselect_reference.SelectionCacheBuffers.allocate(B + 1, 2, H * D, 1, k, torch.device("cuda"))
     for theta, label, queries in ((1.5, "miss", (q, q)), (-2.0, "hit", (q, q)),
                                   (0.5, f"{MISSING} of {B} miss", (q, q_other))):
         def select(i):
-            return tts.token_select(queries[i % 2], k_pool, tables, n, ctx + 64, rows, cache, 1, sink, recent, theta,
+            return tts.token_select(queries[i % 2], k_pool, tables, n, ctx + 64, rows, cache, 1, parts, budget, theta,
                                     "soft_vote", None)
         for i in range(4):
             select(i)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -121,7 +122,10 @@ def test_plan_selection_is_the_sink_the_best_kept_pages_and_the_window(tiny_llm)
 
 def test_parameters_are_validated(tiny_llm):
     for bad in (dict(preset="greedy"), dict(mode="never"), dict(recent_pages=0), dict(block_size=0), dict(trigger="all"),
-                dict(entropy_threshold=-1.0), dict(center=1)):
+                dict(entropy_threshold=-1.0), dict(center=1), dict(anchor="query"), dict(query_window=0),
+                dict(anchor="queries", rope_free=True), dict(anchor="queries", center=True),
+                dict(anchor="queries", mode="always"), dict(anchor="queries", entropy_threshold=1.0),
+                dict(neighbours=2), dict(anchor="queries", neighbours=-1)):
         with pytest.raises(SemkvError):
             Chess(budget=64, **bad)
     with pytest.raises(SemkvError, match="multiple"):
@@ -278,6 +282,59 @@ def test_calibration_is_the_99th_percentile_and_bind_reads_it(tiny_llm, monkeypa
     assert method.thresholds == (data["entropy"], data["varentropy"])
     with pytest.raises(SemkvError, match="no full page"):
         Chess.calibrate(tiny_llm, ["short"], 200)
+
+
+def test_query_anchor_scores_pages_by_the_prompt_windows_attention(tiny_llm):
+    """anchor="queries": the pages' scores are the last prompt queries' softmax attention summed over each page's
+    tokens, the query heads and the layers (computed here from the stored keys and recorded queries of a Full-KV
+    prefill); the selection made once after prefill keeps the best-scored pages, and it is the same from the method's
+    own prefill and from a shared one; a covering budget gives Full KV's tokens; nothing stays behind."""
+    from semkv.methods.base import window_attention
+
+    engine = tiny_llm.engine
+    ids, _ = tiny_llm.encode(TEXT, None, chat=False)
+    seq = Sequence(0, ids, SamplingParams(), SeqKV(engine.pool))
+    engine.prefill(seq, FullKV(), record_window=8)
+    n = len(ids)
+    want = torch.zeros(-(-n // 16), dtype=torch.float64)
+    for layer in range(tiny_llm.config.num_layers):
+        keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
+        q = seq.window_queries[layer]
+        probs = window_attention(q, keys, positions, torch.arange(n - 8, n))  # [heads, 8, n]
+        want += torch.nn.functional.pad(probs.double().mean(1).sum(0), (0, -n % 16)).view(-1, 16).sum(-1)
+    engine.release(seq)
+
+    seen: dict[str, list] = {"own": [], "shared": [], "pooled": []}
+
+    @dataclass
+    class Seen(Chess):  # the engine runs a bound copy: the record goes to `seen` under the copy's tag
+        tag: str = "own"
+
+        def reselect(self, seqs):
+            super().reselect(seqs)
+            seen[self.tag].append((seqs[0].method_state.page_mass.clone(), seqs[0].method_state.ranked.clone()))
+
+    budget = 16 * 6
+    own, shared, pooled = (Seen(budget=budget, block_size=16, chunk_pages=1, grid_chunks=1, anchor="queries",
+                                query_window=8, neighbours=int(t == "pooled"), tag=t)
+                           for t in seen)  # one page a chunk and a grid: the cascade keeps the top pages
+    outs = tiny_llm.compare(TEXT, [FullKV(), shared, pooled, Chess(budget=budget, block_size=16)], max_new_tokens=20,
+                            chat=False)
+    tiny_llm.generate(TEXT, method=own, max_new_tokens=20, chat=False)
+    assert len(seen["own"]) == len(seen["shared"]) == len(seen["pooled"]) == 1  # selected once, after prefill
+    for tag, (mass, ranked) in ((t, seen[t][0]) for t in seen):
+        torch.testing.assert_close(mass.double(), want, rtol=1e-4, atol=1e-6)
+        scores = F.pad(mass, (0, -(-(n + 1) // 16) - mass.shape[0]))  # the first decode step's pages
+        if tag == "pooled":  # a page scores the most of itself and its neighbours
+            scores = torch.stack([scores, F.pad(scores[1:], (0, 1)), F.pad(scores[:-1], (1, 0))]).amax(0)
+        candidates = scores[1:-2]  # neither the sink page nor the window
+        best = (candidates.argsort(descending=True, stable=True)[:3] + 1).sort().values
+        assert ranked[ranked >= 0].sort().values.tolist() == best.tolist(), tag  # (96 - 32 - 16) / 16 pages
+    assert outs[1].stats.kv_attended_max <= budget
+    full = tiny_llm.compare(TEXT, [FullKV(), Chess(budget=10_000, anchor="queries")], max_new_tokens=20,
+                            chat=False)
+    assert full[1].token_ids == full[0].token_ids
+    assert engine.pool.in_use == 0 and not engine._live
 
 
 @pytest.mark.slow

@@ -129,6 +129,22 @@ def test_corrupted_weight_files(tmp_path, tiny_model_dir):
         semkv.LLM(gguf, device="cpu")
 
 
+def test_gguf_without_the_gguf_package_says_what_to_install(tmp_path, monkeypatch):
+    """transformers raises ImportError when the gguf package is missing (as on a fresh GPU machine): the error names
+    the package, not a damaged file."""
+    import transformers
+
+    def missing(*args, **kwargs):
+        raise ImportError("Loading a GGUF checkpoint in PyTorch, requires both PyTorch and GGUF>=0.10.0 to be "
+                          "installed")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", missing)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(semkv.SemkvError, match=r"needs the gguf package .*pip install 'gguf>=0.10'"):
+        semkv.LLM(gguf, device="cpu")
+
+
 @pytest.mark.slow
 def test_truncated_gguf_says_so(tmp_path):
     """Half of the embedded GGUF (a download cut short): the error says the file is truncated, not how numpy failed

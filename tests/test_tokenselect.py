@@ -111,24 +111,27 @@ def test_token_select_kernel_equals_reference_in_interpreter(interpreted, select
     gen = torch.Generator().manual_seed(3)
     k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
     tables = torch.stack([torch.randperm(pages, generator=gen) for _ in range(4)])  # [4, pages]
-    n_sink, k, n_recent, layer, width = 3, 20, 5, 1, 200
-    caches = [tokenselect_reference.SelectionCacheBuffers.allocate(6, 2, heads * dim, sets, k, torch.device("cpu"))
+    layer, width, out_width = 1, 200, 28
+    caches = [tokenselect_reference.SelectionCacheBuffers.allocate(6, 2, heads * dim, sets, 20, torch.device("cpu"))
               for _ in range(2)]
     rows = torch.tensor([2, 5, 3, 0])  # the last row is padding (cache row 0)
     q = torch.randn(4, heads, dim, generator=gen)
     for step in range(3):
-        num_slots = torch.tensor([150 + step, 190 + step, 20, 1])  # row 2 is below the budget of 28
+        num_slots = torch.tensor([150 + step, 190 + step, 20, 1])  # row 2 is below its budget of 28
+        # each row's own split; row 1's budget grows at step 2 (a fraction of its context), so its entry is stale
+        parts = torch.tensor([[3, 20, 5], [2, 14 + (step == 2), 4], [3, 20, 5], [0, 0, 1]])
         if step == 1:  # row 1 diverges, row 0 repeats its query
             q[1] = torch.randn(heads, dim, generator=gen)
-        got = kernel.token_select(q, k_pool, tables, num_slots, width, rows, caches[0], layer, n_sink, n_recent,
+        got = kernel.token_select(q, k_pool, tables, num_slots, width, rows, caches[0], layer, parts, out_width,
                                   0.9, selection, kv_heads if sets > 1 else None, block_n=16, block_t=32,
                                   num_warps=4, splits=3, vote_splits=3, block_c=2)  # programs loop over blocks
-        want = tokenselect_reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, n_sink,
-                                      n_recent, 0.9, selection, kv_heads if sets > 1 else None)
-        assert torch.equal(got[:3], want[:3])
+        want = tokenselect_reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, parts,
+                                                  out_width, 0.9, selection, kv_heads if sets > 1 else None)
+        for b, n in enumerate(torch.minimum(num_slots, parts.sum(1))[:3].tolist()):
+            assert torch.equal(got[b, :, :n], want[b, :, :n])
         for name in ("q", "top", "valid", "counts"):
             assert torch.equal(getattr(caches[0], name)[1:], getattr(caches[1], name)[1:]), name
-    assert caches[0].counts[[2, 5, 3]].tolist() == [[2, 3], [1, 3], [0, 0]]  # hits, lookups
+    assert caches[0].counts[[2, 5, 3]].tolist() == [[2, 3], [0, 3], [0, 0]]  # hits, lookups
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -151,8 +154,8 @@ def test_token_select_kernel_breaks_ties_to_lower_slots(interpreted, selection):
     for block_t, block_c in ((16, 2), (32, 4), (64, 32)):  # block_c: earlier chunks read a tile at a time
         cache = tokenselect_reference.SelectionCacheBuffers.allocate(2, 1, heads * dim, 1, k, torch.device("cpu"))
         got = kernel.token_select(q, k_pool, table[None], torch.tensor([190]), width, torch.tensor([1]), cache, 0,
-                                  n_sink, n_recent, 0.9, selection, None, block_n=16, block_t=block_t, num_warps=4,
-                                  splits=3, vote_splits=3, block_c=block_c)
+                                  torch.tensor([[n_sink, k, n_recent]]), n_sink + k + n_recent, 0.9, selection, None,
+                                  block_n=16, block_t=block_t, num_warps=4, splits=3, vote_splits=3, block_c=block_c)
         assert torch.equal(got[0, 0, n_sink:n_sink + k], want), block_t
         assert torch.equal(cache.top[1, 0, 0], want), block_t
 
@@ -224,11 +227,11 @@ def test_selection_cache_reuses_on_similar_queries_and_recomputes_on_divergence(
         engine.release(s)
 
 
-@pytest.mark.parametrize("scope", ["layer", "kv_head"])
-def test_batched_selection_equals_row_by_row(tiny_llm, scope):
-    """The graph-safe path (int budget, theta = 1) selects for the whole batch from tensors what the per-sequence
-    path selects row by row, for rows above and below the budget."""
-    method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, scope=scope)
+@pytest.mark.parametrize("scope, budget", [("layer", 40), ("kv_head", 40), ("layer", 0.3), ("kv_head", 0.3)])
+def test_batched_selection_equals_row_by_row(tiny_llm, scope, budget):
+    """The graph-safe path (theta = 1) selects for the whole batch from tensors what the per-sequence path selects
+    row by row, for rows above and below the budget; a fractional budget resolves to each row's own split."""
+    method = TokenSelect(budget=budget, n_sink=4, n_recent=8, theta=1.0, scope=scope)
     seqs = [prefilled(tiny_llm, method), prefilled(tiny_llm, method, PROMPT[:300]), prefilled(tiny_llm, method, "Hi.")]
     batch = tiny_llm.engine.step_batch(seqs, *tiny_llm.engine.prepare_step(seqs, method))
     cfg = tiny_llm.config

@@ -100,6 +100,9 @@ def _gguf_to_folder(path: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except SemkvError:
         raise
+    except ImportError as exc:  # transformers reads GGUF through the gguf package
+        raise SemkvError(f"reading the GGUF file {path} needs the gguf package ({exc}); pip install 'gguf>=0.10'") \
+            from None
     except Exception as exc:  # gguf raises many kinds of errors on a damaged file
         raise SemkvError(_unreadable_gguf(path, exc)) from None
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")

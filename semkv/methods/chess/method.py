@@ -38,6 +38,21 @@ rope_free: summarise the keys before RoPE (rotated back by their positions) inst
     at a position-dependent angle.
 center: subtract the mean candidate page vector from every vector and the anchor before scoring; False (the paper's
     plain dot product). Appendix B assumes unrelated keys cancel out, which holds only for centred keys.
+anchor: what the pages are scored against. "keys" (the paper's Eq. 3-4): the mean key vector of the recent pages,
+    key-key affinity. "queries" (opt-in, not in the paper): the attention the prompt's last `query_window` queries
+    (its question) give each page at the end of prefill, as SnapKV's observation window: softmax over the prompt's
+    keys per query and head, averaged over the window, summed over the page's tokens, the query heads and the
+    layers (one page set still serves every layer and head). The cascade and the budget stay as they are; the
+    selection is made once, after prefill, and the recent window then grows over the generated tokens (pages
+    leave the selection worst first as it grows): `mode` and the thresholds stay at their defaults (else an error).
+    On Qwen2.5-0.5B RULER needles at 8k key-key affinity ranks the needle's page below the median of ~254
+    candidates, where this score ranks it first (benchmarks/chess_anchor_ranks.py; retention and answers:
+    benchmarks/retrieval_study.py, benchmarks/results/2026-11-26-h100-quality.md).
+query_window: prompt queries that score the pages when anchor="queries"; 32 (SnapKV's window).
+neighbours: with anchor="queries", a page scores the most attention of itself and the `neighbours` pages on either
+    side (max pooling), so a needle cut by a page boundary is kept whole (SnapKV pools its token scores for the same
+    reason); 1. Measured: without it a number split over two pages was kept in half and misread ("8125633" for
+    8127378, RULER multivalue at 8k).
 entropy_threshold, varentropy_threshold: override the calibrated thresholds (nats, nats^2); None reads
     `semkv calibrate --method chess` for the model, else the defaults below (the embedded SmolLM2 calibrated on the
     shared Paul Graham essays, 99th percentiles over 32-token pages).
@@ -56,8 +71,10 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budge
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
+from semkv.methods.base import window_attention
 from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
+from semkv.methods.eviction import window_positions
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
 from semkv.methods.state.page_summaries import PageSummaries
 from semkv.models.config import ModelConfig
@@ -66,6 +83,7 @@ from semkv.models.rotary import RotaryEmbedding
 
 PRESETS = {"conservative": (0.9, 0.9), "moderate": (0.8, 0.7), "aggressive": (0.5, 0.2)}
 MODES = ("dynamic", "periodic", "always")
+ANCHORS = ("keys", "queries")
 # `semkv calibrate --method chess` of the embedded SmolLM2-135M-Instruct on the essays worked, popular, gap and gh
 # (4096 tokens each: 512 pages of 32 tokens)
 DEFAULT_THRESHOLDS = {"entropy": 3.84, "varentropy": 3.50}
@@ -104,12 +122,14 @@ def plan_slots(n: torch.Tensor, start: torch.Tensor, pages: torch.Tensor, budget
 
 @functools.cache
 def _compiled_plan_slots():
-    return torch.compile(plan_slots, dynamic=False, fullgraph=True)
+    return torch.compile(plan_slots, dynamic=True, fullgraph=True)
 
 
 def plan_slots_function(device: torch.device):
     """`plan_slots` as run on `device`: on CUDA compiled by torch.compile, which fuses its ~45 element-wise
-    operations into a few kernels (inside the decode graph they would otherwise cost ~2 us each)."""
+    operations into a few kernels (inside the decode graph they would otherwise cost ~2 us each). Compiled for
+    symbolic shapes: one compilation serves every batch bucket and width (a compilation per shape cost seconds in
+    each new request mix of continuous batching)."""
     return _compiled_plan_slots() if device.type == "cuda" else plan_slots
 
 
@@ -123,6 +143,7 @@ class ChessState:
     page_tokens: int = 0  # generated tokens of the current page
     pages_since: int = 0  # generated pages since the last selection
     pending: bool = True  # select at the next step
+    page_mass: torch.Tensor | None = None  # [pages] float32: the prompt window's attention per page (anchor="queries")
 
 
 @dataclass
@@ -159,6 +180,9 @@ class Chess(KVMethod):
     trigger: str = "any"
     rope_free: bool = False
     center: bool = False
+    anchor: str = "keys"
+    query_window: int = 32
+    neighbours: int = 1
     entropy_threshold: float | None = None
     varentropy_threshold: float | None = None
 
@@ -171,7 +195,7 @@ class Chess(KVMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, value, allowed in (("preset", self.preset, tuple(PRESETS)), ("mode", self.mode, MODES),
-                                     ("trigger", self.trigger, ("any", "both"))):
+                                     ("trigger", self.trigger, ("any", "both")), ("anchor", self.anchor, ANCHORS)):
             check_choice(name, value, allowed)
         check_range("block_size", self.block_size, 1, 256, int)
         check_range("chunk_pages", self.chunk_pages, 1, 1024, int)
@@ -180,6 +204,18 @@ class Chess(KVMethod):
         check_range("period", self.period, 1, None, int)
         check_range("rope_free", self.rope_free, types=bool)
         check_range("center", self.center, types=bool)
+        check_range("query_window", self.query_window, 1, None, int)
+        check_range("neighbours", self.neighbours, 0, None, int)
+        if self.anchor == "keys" and self.neighbours != 1:
+            raise SemkvError(f"neighbours={self.neighbours} pools the page scores of anchor='queries'; give "
+                             "anchor='queries' or leave neighbours at 1")
+        if self.anchor == "queries" and (self.rope_free or self.center):
+            raise SemkvError("anchor='queries' scores pages by the prompt window's attention to the stored keys; "
+                             "rope_free and center apply to anchor='keys' only: leave them False")
+        retuned = self.mode != "dynamic" or self.entropy_threshold is not None or self.varentropy_threshold is not None
+        if self.anchor == "queries" and retuned:
+            raise SemkvError("anchor='queries' selects once, after prefill; mode and the entropy thresholds apply to "
+                             "anchor='keys' only: leave them at their defaults")
         for name in ("entropy_threshold", "varentropy_threshold"):
             if getattr(self, name) is not None:
                 check_range(name, getattr(self, name), 0.0, None)
@@ -205,7 +241,7 @@ class Chess(KVMethod):
         return ChessState()
 
     def admission_bytes(self, seq: Sequence) -> int:
-        return self.summaries.growth_bytes(seq.kv.pool)
+        return self.summaries.growth_bytes(seq.kv.pool) if self.anchor == "keys" else 0
 
     @classmethod
     def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:
@@ -226,7 +262,25 @@ class Chess(KVMethod):
                 "pages": pages.shape[0]}
 
     # -- page vectors ---------------------------------------------------------------------------------------------
+    def window_size(self) -> int:
+        return self.query_window if self.anchor == "queries" else 0
+
+    def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> None:
+        """anchor="queries": add this layer's attention of the prompt window q_window [w, heads, D] to the pages' scores
+        (nothing is evicted)."""
+        if self.anchor == "queries":
+            kv, st = seq.kv, seq.method_state
+            keys, _, positions = kv.gather(layer, kv.all_slots(layer))  # [kv_heads, n, D], [kv_heads, n]
+            probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
+            mass = probs.mean(1).sum(0)  # [n]
+            size, n = self.block_size, mass.shape[0]
+            pages = F.pad(mass, (0, -n % size)).view(-1, size).sum(-1)  # [pages]
+            st.page_mass = pages if st.page_mass is None else st.page_mass + pages
+        return None
+
     def finish_prefill(self, seq: Sequence) -> None:
+        if self.anchor == "queries":  # the pages' scores are final: no page vectors
+            return
         for layer in range(seq.kv.pool.num_layers):
             self.summaries.build(seq.kv, layer)
         seq.method_state.summarized = seq.kv.num_slots[0]
@@ -332,6 +386,29 @@ class Chess(KVMethod):
                                                        self.block_size, self.selection_width(batch.max_slots))
         return Selection(slots[:, None], lengths[:, None])
 
+    def page_scores(self, seqs: list[Sequence], summarized: torch.Tensor, start: torch.Tensor, n_pages: list[int],
+                    candidates: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Each page's score [b, width]: its affinity with the recent window's mean key (Eq. 3-4, centred if asked),
+        or with anchor="queries" the prompt window's attention to it, max-pooled over `neighbours` pages on either side
+        (pages past the prompt score 0)."""
+        b, width = candidates.shape
+        if self.anchor == "queries":
+            masses = [seq.method_state.page_mass for seq in seqs]
+            scores = reduce(self.tp, torch.stack([F.pad(m, (0, width - m.shape[0])) for m in masses]))  # [b, width]
+            size = 2 * self.neighbours + 1
+            return F.max_pool1d(scores[:, None], size, stride=1, padding=self.neighbours)[:, 0]
+        device = candidates.device
+        window = (start[:, None] + torch.arange(self.recent_pages, device=device)).clamp(max=width - 1)
+        anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None],
+                                  width, tables)  # Eq. 3: [b, layers, kv_heads, D]
+        if not self.center:
+            return self.page_dots(seqs, summarized, width, anchor[:, None], tables)[:, 0]  # Eq. 4
+        # (v - mean) . (anchor - mean)
+        page = torch.arange(width, device=device)[None, :].expand(b, -1)
+        mean = self.mean_vector(seqs, summarized, page, candidates, width, tables)
+        dots = self.page_dots(seqs, summarized, width, torch.stack([anchor, mean], 1), tables)
+        return dots[:, 0] - dots[:, 1] + reduce(self.tp, ((mean - anchor) * mean).sum((1, 2, 3)))[:, None]
+
     def reselect(self, seqs: list[Sequence]) -> None:
         """Algorithm 1 for the given sequences at once; nothing is read back from the device (the plan takes the kept
         pages as a fixed-width tensor), so the host only queues the work."""
@@ -341,22 +418,15 @@ class Chess(KVMethod):
         starts = [max(p - self.recent_pages, 0) for p in n_pages]  # first page of the recent window
         width = max(n_pages)
         tables = self.stacked_tables(seqs, width * (size // self.kv_page_size))
-        self.fold(seqs, [c - 1 for c in counts], tables)
+        if self.anchor == "keys":
+            self.fold(seqs, [c - 1 for c in counts], tables)
         device = tables.device
         n, start = torch.tensor(counts, device=device), torch.tensor(starts, device=device)
         summarized = n - 1
         _, _, k = safety(n, budget_tokens(self.budget, n), start, size)
-        window = (start[:, None] + torch.arange(self.recent_pages, device=device)).clamp(max=width - 1)
-        anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None],
-                                  width, tables)
         page = torch.arange(width, device=device)[None, :]
         candidates = (page >= 1) & (page < start[:, None])  # neither the sink page nor the window
-        if self.center:  # (v - mean) . (anchor - mean)
-            mean = self.mean_vector(seqs, summarized, page.expand(len(seqs), -1), candidates, width, tables)
-            dots = self.page_dots(seqs, summarized, width, torch.stack([anchor, mean], 1), tables)
-            scores = dots[:, 0] - dots[:, 1] + reduce(self.tp, ((mean - anchor) * mean).sum((1, 2, 3)))[:, None]
-        else:
-            scores = self.page_dots(seqs, summarized, width, anchor[:, None], tables)[:, 0]  # Eq. 4
+        scores = self.page_scores(seqs, summarized, start, n_pages, candidates, tables)  # [b, width]
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
         keep = cascade(scores, candidates, self.chunk_pages, self.grid_chunks, rho, k)
@@ -370,7 +440,10 @@ class Chess(KVMethod):
             st.pages_since, st.pending = 0, False
 
     def observe_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Track uncertainty per page of generated tokens: the entropies stay on the device until a page ends."""
+        """Track uncertainty per page of generated tokens: the entropies stay on the device until a page ends. With
+        anchor="queries" the one selection after prefill stands."""
+        if self.anchor == "queries":
+            return
         if self.mode == "always":
             for seq in seqs:
                 seq.method_state.pending = True

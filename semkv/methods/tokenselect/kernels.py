@@ -5,16 +5,16 @@ from semkv.kernels import use_triton
 from semkv.methods.tokenselect import reference
 
 
-def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta, selection,
+def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width, theta, selection,
                  kv_heads, tp=None):
     """See `reference.token_select`; the Triton path covers the soft vote and top-k with k >= 1 on one GPU (the
     hard vote, k = 0 and tensor parallelism, whose cosine and vote add over the ranks, run the reference)."""
     if use_triton(q.device) and selection != "hard_vote" and cache.top.shape[-1] > 0 and tp is None:
         from semkv.methods.tokenselect import triton_token_select as kernel
 
-        return kernel.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent,
+        return kernel.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width,
                                    theta, selection, kv_heads)
-    return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, n_sink, n_recent, theta,
+    return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width, theta,
                                   selection, kv_heads, tp)
 
 

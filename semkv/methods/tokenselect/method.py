@@ -19,10 +19,12 @@ Readings of the paper (each a parameter where it matters):
   tokens just before the chunk. While the budget covers every earlier token the chunk attends to all of them, so
   prefill then equals Full KV exactly.
 - The Selection Cache (decode only, as Algorithm 1) keys on the query flattened over heads, per sequence and layer;
-  a hit reuses the top-k slots and refreshes the initial and recent ones. Hit counts go to `stats.extra`. With an
-  int budget in exact mode it lives on the device (`kernels.token_select`, one cache row per running sequence,
-  named by the step plan), so the whole decode step is captured in a CUDA graph and the scoring kernels skip the
-  rows that hit; fractional budgets and extrapolation keep it per sequence on the host.
+  a hit reuses the top-k slots and refreshes the initial and recent ones. Hit counts go to `stats.extra`. In exact
+  mode (an int or a fractional budget) it lives on the device (`kernels.token_select`, one cache row per running
+  sequence, named by the step plan), so the whole decode step is captured in a CUDA graph and the scoring kernels
+  skip the rows that hit; an entry is reused only under the budget it was selected with (a fractional budget grows
+  with the context: at 0.1 it is selected anew at least every 10 tokens). Extrapolation keeps it per sequence on
+  the host.
 - Exact mode (default) scores post-RoPE keys with post-RoPE queries. `extrapolate=True` stores keys before RoPE,
   scores without positions, and rotates the attended keys by their rank (`KVMethod.rope_by_rank`), so the model sees
   positions below budget + chunk however long the input: keep that under the model's context.
@@ -49,11 +51,11 @@ from dataclasses import dataclass
 import torch
 
 from semkv import kernels
-from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
-from semkv.methods.tokenselect.reference import SelectionCacheBuffers
+from semkv.methods.tokenselect.reference import SelectionCacheBuffers, split_parts
 from semkv.models.parallel import cosine
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
@@ -105,9 +107,9 @@ class TokenSelect(KVMethod):
 
     @property
     def graph_safe(self) -> bool:
-        """With an int budget in exact mode every row of a step is selected by tensor operations alone, the
+        """In exact mode every row of a step is selected by tensor operations alone, each row's budget and the
         Selection Cache included (`select_batched`), which CUDA graphs capture."""
-        return isinstance(self.budget, int) and not self.extrapolate
+        return not self.extrapolate
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -116,14 +118,16 @@ class TokenSelect(KVMethod):
                              f"{model.max_position_embeddings} tokens for extrapolation")
 
     def reset(self) -> None:
-        # the device Selection Cache, id(seq) -> (seq, its row in it), and (sequences, plan) of the last step
+        # the device Selection Cache, id(seq) -> (seq, its row in it), (sequences, plan) of the last step and
+        # (batch, each row's split of its budget [B, 3]) of the current step
         self._cache: SelectionCacheBuffers | None = None
         self._rows: dict[int, tuple[Sequence, int]] = {}
         self._plan: tuple[list[Sequence], CacheRows] | None = None
+        self._parts: tuple[DecodeBatch, torch.Tensor] | None = None
 
     def release(self, seq: Sequence) -> None:
         self._rows.pop(id(seq), None)
-        self._plan = None
+        self._plan = self._parts = None
 
     def new_state(self, seq: Sequence) -> list:
         """Selection Cache per layer: (query [heads * D], top-k slots [S, k]) of the last selection, or None."""
@@ -181,18 +185,22 @@ class TokenSelect(KVMethod):
 
     def select_batched(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         """Every row at once, without reading device values (`kernels.token_select`, the Selection Cache on the
-        device): the initial slots, the voted top-k among [initial, n - recent) and the recent ones where
-        n > budget, else all n slots. q [B, heads, D]; the step plan holds each row's cache row."""
-        budget, width = self.budget, batch.max_slots
-        if budget >= width:
+        device): the initial slots, the voted top-k among [initial, n - recent) and the recent ones where n > the
+        row's budget (a fraction resolved per row on the device), else all n slots. q [B, heads, D]; the step plan
+        holds each row's cache row."""
+        width = batch.max_slots
+        out_width = resolve_budget(self.budget, width)  # every row's budget is at most this
+        if out_width >= width:
             return None
-        sink, _, recent = self.split(budget)
-        n = batch.num_slots[:, layer]  # [B]
+        n = batch.num_slots[:, layer]  # [B] (every layer stores every token)
+        if layer == 0 or self._parts is None or self._parts[0] is not batch:  # once a step (a capture), on the device
+            self._parts = batch, split_parts(budget_tokens(self.budget, n), self.n_sink, self.n_recent)
+        parts = self._parts[1]  # [B, 3]
         kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
         slots = tokenselect_kernels.token_select(q, batch.pool.k, batch.tables[:, layer], n, width,
-                                     batch.step_plan.cache_row, self._cache, layer, sink, recent,
-                                     self.theta, self.selection, kv_heads, self.tp)  # [B, S, budget]
-        return Selection(slots, n.clamp(max=budget)[:, None].expand(-1, slots.shape[1]))
+                                                 batch.step_plan.cache_row, self._cache, layer, parts, out_width,
+                                                 self.theta, self.selection, kv_heads, self.tp)  # [B, S, out_width]
+        return Selection(slots, torch.minimum(n, parts.sum(1))[:, None].expand(-1, slots.shape[1]))
 
     def step_plan(self, batch: DecodeBatch) -> "CacheRows | None":
         """Each sequence's row in the device Selection Cache ([B]; the same object while the batch is the same
@@ -200,9 +208,12 @@ class TokenSelect(KVMethod):
         cache moves it, so captured graphs are captured again (`graph_epoch`)."""
         if not self.graph_safe:
             return None
-        seqs = batch.seqs
+        seqs, device = batch.seqs, batch.pool.k.device
+        longest = max(s.num_computed + 1 for s in seqs)  # slots after the step's append (host values)
+        k = self.split(resolve_budget(self.budget, longest))[1]  # the widest top-k of the step
         if self._plan is not None and len(self._plan[0]) == len(seqs) and all(
                 a is b for a, b in zip(self._plan[0], seqs)):
+            self._ensure_cache(1, k, device)
             return self._plan[1]
         live = {id(s) for s in seqs}
         for key in [key for key in self._rows if key not in live]:
@@ -211,26 +222,31 @@ class TokenSelect(KVMethod):
         free = (row for row in range(1, len(seqs) + len(taken) + 1) if row not in taken)  # row 0: padding
         fresh = [(s, next(free)) for s in seqs if id(s) not in self._rows]
         self._rows.update((id(s), (s, row)) for s, row in fresh)
-        self._ensure_rows(max(row for _, row in self._rows.values()) + 1, batch.pool.k.device)
+        self._ensure_cache(max(row for _, row in self._rows.values()) + 1, k, device)
         for _, row in fresh:
             self._cache.valid[row] = 0
             self._cache.counts[row] = 0
-        plan = CacheRows(torch.tensor([self._rows[id(s)][1] for s in seqs], device=batch.pool.k.device))
+        plan = CacheRows(torch.tensor([self._rows[id(s)][1] for s in seqs], device=device))
         self._plan = (list(seqs), plan)
         return plan
 
-    def _ensure_rows(self, rows: int, device: torch.device) -> None:
+    def _ensure_cache(self, rows: int, k: int, device: torch.device) -> None:
+        """A Selection Cache of at least `rows` rows and top-k width `k`, grown geometrically (a fractional budget's k
+        grows with the context); growing moves it, so captured graphs are captured again (`graph_epoch`)."""
         old = self._cache
-        if old is not None and old.q.shape[0] >= rows:
+        if old is not None and old.q.shape[0] >= rows and old.top.shape[-1] >= k:
             return
         model = self.model
         sets = model.num_kv_heads if self.scope == "kv_head" else 1
-        self._cache = SelectionCacheBuffers.allocate(max(2 * rows, 8), model.num_layers,
-                                                     model.num_heads * model.head_dim, sets,
-                                                     self.split(self.budget)[1], device)
+        old_rows, old_k = (0, 0) if old is None else (old.q.shape[0], old.top.shape[-1])
+        new_rows = old_rows if old_rows >= rows else max(2 * rows, 8)
+        new_k = old_k if old_k >= k else max(k, 2 * old_k)
+        self._cache = SelectionCacheBuffers.allocate(new_rows, model.num_layers, model.num_heads * model.head_dim,
+                                                     sets, new_k, device)
         if old is not None:
-            for name in ("q", "top", "valid", "counts"):
-                getattr(self._cache, name)[: old.q.shape[0]] = getattr(old, name)
+            for name in ("q", "valid", "counts"):
+                getattr(self._cache, name)[:old_rows] = getattr(old, name)
+            self._cache.top[:old_rows, ..., :old_k] = old.top
         self.graph_epoch += 1
 
     def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "CacheRows":

@@ -4,42 +4,69 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from semkv.kernels.reference import paged_dot
 from semkv.models.parallel import TensorParallel, cosine, over_heads
 
 
-def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None,
-              tp: TensorParallel | None = None) -> torch.Tensor:
-    """TokenSelect's selection functions (Eqs. 5-7): scores [..., heads, n] (q_h . k of each candidate, -inf where
-    not a candidate) -> indices of the k chosen candidates [..., S, k], ascending. "soft_vote": softmax per head,
-    summed over the heads; "top_k": the logits summed; "hard_vote": each head's top-k counted, ties broken by the
-    soft vote. kv_heads None: one vote over all heads (S = 1), every rank's heads with tensor parallelism (`tp`);
-    otherwise one per KV group (S = kv_heads)."""
+def vote_totals(scores: torch.Tensor, k: int | torch.Tensor, selection: str, kv_heads: int | None,
+                tp: TensorParallel | None = None) -> torch.Tensor:
+    """TokenSelect's selection functions (Eqs. 5-7) before the top-k: scores [..., heads, n] (q_h . k of each
+    candidate, -inf where not a candidate) -> each candidate's total [..., S, n]. "soft_vote": softmax per head,
+    summed over the heads; "top_k": the logits summed; "hard_vote": each head's top-k counted (k an int, or [B] per
+    row of scores [B, heads, n]), ties broken by the soft vote. kv_heads None: one vote over all heads (S = 1), every
+    rank's heads with tensor parallelism (`tp`); otherwise one per KV group (S = kv_heads)."""
     def per_set(x: torch.Tensor) -> torch.Tensor:  # [..., heads, n] -> [..., S, n]
         if kv_heads is None:
             return over_heads(tp, x, -2, "sum", keepdim=True)
         return x.unflatten(-2, (kv_heads, -1)).sum(-2)
 
     if selection == "top_k":
-        total = per_set(scores)
-    else:
-        soft = per_set(torch.softmax(scores, dim=-1))
-        if selection == "soft_vote":
-            total = soft
-        else:  # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
-            hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
-            voters = scores.shape[-2] // soft.shape[-2] * (tp.size if tp is not None and kv_heads is None else 1)
-            total = per_set(hits) + soft / (2 * voters)
-    return total.topk(k, dim=-1).indices.sort(dim=-1).values
+        return per_set(scores)
+    soft = per_set(torch.softmax(scores, dim=-1))
+    if selection == "soft_vote":
+        return soft
+    # hard vote; soft / (2 * voters) < 1 only breaks ties between equal counts
+    if isinstance(k, int):
+        hits = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
+    else:  # each row's own k: a head's rank of every candidate
+        rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        hits = (rank < k[:, None, None]).to(scores.dtype)
+    voters = scores.shape[-2] // soft.shape[-2] * (tp.size if tp is not None and kv_heads is None else 1)
+    return per_set(hits) + soft / (2 * voters)
+
+
+def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None,
+              tp: TensorParallel | None = None) -> torch.Tensor:
+    """Indices of the k chosen candidates [..., S, k], ascending, by `vote_totals`."""
+    return vote_totals(scores, k, selection, kv_heads, tp).topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def row_top(totals: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
+    """Each row's k[b] highest totals [B, S, n] (ties: the lower index) -> [B, S, width], ascending, then 0."""
+    order = totals.sort(dim=-1, descending=True, stable=True).indices[..., :width]  # [B, S, <= width]
+    last = torch.iinfo(torch.long).max
+    keep = torch.arange(order.shape[-1], device=k.device) < k[:, None, None]
+    top = torch.where(keep, order, last).sort(dim=-1).values
+    return F.pad(torch.where(top == last, 0, top), (0, width - order.shape[-1]))
+
+
+def split_parts(budget: torch.Tensor, n_sink: int, n_recent: int) -> torch.Tensor:
+    """TokenSelect's split of each row's budget [B] (`TokenSelect.split`, on the device) -> (initial, k, recent)
+    attended slots [B, 3]."""
+    sink = torch.minimum(budget // 8, torch.full_like(budget, n_sink))
+    recent = torch.minimum((budget // 4).clamp(min=1), torch.full_like(budget, n_recent))
+    return torch.stack([sink, budget - sink - recent, recent], 1)
 
 
 @dataclass
 class SelectionCacheBuffers:
     """TokenSelect's Selection Cache on the device, one row per running sequence (row 0 is scratch for padding
     rows): the query of each layer's last selection q [rows, layers, heads * D] float32, its top-k slots
-    top [rows, layers, S, k], whether that entry may be reused valid [rows, layers] int8, and per row the hits and
-    lookups so far counts [rows, 2]."""
+    top [rows, layers, S, k_max] (the first k of the entry's split), the budget the entry was selected under
+    valid [rows, layers] int32 (0: nothing to reuse; a hit needs the same budget, so the same split), and per row
+    the hits and lookups so far counts [rows, 2]."""
 
     q: torch.Tensor
     top: torch.Tensor
@@ -51,42 +78,46 @@ class SelectionCacheBuffers:
                  device: torch.device) -> "SelectionCacheBuffers":
         return cls(q=torch.zeros(rows, layers, query_size, dtype=torch.float32, device=device),
                    top=torch.zeros(rows, layers, sets, k, dtype=torch.long, device=device),
-                   valid=torch.zeros(rows, layers, dtype=torch.int8, device=device),
+                   valid=torch.zeros(rows, layers, dtype=torch.int32, device=device),
                    counts=torch.zeros(rows, 2, dtype=torch.long, device=device))
 
 
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
-                 rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, n_sink: int, n_recent: int,
+                 rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
                  theta: float, selection: str, kv_heads: int | None,
                  tp: TensorParallel | None = None) -> torch.Tensor:
     """One layer of TokenSelect's decode selection for a batch, Selection Cache included (Algorithm 1).
 
     q [B, heads, D] current queries; tables [B, max_pages]; num_slots [B] stored slots (current token included);
-    width >= num_slots; rows [B] each sequence's row in `cache`. With k = cache.top.shape[-1] and
-    budget = n_sink + k + n_recent, a row with more than `budget` slots is sparse: it looks its query up in the
-    cache (a hit: the entry is valid and cos(q, cached q) >= theta) and on a miss votes anew among the candidates
-    [n_sink, num_slots - n_recent) and stores query and top-k. Returns slots [B, S, budget] ascending: the sinks,
-    the top-k and the recent slots of a sparse row, 0..budget-1 for the others (the caller masks by length).
-    Updates `cache` in place; `triton_token_select.py` does the same in kernels that skip hit rows."""
-    batch, n_heads, _ = q.shape
-    k = cache.top.shape[-1]
-    budget = n_sink + k + n_recent
+    width >= num_slots; rows [B] each sequence's row in `cache`; parts [B, 3] each row's (initial, k, recent) split
+    of its budget (`split_parts`; k <= cache.top.shape[-1]); out_width >= every row's budget. A row with more slots
+    than its budget is sparse: it looks its query up in the cache (a hit: the entry holds the same budget and
+    cos(q, cached q) >= theta) and on a miss votes anew among the candidates [initial, num_slots - recent) and stores
+    query and top-k. Returns slots [B, S, out_width] ascending: the initial slots, the top-k and the recent slots of
+    a sparse row, 0..out_width-1 for the others (the caller masks by length min(num_slots, budget)). Updates
+    `cache` in place; `triton_token_select.py` does the same in kernels that skip hit rows."""
+    sink, k, recent = parts.unbind(1)  # [B] each
+    budget = parts.sum(1)  # [B]
     flat = q.flatten(1).float()  # [B, heads * D]
     cached = cache.q[rows, layer]
     sparse = num_slots > budget  # [B]
     similar = cosine(tp, flat, cached) >= theta  # over every rank's heads
-    hit = sparse & (cache.valid[rows, layer] != 0) & similar
+    hit = sparse & (cache.valid[rows, layer] == budget) & similar
     refresh = sparse & ~hit
     slot = torch.arange(width, device=q.device)
     scores = paged_dot(q, k_pool, tables, slot)  # [B, heads, width]
-    candidate = (slot >= n_sink) & (slot < (num_slots - n_recent)[:, None])  # [B, width]
+    candidate = (slot >= sink[:, None]) & (slot < (num_slots - recent)[:, None])  # [B, width]
     scores = scores.masked_fill(~candidate[:, None], float("-inf"))
-    top = torch.where(refresh[:, None, None], head_vote(scores, k, selection, kv_heads, tp), cache.top[rows, layer])
-    cache.top[rows, layer] = top  # [B, S, k]
+    voted = row_top(vote_totals(scores, k, selection, kv_heads, tp), k, cache.top.shape[-1])  # [B, S, k_max]
+    top = torch.where(refresh[:, None, None], voted, cache.top[rows, layer])
+    cache.top[rows, layer] = top
     cache.q[rows, layer] = torch.where(refresh[:, None], flat, cached)
-    cache.valid[rows, layer] = sparse.to(torch.int8)
+    cache.valid[rows, layer] = torch.where(sparse, budget, 0).int()
     cache.counts[rows] += torch.stack([hit, sparse], 1).long()
-    sets = top.shape[1]
-    recent = (num_slots - n_recent)[:, None] + torch.arange(n_recent, device=q.device)  # [B, n_recent]
-    chosen = torch.cat([slot[:n_sink].expand(batch, sets, -1), top, recent[:, None].expand(-1, sets, -1)], dim=-1)
-    return torch.where(sparse[:, None, None], chosen, slot[:budget].expand(batch, sets, -1))
+    j = torch.arange(out_width, device=q.device)[None]  # [1, out_width]
+    in_top = (j - sink[:, None]).clamp(0, top.shape[-1] - 1)  # [B, out_width]
+    from_top = torch.gather(top, 2, in_top[:, None].expand(-1, top.shape[1], -1))  # [B, S, out_width]
+    recent_slot = num_slots[:, None] - budget[:, None] + j  # [B, out_width]: the recent part's slots
+    chosen = torch.where((j < sink[:, None])[:, None], j[:, None],
+                         torch.where((j < (sink + k)[:, None])[:, None], from_top, recent_slot[:, None]))
+    return torch.where(sparse[:, None, None], chosen, j[:, None].expand_as(chosen))

@@ -18,9 +18,11 @@ Same arguments and result as `reference.token_select` (selections "soft_vote" an
 5. `_select`: one program per (row, vote set, chunk) writes its chunk's winners in slot order (ties to the lower
    slot) into the cache and the step's slots, and its share of the sinks, the cached top-k of rows that hit and the
    recent slots.
-The integers that change from step to step and only enter scalar arithmetic (strides, the layer, the chunk count) are
-not specialised; the width keeps Triton's divisibility specialisation for vector loads, so eager steps of any width
-compile at most two variants of a kernel. Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run on CPU tensors for tests.
+The integers that change from step to step and only enter scalar arithmetic (strides, the layer, the chunk count,
+the cache's and the output's widths; each row's split is read from a tensor) are not specialised; the width keeps
+Triton's divisibility specialisation for vector loads, so eager steps of any width compile at most two variants of a
+kernel. Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run on CPU tensors for
+tests.
 """
 from __future__ import annotations
 
@@ -38,24 +40,25 @@ RADIX_PASSES = 32 // RADIX_BITS
 
 
 @triton.jit(do_not_specialize=["layer", "stride_n"])
-def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_ptr, hist_ptr, layer, stride_n,
-                 LAYERS, theta, BUDGET: tl.constexpr, QS: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr,
+def _cache_check(q_ptr, n_ptr, parts_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_ptr, hist_ptr, layer,
+                 stride_n, LAYERS, theta, QS: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr,
                  HIST_P: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     entry = row * LAYERS + layer
-    sparse = tl.load(n_ptr + b * stride_n) > BUDGET
+    budget = (tl.load(parts_ptr + b * 3) + tl.load(parts_ptr + b * 3 + 1) + tl.load(parts_ptr + b * 3 + 2)).to(tl.int32)
+    sparse = tl.load(n_ptr + b * stride_n) > budget
     e = tl.arange(0, BLOCK)
     inside = e < QS
     q = tl.load(q_ptr + b * QS + e, mask=inside, other=0.0).to(tl.float32)
     cached = tl.load(cq_ptr + entry * QS + e, mask=inside, other=0.0)
     norms = tl.sqrt(tl.sum(q * q, 0)) * tl.sqrt(tl.sum(cached * cached, 0))
     similar = tl.sum(q * cached, 0) / tl.maximum(norms, 1e-8) >= theta
-    hit = sparse & (tl.load(valid_ptr + entry) != 0) & similar
+    hit = sparse & (tl.load(valid_ptr + entry) == budget) & similar
     refresh = sparse.to(tl.int32) - hit.to(tl.int32) > 0  # sparse and missed, kept boolean for the mask below
     tl.store(refresh_ptr + b, refresh.to(tl.int8))
     tl.store(cq_ptr + entry * QS + e, q, mask=inside & (e * 0 + refresh.to(tl.int32) > 0))  # a boolean vector
-    tl.store(valid_ptr + entry, sparse.to(tl.int8))
+    tl.store(valid_ptr + entry, tl.where(sparse, budget, 0))
     tl.store(counts_ptr + row * 2, tl.load(counts_ptr + row * 2) + hit.to(tl.int64))
     tl.store(counts_ptr + row * 2 + 1, tl.load(counts_ptr + row * 2 + 1) + sparse.to(tl.int64))
     h = tl.arange(0, HIST_P)
@@ -63,15 +66,16 @@ def _cache_check(q_ptr, n_ptr, rows_ptr, cq_ptr, valid_ptr, counts_ptr, refresh_
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_n"])
-def _vote_scores(q_ptr, k_pool_ptr, tables_ptr, n_ptr, refresh_ptr, scores_ptr, smax_ptr, ssum_ptr, W, stride_tb,
-                 stride_n, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE_SIZE: tl.constexpr,
+def _vote_scores(q_ptr, k_pool_ptr, tables_ptr, n_ptr, parts_ptr, refresh_ptr, scores_ptr, smax_ptr, ssum_ptr, W,
+                 stride_tb, stride_n, PAGE_SIZE: tl.constexpr,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, GROUP_P: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFT: tl.constexpr,
                  IEEE: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)  # this program scores blocks split, split + SPLITS, ...
     b = tl.program_id(2).to(tl.int64)
-    hi = tl.load(n_ptr + b * stride_n) - RECENT  # candidates are [SINK, hi)
+    sink = tl.load(parts_ptr + b * 3)
+    hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)  # candidates are [sink, hi)
     if tl.load(refresh_ptr + b) != 0:
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, BLOCK_D)
@@ -83,7 +87,7 @@ def _vote_scores(q_ptr, k_pool_ptr, tables_ptr, n_ptr, refresh_ptr, scores_ptr, 
         total = tl.zeros([GROUP_P], tl.float32)
         for block in range(split, tl.cdiv(hi, BLOCK_N), SPLITS):
             t = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            candidate = (t >= SINK) & (t < hi)
+            candidate = (t >= sink) & (t < hi)
             s = key_dots(q, k_pool_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d, PAGE_SIZE, KV_HEADS,
                          DIM, IEEE)  # [GROUP_P, BLOCK_N]
             s = tl.where(candidate[None, :], s, float("-inf"))
@@ -108,12 +112,12 @@ def _ordered_key(vote):
 
 
 @triton.jit
-def _radix_prefix(hist_row, K, PASSES: tl.constexpr, BITS: tl.constexpr):
-    """The top PASSES * BITS bits of the k-th largest key, from the row's first PASSES histograms, and how many of
-    the keys with exactly that prefix still belong to the top k."""
+def _radix_prefix(hist_row, k, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """The top PASSES * BITS bits of the k-th largest key (k >= 1), from the row's first PASSES histograms, and how
+    many of the keys with exactly that prefix still belong to the top k."""
     bins = tl.arange(0, 1 << BITS)
     prefix = tl.full([], 0, tl.int64)
-    need = tl.full([], K, tl.int32)
+    need = k.to(tl.int32)
     for p in tl.static_range(PASSES):
         counts = tl.load(hist_row + p * (1 << BITS) + bins)
         above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys on the prefix with a larger digit
@@ -125,14 +129,15 @@ def _radix_prefix(hist_row, K, PASSES: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["stride_n"])
-def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, refresh_ptr, vote_ptr, hist_ptr, W, stride_n, HEADS: tl.constexpr,
-          PER_SET: tl.constexpr, HP: tl.constexpr, SETS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, parts_ptr, refresh_ptr, vote_ptr, hist_ptr, W, stride_n,
+          HEADS: tl.constexpr, PER_SET: tl.constexpr, HP: tl.constexpr, SETS: tl.constexpr,
           SCORE_SPLITS: tl.constexpr, SCORE_SPLITS_P: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
           SOFT: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     split = tl.program_id(2)  # this program votes on blocks split, split + SPLITS, ...
-    hi = tl.load(n_ptr + b * stride_n) - RECENT
+    sink = tl.load(parts_ptr + b * 3)
+    hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)
     if tl.load(refresh_ptr + b) != 0:
         h = tl.arange(0, HP)
         heads = b * HEADS + s * PER_SET + h  # rows of this vote set's heads in scores
@@ -149,7 +154,7 @@ def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, refresh_ptr, vote_ptr, hist_ptr
         counts = tl.zeros([1 << BITS], tl.int32)  # top bytes of this program's candidate votes
         for block in range(split, tl.cdiv(hi, BLOCK_V), SPLITS):
             t = block * BLOCK_V + tl.arange(0, BLOCK_V)
-            candidate = (t >= SINK) & (t < hi)
+            candidate = (t >= sink) & (t < hi)
             inside = in_set[:, None] & candidate[None, :]
             logits = tl.load(scores_ptr + heads[:, None] * W + t[None, :], mask=inside, other=float("-inf"))
             if SOFT:
@@ -163,19 +168,21 @@ def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, refresh_ptr, vote_ptr, hist_ptr
 
 
 @triton.jit(do_not_specialize=["stride_n", "CHUNKS"])
-def _radix_pass(vote_ptr, n_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, W, stride_n, CHUNKS,
-                SETS: tl.constexpr, SINK: tl.constexpr, K: tl.constexpr, RECENT: tl.constexpr, BLOCK_T: tl.constexpr,
+def _radix_pass(vote_ptr, n_ptr, parts_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, W, stride_n,
+                CHUNKS, SETS: tl.constexpr, BLOCK_T: tl.constexpr,
                 BITS: tl.constexpr, PASSES: tl.constexpr, PASS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     c = tl.program_id(2)
-    hi = tl.load(n_ptr + b * stride_n) - RECENT
-    if tl.load(refresh_ptr + b) != 0:
+    sink = tl.load(parts_ptr + b * 3)
+    k = tl.load(parts_ptr + b * 3 + 1)
+    hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)
+    if (tl.load(refresh_ptr + b) != 0) & (k > 0):
         row = b * SETS + s
         hist_row = hist_ptr + row * PASSES * (1 << BITS)
-        prefix, need = _radix_prefix(hist_row, K, PASS, BITS)
+        prefix, need = _radix_prefix(hist_row, k, PASS, BITS)
         t = c * BLOCK_T + tl.arange(0, BLOCK_T)
-        candidate = (t >= SINK) & (t < hi)
+        candidate = (t >= sink) & (t < hi)
         key = _ordered_key(tl.load(vote_ptr + row * W + t, mask=candidate, other=0.0))
         match = candidate & ((key >> (32 - PASS * BITS)) == prefix)
         digit = ((key >> (32 - (PASS + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
@@ -188,26 +195,27 @@ def _radix_pass(vote_ptr, n_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_ab
             tl.store(chunk_hist_ptr + (row * CHUNKS + c) * (1 << BITS) + bins, counts)
 
 
-@triton.jit(do_not_specialize=["stride_n", "layer", "CHUNKS"])
-def _select(vote_ptr, n_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, top_ptr, out_ptr, W,
-            stride_n, layer, LAYERS, CHUNKS, SETS: tl.constexpr, SINK: tl.constexpr, K: tl.constexpr,
-            RECENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-            PASSES: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_n", "layer", "CHUNKS", "K_MAX", "OUT_W"])
+def _select(vote_ptr, n_ptr, parts_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, top_ptr,
+            out_ptr, W, stride_n, layer, LAYERS, CHUNKS, K_MAX, OUT_W, SETS: tl.constexpr, BLOCK_T: tl.constexpr,
+            BLOCK_C: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     c = tl.program_id(2)
-    budget = SINK + K + RECENT
+    sink = tl.load(parts_ptr + b * 3)
+    k = tl.load(parts_ptr + b * 3 + 1)
+    recent = tl.load(parts_ptr + b * 3 + 2)
     n = tl.load(n_ptr + b * stride_n)
     row = b * SETS + s
-    out_row = out_ptr + row * budget
+    out_row = out_ptr + row * OUT_W
     i = c * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's slots and its positions in the output's parts
-    if n <= budget:  # every stored slot; the caller's lengths cut the list at n
-        tl.store(out_row + i, i.to(tl.int64), mask=i < budget)
+    if n <= sink + k + recent:  # every stored slot; the caller's lengths cut the list at n
+        tl.store(out_row + i, i.to(tl.int64), mask=i < OUT_W)
     else:
-        hi = n - RECENT
-        top_row = top_ptr + ((tl.load(rows_ptr + b).to(tl.int64) * LAYERS + layer) * SETS + s) * K
-        if tl.load(refresh_ptr + b) != 0:
-            prefix, need = _radix_prefix(hist_ptr + row * PASSES * (1 << BITS), K, PASSES, BITS)
+        hi = n - recent
+        top_row = top_ptr + ((tl.load(rows_ptr + b).to(tl.int64) * LAYERS + layer) * SETS + s) * K_MAX
+        if (tl.load(refresh_ptr + b) != 0) & (k > 0):
+            prefix, need = _radix_prefix(hist_ptr + row * PASSES * (1 << BITS), k, PASSES, BITS)
             # where this chunk's winners start: the winners of the chunks before it (BLOCK_C at a time), the keys
             # equal to the k-th largest going to the lowest slots
             bins = tl.arange(0, 1 << BITS)
@@ -225,21 +233,21 @@ def _select(vote_ptr, n_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, ch
                 equal_before = equal_seen + tl.cumsum(equal, 0) - equal
                 written += tl.sum(above + tl.minimum(tl.maximum(need - equal_before, 0), equal), 0)
                 equal_seen += tl.sum(equal, 0)
-            candidate = (i >= SINK) & (i < hi)
+            candidate = (i >= sink) & (i < hi)
             key = tl.where(candidate, _ordered_key(tl.load(vote_ptr + row * W + i, mask=candidate, other=0.0)), -1)
             is_equal = (key == prefix).to(tl.int32)
             take = (key > prefix) | ((is_equal != 0) & (equal_seen + tl.cumsum(is_equal, 0) <= need))
             at = written + tl.cumsum(take.to(tl.int32), 0) - 1
             tl.store(top_row + at, i.to(tl.int64), mask=take)
-            tl.store(out_row + SINK + at, i.to(tl.int64), mask=take)
+            tl.store(out_row + sink + at, i.to(tl.int64), mask=take)
         else:
-            tl.store(out_row + SINK + i, tl.load(top_row + i, mask=i < K, other=0), mask=i < K)
-        tl.store(out_row + i, i.to(tl.int64), mask=i < SINK)
-        tl.store(out_row + SINK + K + i, (hi + i).to(tl.int64), mask=i < RECENT)
+            tl.store(out_row + sink + i, tl.load(top_row + i, mask=i < k, other=0), mask=i < k)
+        tl.store(out_row + i, i.to(tl.int64), mask=i < sink)
+        tl.store(out_row + sink + k + i, (hi + i).to(tl.int64), mask=i < recent)
 
 
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
-                 rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, n_sink: int, n_recent: int,
+                 rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
                  theta: float, selection: str, kv_heads: int | None, block_n: int = 128, block_t: int = 2048,
                  num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32,
                  score_warps: int = 4, score_stages: int = 2) -> torch.Tensor:
@@ -252,8 +260,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     at Qwen2.5-0.5B's shape, 1.05x -> 0.98x at Llama-3.1-8B's."""
     batch, n_heads, dim = q.shape
     _, page_size, pool_kv_heads, _ = k_pool.shape
-    sets, k = cache.top.shape[2], cache.top.shape[3]
-    budget = n_sink + k + n_recent
+    sets, k_max = cache.top.shape[2], cache.top.shape[3]
+    parts = parts.contiguous()
     layers = cache.q.shape[1]
     q = q.contiguous()
     rows = rows.contiguous()
@@ -261,8 +269,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     refresh = torch.empty(batch, dtype=torch.int8, device=device)
     hist = torch.empty(batch, sets, RADIX_PASSES, RADIX_BINS, dtype=torch.int32, device=device)  # cleared by the check
     hist_size = sets * RADIX_PASSES * RADIX_BINS
-    _cache_check[(batch,)](q, num_slots, rows, cache.q, cache.valid, cache.counts, refresh, hist, layer,
-                           num_slots.stride(0), layers, theta, BUDGET=budget, QS=n_heads * dim,
+    _cache_check[(batch,)](q, num_slots, parts, rows, cache.q, cache.valid, cache.counts, refresh, hist, layer,
+                           num_slots.stride(0), layers, theta, QS=n_heads * dim,
                            BLOCK=triton.next_power_of_2(n_heads * dim), HIST=hist_size,
                            HIST_P=triton.next_power_of_2(hist_size))
     score_splits = min(splits, triton.cdiv(width, block_n))
@@ -275,8 +283,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
         score_stages = max(1, min(score_stages, device_limits(device.index or 0)[1] //
                                   (block_n * triton.next_power_of_2(dim) * k_pool.element_size())))
     _vote_scores[(pool_kv_heads, score_splits, batch)](
-        q.to(k_pool.dtype), k_pool, tables, num_slots, refresh, scores, split_max, split_sum, width,
-        tables.stride(0), num_slots.stride(0), SINK=n_sink, RECENT=n_recent, PAGE_SIZE=page_size,
+        q.to(k_pool.dtype), k_pool, tables, num_slots, parts, refresh, scores, split_max, split_sum, width,
+        tables.stride(0), num_slots.stride(0), PAGE_SIZE=page_size,
         KV_HEADS=pool_kv_heads, GROUP=group, DIM=dim, GROUP_P=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=score_splits, SOFT=soft,
         IEEE=q.dtype == torch.float32, num_warps=score_warps, num_stages=score_stages)
@@ -287,19 +295,19 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     vote_splits = min(vote_splits, triton.cdiv(width, block_v))
     radix = dict(BITS=RADIX_BITS, PASSES=RADIX_PASSES)
     _vote[(batch, sets, vote_splits)](
-        scores, split_max, split_sum, num_slots, refresh, votes, hist, width, num_slots.stride(0), HEADS=n_heads,
-        PER_SET=per_set, HP=hp, SETS=sets, SINK=n_sink, RECENT=n_recent, SCORE_SPLITS=score_splits,
+        scores, split_max, split_sum, num_slots, parts, refresh, votes, hist, width, num_slots.stride(0),
+        HEADS=n_heads, PER_SET=per_set, HP=hp, SETS=sets, SCORE_SPLITS=score_splits,
         SCORE_SPLITS_P=triton.next_power_of_2(score_splits), BLOCK_V=block_v, SPLITS=vote_splits, SOFT=soft, **radix)
     chunks = triton.cdiv(width, block_t)
     chunk_hist = torch.empty(batch, sets, chunks, RADIX_BINS, dtype=torch.int32, device=device)
     chunk_above = torch.empty(batch, sets, chunks, dtype=torch.int32, device=device)
     for radix_pass in range(1, RADIX_PASSES):
         _radix_pass[(batch, sets, chunks)](
-            votes, num_slots, refresh, hist, chunk_hist, chunk_above, width, num_slots.stride(0), chunks, SETS=sets,
-            SINK=n_sink, K=k, RECENT=n_recent, BLOCK_T=block_t, PASS=radix_pass, num_warps=num_warps, **radix)
-    out = torch.empty(batch, sets, budget, dtype=torch.long, device=device)  # [B, S, budget]
-    _select[(batch, sets, triton.cdiv(max(width, budget), block_t))](
-        votes, num_slots, rows, refresh, hist, chunk_hist, chunk_above, cache.top, out, width, num_slots.stride(0),
-        layer, layers, chunks, SETS=sets, SINK=n_sink, K=k, RECENT=n_recent, BLOCK_T=block_t, BLOCK_C=block_c,
+            votes, num_slots, parts, refresh, hist, chunk_hist, chunk_above, width, num_slots.stride(0), chunks,
+            SETS=sets, BLOCK_T=block_t, PASS=radix_pass, num_warps=num_warps, **radix)
+    out = torch.empty(batch, sets, out_width, dtype=torch.long, device=device)  # [B, S, out_width]
+    _select[(batch, sets, triton.cdiv(max(width, out_width), block_t))](
+        votes, num_slots, parts, rows, refresh, hist, chunk_hist, chunk_above, cache.top, out, width,
+        num_slots.stride(0), layer, layers, chunks, k_max, out_width, SETS=sets, BLOCK_T=block_t, BLOCK_C=block_c,
         num_warps=num_warps, **radix)
     return out
