@@ -74,8 +74,8 @@ from semkv.methods import calibration
 from semkv.methods.base import window_attention
 from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
-from semkv.methods.eviction import window_positions
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
+from semkv.methods.eviction import window_positions
 from semkv.methods.state.page_summaries import PageSummaries
 from semkv.models.config import ModelConfig
 from semkv.models.parallel import reduce
