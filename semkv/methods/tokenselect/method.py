@@ -135,10 +135,9 @@ class TokenSelect(KVMethod):
         return [None] * seq.kv.pool.num_layers
 
     def split(self, budget: int) -> tuple[int, int, int]:
-        """(initial, k, recent) attended slots that make up `budget`."""
-        sink = min(self.n_sink, budget // 8)
-        recent = min(self.n_recent, max(budget // 4, 1))
-        return sink, budget - sink - recent, recent
+        """(initial, k, recent) attended slots that make up `budget` (`split_parts`, the one rule, on the host)."""
+        sink, k, recent = split_parts(torch.tensor([budget]), self.n_sink, self.n_recent)[0].tolist()
+        return sink, k, recent
 
     def top_slots(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
         """The k voted slots among candidates [lo, hi) for the query q [heads, D]: [S, k]."""

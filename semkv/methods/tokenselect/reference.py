@@ -44,8 +44,9 @@ def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None
 
 
 def row_top(totals: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
-    """Each row's k[b] highest totals [B, S, n] (ties: the lower index) -> [B, S, width], ascending, then 0."""
-    order = totals.sort(dim=-1, descending=True, stable=True).indices[..., :width]  # [B, S, <= width]
+    """Each row's k[b] <= width highest totals [B, S, n] -> [B, S, width], ascending, then 0 (a top-`width` pass,
+    not a sort of the n totals)."""
+    order = totals.topk(min(width, totals.shape[-1]), dim=-1).indices  # [B, S, <= width] best first
     last = torch.iinfo(torch.long).max
     keep = torch.arange(order.shape[-1], device=k.device) < k[:, None, None]
     top = torch.where(keep, order, last).sort(dim=-1).values
