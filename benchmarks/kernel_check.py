@@ -311,6 +311,69 @@ def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int 
                  reference_ms=do_bench(lambda: sentencekv_reference.sentence_slots(*args)))]
 
 
+def check_working_set(gen, batch: int = 16, cache: int = 3200, offloaded: int = 6554) -> list[dict]:
+    """The offloaded working set for one layer (SentenceKV / DynSplit-KV with offload): each row's selection of 3200
+    of its 6554 offloaded tokens per KV head (32k at budget 0.1, keep factor 2), read from pinned host memory.
+    Step 1 loads everything (every token missing), step 2 keeps 90% of the selection (10% missing), step 3 repeats
+    step 2 (every token found). The kernel and the reference must agree exactly on the slots, the maps, the pool
+    and the traffic; timed: the step with 10% missing (one run, CUDA events) and the all-found step."""
+    from triton.testing import do_bench
+
+    from semkv.engine.offload import HostKVStore
+    from semkv.kernels import triton_working_set
+
+    device, layers, layer = torch.device("cuda"), 2, 1
+    rows = torch.arange(1, batch + 1, device=device)
+    stores, host = {}, torch.zeros(batch + 1, 4, dtype=torch.long, device=device)
+    for row in range(1, batch + 1):
+        store = HostKVStore(layers, HK, D, offloaded, torch.bfloat16, device)
+        keys = torch.randn(layers, HK, offloaded, D, device=device, generator=gen).to(torch.bfloat16)
+        store.put(slice(None), keys, -keys, torch.arange(offloaded, dtype=torch.int32, device=device).expand(layers,
+                                                                                                        HK, -1))
+        stores[row], host[row] = store, torch.tensor(store.pointers(), device=device)
+    n_sink, tail = 32, 32
+    pages = -(-(n_sink + cache + tail) // PAGE)
+    table = torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages) + 1  # page 0 unused
+    k_pool = torch.randn(batch * pages + 1, PAGE, HK, D, device=device, generator=gen).to(torch.bfloat16)
+    pos_pool = torch.zeros(batch * pages + 1, PAGE, HK, dtype=torch.int32, device=device)
+    full = lambda x: torch.full((batch,), x, device=device)  # noqa: E731
+    args = (rows, full(n_sink), full(offloaded), full(cache))
+    state = [torch.zeros(batch + 1, HK, cache, dtype=torch.int32, device=device),
+             torch.zeros(batch + 1, HK, offloaded, dtype=torch.int32, device=device),
+             torch.zeros(batch + 1, 2, dtype=torch.long, device=device)]
+    ours = [t.clone() for t in state] + [k_pool.clone(), k_pool.clone(), pos_pool.clone()]
+    theirs = [t.clone() for t in state] + [k_pool.clone(), k_pool.clone(), pos_pool.clone()]
+    order = torch.rand(batch, HK, offloaded, device=device, generator=gen).argsort(-1)
+    exact, miss_ms = True, 0.0
+    for step in range(3):
+        first = 0 if step == 0 else cache // 10  # steps 2 and 3: a tenth of the selection replaced
+        middle = n_sink + order[..., first : first + cache].sort(-1).values
+        slots = torch.cat([torch.arange(n_sink, device=device).expand(batch, HK, -1), middle,
+                           (n_sink + offloaded + torch.arange(tail, device=device)).expand(batch, HK, -1)], -1)
+        lengths = torch.full((batch, HK), slots.shape[-1], device=device)
+        got, want = slots.clone(), slots.clone()
+        held, where, traffic, kp, vp, pp = theirs
+        reference.working_set(want, lengths, *args, held, where, stores, table, kp, vp, pp, traffic, layer)
+        held, where, traffic, kp, vp, pp = ours
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        triton_working_set.working_set(got, lengths, *args, held, where, host, table, kp, vp, pp, traffic, layer)
+        end.record()
+        end.synchronize()
+        if step == 1:
+            miss_ms = start.elapsed_time(end)
+        exact = exact and torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    held, where, traffic, kp, vp, pp = ours
+
+    def all_found():
+        triton_working_set.working_set(slots.clone(), lengths, *args, held, where, host, table, kp, vp, pp, traffic,
+                                       layer)
+
+    moved = batch * HK * (cache // 10) * (2 * D * 2 + 4)
+    return [dict(kernel="working_set", batch=batch, cache=cache, err=0.0 if exact else float("inf"),
+                 miss_ms=miss_ms, hit_ms=do_bench(all_found), moved_mb=moved / 2**20)]
+
+
 def check_chunk_slots(gen, batch: int = 16, context: int = 32768) -> list[dict]:
     """DynSplit-KV's slot list from ranked chunks for one layer at budget 2048 (16 recent, no sinks): chunks of 2-30
     positions over a 32k context (about 2000, in a table with unused columns), ranked per KV head. Integers: they
@@ -436,7 +499,7 @@ def main() -> int:
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
             + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
-            + check_plan_slots(gen)
+            + check_plan_slots(gen) + check_working_set(gen)
             + check_token_select(gen, bandwidth) + check_soft_vote(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
@@ -467,6 +530,10 @@ def main() -> int:
         elif r["kernel"] == "sentence_slots":
             print(exact_row("SentenceKV sentence_slots (one layer)",
                             f"B={r['batch']} x {r['tokens']} tokens, budget 2048", r))
+        elif r["kernel"] == "working_set":
+            print(f"| working_set (offload, one layer) | B={r['batch']} x {r['cache']} slots per KV head | "
+                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | 10% missing {r['miss_ms']:.3f} / all found "
+                  f"{r['hit_ms']:.3f} | - | {r['moved_mb']:.1f} MiB from host at 10% missing |")
         elif r["kernel"] == "slot_stamps":
             print(exact_row("DynSplit-KV slot_stamps (one layer)", f"B={r['batch']} x 2048 slots per KV head", r))
         elif r["kernel"] == "chunk_refresh":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from semkv.bench.cli import parse_batches, parse_hf_points
-from semkv.bench.run import TextContexts, bench_decode, largest_full_batch, prefilled_batch
+from semkv.bench.run import TextContexts, bench_decode, bound_method, largest_batch, prefilled_batch
 from semkv.cli.main import main
 from semkv.engine.engine import Engine
 from semkv.errors import SemkvError
@@ -20,7 +20,7 @@ def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
     model, cfg = tiny_llm.engine.model, tiny_llm.config
     engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
     context, steps = 100, 3
-    batch = largest_full_batch(engine, context, steps)
+    batch = largest_batch(engine, bound_method(engine, "full", None), context, steps)
     # per sequence: 3 layers x ceil((100 + 4 warm-up + 3 timed + 2 breakdown) / 16) = 21 pages; 399 free -> 19
     assert batch == (engine.pool.num_pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 2) // 16))
     row = bench_decode(engine, "full", None, batch, context, steps=steps)
@@ -29,7 +29,25 @@ def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
     with pytest.raises(MemoryError):
         bench_decode(engine, "full", None, batch + 1, context, steps=steps)
     with pytest.raises(SemkvError, match="needs a KV pool of fixed size"):
-        largest_full_batch(tiny_llm.engine, context, steps)  # the CPU engine's pool grows on demand
+        largest_batch(tiny_llm.engine, bound_method(tiny_llm.engine, "full", None), context, steps)  # grows on demand
+
+
+def test_an_offloading_method_reaches_a_larger_batch_and_reports_its_traffic(tiny_llm):
+    """`--batches max` per method: offloading SentenceKV holds its budget per layer on the device, so the same pool
+    runs more sequences than Full KV; the run reports the host memory it held and the K/V it read from the host per
+    step, and gives every page and host byte back."""
+    model, cfg = tiny_llm.engine.model, tiny_llm.config
+    engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
+    context, steps = 320, 3
+    params = dict(n_sink=4, n_recent=4, offload=True)
+    full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
+    method = bound_method(engine, "sentencekv", 32, params, tiny_llm.tokenizer)
+    batch = largest_batch(engine, method, context, steps)
+    assert batch >= 3 * full
+    row = bench_decode(engine, "sentencekv", 32, batch, context, steps=steps, params=params,
+                       tokenizer=tiny_llm.tokenizer)
+    assert row.batch == batch and row.host_gib > 0 and row.h2d_mb_per_step > 0 and row.attended_per_layer <= 32
+    assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
 def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):

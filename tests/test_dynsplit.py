@@ -8,13 +8,11 @@ import pytest
 import torch
 
 import semkv
-from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.engine.kv_cache import SeqKV
 from semkv.engine.memory import held_bytes
-from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import DynSplitKV, calibration
 from semkv.methods.dynsplit.method import prefilled_state
-from semkv.methods.dynsplit.offload import load_region
 from semkv.methods.dynsplit.split import AttentionDependency, dd_select
 from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
 
@@ -140,7 +138,7 @@ def test_incremental_split_equals_one_shot():
     tokens = [rng.choice([1, 2, 3, 4, 5, 6]) for _ in range(300)]
     method = DynSplitKV(budget=1.0, chunk_size=12, max_deviation=5)
     weights = {2: 0.9, 5: 0.3}
-    one_shot, stepwise = (DynSplitState(1, None, weights, torch.device("cpu")) for _ in range(2))
+    one_shot, stepwise = (DynSplitState(1, weights, torch.device("cpu")) for _ in range(2))
     method._extend(one_shot, tokens)
     method._extend(stepwise, tokens[:100])
     for t in tokens[100:]:
@@ -215,52 +213,41 @@ def test_v2f_selection_equals_a_per_block_reference(seed):
 
 # -- KV reuse and offload ---------------------------------------------------------------------------------------------
 
-def test_load_region_reuses_what_is_resident():
-    heads, dim, n = 2, 4, 30
-    pool = KVPool(1, heads, dim, 4, torch.float32, torch.device("cpu"))
-    seq = Sequence(0, list(range(n)), SamplingParams(), SeqKV(pool))
-    state = seq.method_state = DynSplitState(1, HostKVStore(1, torch.device("cpu")), {}, torch.device("cpu"))
-    state.ids = list(range(n))
-    keys, values = torch.randn(heads, n, dim), torch.randn(heads, n, dim)
-    positions = torch.arange(n).repeat(heads, 1)
-    state.store.put(0, keys, values, positions)
-    previous = torch.tensor([[1, 5, 8, 20], [2, 5, 9, 11]])  # the last step's region, then the current token (29)
-    resident = torch.cat([previous, torch.full((heads, 1), n - 1)], 1)
-    seq.kv.ensure_slots(0, 6)
-    rows = torch.arange(heads)[:, None]
-    seq.kv.write(0, torch.arange(5), keys[rows, resident].transpose(0, 1), values[rows, resident].transpose(0, 1),
-                 resident.T)
-    seq.kv.num_slots[0] = 5
-    state.previous[0] = previous
-    wanted = torch.tensor([[3, 5, 8, 21, 29], [2, 5, 9, 11, 29]])
-    fetched_before = state.store.h2d_bytes
-    load_region(seq, 0, wanted)
-    got_k, got_v, got_pos = seq.kv.gather(0, torch.arange(5)[None].expand(heads, -1))
-    assert torch.equal(got_k, keys[rows, wanted]) and torch.equal(got_v, values[rows, wanted])
-    assert torch.equal(got_pos, wanted.to(torch.int32)) and seq.kv.num_slots[0] == 5
-    extra = seq.stats.extra
-    assert extra["kv_reused"] == 2 + 4 and extra["kv_reloaded"] == 2 + 0  # the current token counts in neither
-    assert extra["kv_fetched"] == heads * 2  # equal loads per head: head 1 reloads two of its hits
-    assert state.store.h2d_bytes - fetched_before == heads * 2 * 2 * dim * 4
-
-
-def test_offload_equals_device_resident_and_counts_reuse(llm):
-    device = generate(llm, DynSplitKV(budget=40))
-    offload = generate(llm, DynSplitKV(budget=40, offload=True))
+def test_offload_equals_device_resident_and_holds_only_the_budget_on_the_device(llm):
+    """Offload gives the resident tokens (same selection over virtual slots); the device holds the working set and
+    the tail, not the context; each selected offloaded token was found in the working set or loaded from the host,
+    tokens kept selected are not loaded again, and the bytes moved are the loads and the offloaded tokens."""
+    new, budget = 40, 40
+    device = generate(llm, DynSplitKV(budget=budget), new=new)
+    method = DynSplitKV(budget=budget, offload=True, offload_chunk=4)
+    offload = generate(llm, method, new=new)
     assert offload.token_ids == device.token_ids
     s, layers, heads, dim = offload.stats, llm.config.num_layers, llm.config.num_kv_heads, llm.config.head_dim
-    steps = s.new_tokens - 1
-    selected = steps * layers * heads * (40 - 1)  # per step, layer and head: the budget minus the current token
-    for stats in (s, device.stats):
-        assert stats.extra["kv_reused"] + stats.extra["kv_reloaded"] == selected
-        assert stats.extra["kv_reloaded"] >= layers * heads * (40 - 1)  # the first step loads everything
-        assert stats.extra["kv_reused"] > 0
-    assert s.extra["kv_reused"] == device.stats.extra["kv_reused"]
-    assert s.extra["kv_reloaded"] <= s.extra["kv_fetched"] < selected
-    token_bytes = 2 * dim * 4  # one token of one KV head: key and value in float32
-    assert s.h2d_bytes == s.extra["kv_fetched"] * token_bytes
-    assert s.d2h_bytes == (s.prompt_tokens + steps) * layers * heads * token_bytes
-    assert s.kv_resident_tokens <= 40 < device.stats.kv_resident_tokens
+    found, loaded = s.extra["kv_reused"], s.extra["kv_reloaded"]
+    assert 0 < loaded and 0 < found  # the working set is reused across steps
+    assert found + loaded <= (new - 1) * layers * heads * budget
+    assert s.h2d_bytes == loaded * (2 * dim * 4 + 4)  # key and value in float32, and the position
+    page = llm.engine.pool.page_size
+    bound = method.device_tokens(s.prompt_tokens, new, page)  # working set to a page boundary, tail, a page leaving
+    assert bound == 48 + 31 + 16
+    assert s.kv_resident_tokens <= bound < device.stats.kv_resident_tokens
+    tail = s.prompt_tokens - (s.prompt_tokens - 31)  # the prompt's last chunk_size + max_deviation + 1 tokens stay
+    left = new - 1 - (new - 1) % page  # generated tokens that left the tail, a page at a time
+    assert s.d2h_bytes == (s.prompt_tokens - tail + left) * layers * heads * 2 * dim * 4
+
+
+def test_mean_pooling_selects_sequence_by_sequence(llm):
+    """Mean pooling (Appendix A.2) takes the per-sequence path: a budget covering the context gives Full KV's tokens,
+    a small one attends the budget."""
+    full = generate(llm, "full")
+    assert generate(llm, DynSplitKV(budget=10**5, pooling="mean")).token_ids == full.token_ids
+    small = generate(llm, DynSplitKV(budget=40, pooling="mean", group_reduce="max"))
+    assert small.stats.kv_attended_max <= 40 < full.stats.kv_attended_max
+
+
+def test_offload_needs_minmax_pooling():
+    with pytest.raises(semkv.SemkvError, match="pooling='minmax'"):
+        DynSplitKV(budget=40, offload=True, pooling="mean")
 
 
 def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):

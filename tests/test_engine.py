@@ -136,9 +136,13 @@ GRAPH_SAFE = {
     # buckets ranked from device rows, tokens leaving the window join them between steps
     "sentencekv": dict(budget=40, window=8, n_sink=4, n_recent=4, offload_chunk=4),
     "sentencekv-fraction": dict(budget=0.3, n_sink=4, n_recent=4, query="current", offload_chunk=2),
+    # the same over virtual slots, the chosen tokens loaded into the working set from host memory
+    "sentencekv-offload": dict(budget=40, window=8, n_sink=4, n_recent=4, offload=True),
     # chunk summaries and starts in device rows; DD-Select on the host between steps; reuse stamps by slot
     "dynsplit": dict(budget=40, chunk_size=6, max_deviation=3),
     "dynsplit-fraction": dict(budget=0.3, chunk_size=8, max_deviation=4, n_sink=2, group_reduce="max"),
+    # the same over virtual slots: the tail on the device, the rest in host memory behind a working set
+    "dynsplit-offload": dict(budget=40, chunk_size=6, max_deviation=3, n_sink=2, offload=True, offload_chunk=4),
 }
 # every registered method whose defaults are graph-safe joins at budget 40 unless configured above
 GRAPH_SAFE = {**{name: dict(budget=40) for name, cls in METHODS.items() if name != "full" and cls(budget=40).graph_safe},
@@ -157,7 +161,8 @@ def test_every_graph_safe_method_is_checked():
 @pytest.mark.parametrize("name", GRAPH_SAFE)
 def test_static_buffer_decode_equals_eager(tiny_llm, name):
     """The CUDA-graph step of each graph-safe method (run eagerly here: same static buffers, padding rows on the
-    scratch page, selections from the step's tensors alone) gives the logits of the plain decode step."""
+    scratch page, selections from the step's tensors alone) gives the logits of the plain decode step, with the
+    method's `end_step` after each step as in a run."""
     from semkv.engine.cuda_graph import GraphRunner
     from semkv.engine.sequence import SamplingParams, Sequence
     from semkv.methods import get_method
@@ -187,8 +192,10 @@ def test_static_buffer_decode_equals_eager(tiny_llm, name):
         want = engine.decode_step(eager, eager_method)
         got = runner.decode_step(static)  # the bucket of 4: full, then with a padding row where a request was
         assert (got - want).abs().max() < 1e-4
-        for e, s, row in zip(eager, static, want):
-            token = int(row.argmax())
+        tokens = want.argmax(-1).tolist()
+        eager_method.end_step(eager, want, tokens)
+        method.end_step(static, got, tokens)
+        for e, s, token in zip(eager, static, tokens):
             e.output_ids.append(token)
             s.output_ids.append(token)
     assert list(runner.steps) == [4]

@@ -383,6 +383,94 @@ def test_sentence_slots_kernel_matches_reference():
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)
 
 
+def test_working_set_kernel_matches_reference_over_steps():
+    """The offloaded working set over five steps of changing selections: rows 2 and 1 offload (row 1 with a working
+    set larger than what it selects), a row that offloads nothing is left as it is, padding past each list's length
+    is untouched. After each step the kernel and the reference agree on the device slots, the maps, the pool and the
+    traffic; every selected offloaded token is on the device at its slot (the host's key, value and position), a
+    token selected at the previous step is not loaded again, and sinks and tail map to their own device slots."""
+    from semkv.engine.offload import HostKVStore
+    from semkv.kernels.triton_working_set import working_set
+
+    gen = torch.Generator().manual_seed(0)
+    layers, layer, heads, dim, page = 2, 1, 2, 16, 4
+    rows = torch.tensor([2, 1, 3])
+    n_sink, offloaded, cache = torch.tensor([3, 0, 2]), torch.tensor([40, 25, 0]), torch.tensor([8, 12, 0])
+    tail = torch.tensor([5, 6, 30])  # the last row keeps everything resident
+    stores = {}
+    host = torch.zeros(4, 4, dtype=torch.long)
+    for row, n in ((2, 40), (1, 25)):
+        store = HostKVStore(layers, heads, dim, 48, torch.float32, torch.device("cpu"))
+        store.put(slice(None), torch.randn(layers, heads, n, dim, generator=gen),
+                  torch.randn(layers, heads, n, dim, generator=gen),
+                  torch.randint(0, 1000, (layers, heads, n), generator=gen, dtype=torch.int32))
+        stores[row], host[row] = store, torch.tensor(store.pointers())
+    table = torch.randperm(60, generator=gen)[:30].view(3, 10)  # 40 device slots a row
+    k_pool, v_pool, _ = random_pool(pages=60, page=page, kv_heads=heads, dim=dim)
+    pos_pool = torch.zeros(60, page, heads, dtype=torch.int32)
+    state = [torch.zeros(4, heads, 12, dtype=torch.int32), torch.zeros(4, heads, 48, dtype=torch.int32),
+             torch.zeros(4, 2, dtype=torch.long)]
+    ours = [t.clone() for t in state] + [k_pool.clone(), v_pool.clone(), pos_pool.clone()]
+    theirs = [t.clone() for t in state] + [k_pool.clone(), v_pool.clone(), pos_pool.clone()]
+    width, previous, found_before, loaded_before = 3 + 12 + 30, None, 0, 0
+    for step in range(5):
+        slots = torch.zeros(3, heads, width, dtype=torch.long)
+        lengths = torch.zeros(3, heads, dtype=torch.long)
+        chosen = {}
+        for b in range(3):
+            for h in range(heads):
+                sinks = list(range(int(n_sink[b])))
+                pick = int(min(cache[b], 7 + step)) if offloaded[b] else 0
+                middle = sorted((torch.randperm(int(offloaded[b]), generator=gen)[:pick] + int(n_sink[b])).tolist())
+                chosen[b, h] = [v - int(n_sink[b]) for v in middle]
+                start = int(n_sink[b] + offloaded[b])
+                entries = sinks + middle + list(range(start, start + int(tail[b])))[-int(tail[b]) + step:]
+                slots[b, h, : len(entries)] = torch.tensor(entries)
+                lengths[b, h] = len(entries)
+        virtual = slots.clone()
+        for out, run in ((ours, working_set), (theirs, None)):
+            held, where, traffic, kp, vp, pp = out
+            got = slots.clone()
+            if run is None:
+                reference.working_set(got, lengths, rows, n_sink, offloaded, cache, held, where, stores, table, kp, vp,
+                                      pp, traffic, layer)
+            else:
+                run(got, lengths, rows, n_sink, offloaded, cache, held, where, host, table, kp, vp, pp, traffic,
+                    layer, span=8, block=4)
+            out.append(got)
+        got, want = ours.pop(), theirs.pop()
+        assert torch.equal(got, want)
+        for a, b_ in zip(ours, theirs):
+            assert torch.equal(a, b_)
+        held, where, traffic, kp, vp, pp = theirs
+        device_rows = reference.physical_rows(table, want.flatten(1), page).view_as(want)
+        for b in range(3):
+            for h in range(heads):
+                n = int(lengths[b, h])
+                v, d = virtual[b, h, :n], want[b, h, :n]
+                assert (want[b, h, n:] == 0).all()
+                middle = (v >= n_sink[b]) & (v < n_sink[b] + offloaded[b])
+                assert torch.equal(d[v < n_sink[b]], v[v < n_sink[b]])
+                tail_at = v >= n_sink[b] + offloaded[b]
+                assert torch.equal(d[tail_at], v[tail_at] - offloaded[b] + cache[b])
+                if not offloaded[b]:
+                    continue
+                assert ((d[middle] >= n_sink[b]) & (d[middle] < n_sink[b] + cache[b])).all()
+                tokens = torch.tensor(chosen[b, h], dtype=torch.long)
+                at = device_rows[b, h, :n][middle]
+                store = stores[int(rows[b])]
+                assert torch.equal(kp.view(-1, heads, dim)[at, h], store.k[layer, h, tokens])
+                assert torch.equal(vp.view(-1, heads, dim)[at, h], store.v[layer, h, tokens])
+                assert torch.equal(pp.view(-1, heads)[at, h], store.pos[layer, h, tokens])
+        loads = sum(len(c) for (b, _), c in chosen.items())
+        if previous is not None:  # tokens kept from the last step are found, not loaded
+            kept = sum(len(set(c) & set(previous[key])) for key, c in chosen.items())
+            assert int(traffic[:, 0].sum()) - found_before == kept
+            assert int(traffic[:, 1].sum()) - loaded_before == loads - kept
+        previous, found_before, loaded_before = chosen, int(traffic[:, 0].sum()), int(traffic[:, 1].sum())
+    assert int(traffic[3].sum()) == 0  # the resident row moved nothing
+
+
 def test_chunk_slots_kernel_matches_reference():
     """DynSplit-KV's slot lists: contiguous chunks ranked per KV head take the capacity in rank order (the last one
     its leading slots); a chunk cut by the sinks, chunks cut or emptied by a shorter context and the recent window,

@@ -188,6 +188,15 @@ def test_device_memory_is_bounded_while_generating(long_llm):
           f"full working-set reload {full_reload}; device slots/layer peak {stats.extra['kv_device_peak']}")
 
 
+def test_offloaded_tokens_leave_in_whole_pages(tiny_llm):
+    """With offload, tokens leave the device a KV page at a time (its pages drop out of the table, no copy): an
+    offload_chunk that is not a multiple of the page size is an error that names both."""
+    method = SentenceKV(budget=96, offload=True, offload_chunk=4)
+    with pytest.raises(SemkvError, match=r"offload_chunk=4 must be a multiple of the KV page size \(16\)"):
+        method.bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+    SentenceKV(budget=96, offload=False, offload_chunk=4).bind(tiny_llm.config, tiny_llm.tokenizer, 16)
+
+
 def test_budget_covering_the_generation_moves_nothing(tiny_llm):
     text = book_text(1500)
     full = tiny_llm.generate(text, method="full", max_new_tokens=10, chat=False, ignore_eos=True)[0]

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default="0.01", help="budget of the non-full methods (tokens or fraction)")
     p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
     p.add_argument("--batches", default="1",
-                   help="batch sizes, e.g. 1,16; 'max': the largest batch Full KV fits at each context")
+                   help="batch sizes, e.g. 1,16; 'max': the largest batch each method fits at each context (its KV "
+                        "pages at its device bound, its state and its offloaded K/V in host memory)")
     p.add_argument("--contexts", default="4k,8k,16k,32k", help="context lengths in tokens, e.g. 4k,32k")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_batches(text: str) -> list[int | str]:
-    """'1,16,max' -> [1, 16, 'max'] ('max' resolves per context: `largest_full_batch`)."""
+    """'1,16,max' -> [1, 16, 'max'] ('max' resolves per method and context: `largest_batch`)."""
     return [item.strip().lower() if item.strip().lower() == "max" else parse_sizes(item, "batches")[0]
             for item in text.split(",")]
 
@@ -160,8 +161,8 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     """The measurements of `run` on one rank (every rank of a tensor-parallel run does the same; rank 0 prints)."""
     from semkv.bench import report
     from semkv.bench.device import device_info
-    from semkv.bench.run import (TextContexts, bench_decode, bench_long_generation, bench_ttft, largest_full_batch,
-                                 prefill_flops)
+    from semkv.bench.run import (TextContexts, bench_decode, bench_long_generation, bench_ttft, bound_method,
+                                 largest_batch, prefill_flops)
 
     say = print if tp is None or tp.rank == 0 else (lambda *_: None)
     methods, batches, contexts, budget, params = grid.methods, grid.batches, grid.contexts, grid.budget, grid.params
@@ -175,11 +176,16 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
             hf_ttft.append(dict(context=context, first_s=times[0], ttft_s=times[-1]))
             say(f"HF transformers (sdpa) ctx={context}: TTFT {times[-1]:.3f} s (first {times[0]:.3f} s)")
     engine, label, model_tokenizer = build_engine(args, device, tp)
-
-    def resolved(batch: int | str, context: int) -> int:
-        return largest_full_batch(engine, context, args.steps) if batch == "max" else batch
-
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer
+
+    def resolved(batch: int | str, context: int, name: str = "full", budget=None) -> int:
+        if batch != "max":
+            return batch
+        size = largest_batch(engine, bound_method(engine, name, budget, dict(params.get(name, {})), tokenizer),
+                             context, args.steps)
+        results["method_max_batch"].setdefault(name, {})[str(context)] = size
+        return size
+
     text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
     info = device_info(engine.device) | dict(model=label, page_size=args.page_size, graphs=engine.cuda_graphs,
                                              contexts="random K/V" if text is None else
@@ -187,14 +193,15 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     info["tensor_parallel_size"] = 1 if tp is None else tp.size
     say(json.dumps(info))
     results: dict = dict(info=info, decode=[], ttft=[], hf_ttft=hf_ttft, long_generation={}, hf=[],
-                         max_batch={str(c): resolved("max", c) for c in contexts} if engine.pool.max_pages else {})
+                         method_max_batch={})
+    results["max_batch"] = {str(c): resolved("max", c) for c in contexts} if engine.pool.max_pages else {}
     cfg = engine.config
     results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
     for name in methods:
         b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
         for context in contexts:
-            for batch in (resolved(b, context) for b in batches):
+            for batch in (resolved(size, context, name, b) for size in batches):
                 try:
                     row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
                                        tokenizer=tokenizer, text=text)

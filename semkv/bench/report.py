@@ -15,7 +15,8 @@ def decode_line(row) -> str:
             f"(mean {row.tpot_mean_ms:.2f}, forward {row.forward_ms:.2f})  {row.tokens_per_s:9.1f} tok/s  "
             f"selection {share(row.selection_share)}  peak {row.peak_memory_gib:6.1f} GiB  "
             f"attended {row.attended_per_layer:8.0f}"
-            + ("" if row.cache_hit_rate is None else f"  cache hits {100 * row.cache_hit_rate:.1f}%"))
+            + ("" if row.cache_hit_rate is None else f"  cache hits {100 * row.cache_hit_rate:.1f}%")
+            + (f"  host {row.host_gib:.1f} GiB, {row.h2d_mb_per_step:.1f} MiB/step from host" if row.host_gib else ""))
 
 
 def floor_ms(row: dict, info: dict, kv_token_bytes: int) -> float:
@@ -32,6 +33,29 @@ def hit_rate(row: dict) -> str:
     return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
+def largest_batches(results: dict) -> list[str]:
+    """The rows measured at each method's largest batch (`--batches max`) against Full KV's at its own largest."""
+    sizes = results.get("method_max_batch", {})
+    rows = {(r["method"], r["batch"], r["context"]): r for r in results["decode"]}
+    lines = []
+    for name, by_context in sizes.items():
+        for context, batch in by_context.items():
+            row = rows.get((name, batch, int(context)))
+            full_batch = results.get("max_batch", {}).get(context)
+            base = rows.get(("full", full_batch, int(context)))
+            if row is None:
+                continue
+            vs = ("-", "-") if base is None else (f"{batch / full_batch:.2f}",
+                                                  f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}")
+            lines.append(f"| {name} | {context} | {batch} | {vs[0]} | {row['tokens_per_s']:.1f} | {vs[1]} | "
+                         f"{row['tpot_ms']:.2f} | {row['peak_memory_gib']:.1f} | {row.get('host_gib', 0):.1f} |")
+    if not lines:
+        return []
+    return ["", "## Each method at its largest batch", "",
+            "| method | context | batch | x Full KV's batch | tokens/s | x Full KV at its largest | TPOT ms | peak GiB | "
+            "host GiB |", "|---|---|---|---|---|---|---|---|---|", *lines]
+
+
 def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -42,8 +66,8 @@ def write(results: dict, out: Path) -> None:
     full = {(r["batch"], r["context"]): r for r in results["decode"] if r["method"] == "full"}
     lines += ["", "## Decode", "",
               "| method | batch | context | TPOT ms | tokens/s | x Full KV | floor ms | TPOT / floor | graph forward ms | "
-              "selection share | peak GiB | attended / layer | cache hits | graphs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "selection share | peak GiB | host GiB | from host MiB/step | attended / layer | cache hits | graphs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
         base = full.get((r["batch"], r["context"]))
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
@@ -52,7 +76,9 @@ def write(results: dict, out: Path) -> None:
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
                      f"| {speedup} | {floor:.2f} | {ratio} | {r.get('forward_ms', 0):.2f} | "
                      f"{share(r.get('selection_share', 0))} | {r['peak_memory_gib']:.1f} | "
+                     f"{r.get('host_gib', 0):.1f} | {r.get('h2d_mb_per_step', 0):.1f} | "
                      f"{r['attended_per_layer']:.0f} | {hit_rate(r)} | {r['graphs']} |")
+    lines += largest_batches(results)
     lines += ["", "graph forward: median device time of the timed steps' graph replays. selection share '-': the "
               "method selects inside each layer of the captured graph, which host timing cannot see; the eager step "
               "below times it.",

@@ -11,6 +11,7 @@ benchmark's token ids. Steps are timed with CUDA events after warm-up (CUDA-grap
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.offload import available_host_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.methods import KVMethod, get_method
@@ -44,6 +46,8 @@ class DecodeResult:
     selection_share: float | None = 0.0
     breakdown_ms: dict[str, float] = field(default_factory=dict)
     cache_hit_rate: float | None = None  # TokenSelect's Selection Cache over the timed steps (None: no such cache)
+    host_gib: float = 0.0  # host memory the method's requests hold (offloaded K/V)
+    h2d_mb_per_step: float = 0.0  # offloaded K/V read from host memory per timed step, all sequences (PCIe)
 
 
 def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> None:
@@ -93,18 +97,43 @@ class TextContexts:
 WARMUP_STEPS = 4  # untimed decode steps before a timed run (CUDA-graph capture, compilation)
 
 
-def largest_full_batch(engine: Engine, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
-    """The largest batch whose sequences of `context` tokens Full KV keeps in the engine's fixed KV pool through a
-    `bench_decode` run of `steps` steps (every layer holds every token)."""
+def synthetic_ids(engine: Engine, index: int, context: int) -> list[int]:
+    """The token ids of sequence `index` of a batch on random K/V (spread over the vocabulary, so that methods that
+    read token text see ordinary text statistics, not one repeated token)."""
+    return [1 + (index * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
+
+
+def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
+    """The largest batch of `context`-token sequences a `bench_decode` run of `steps` steps keeps: its KV pages in
+    the engine's fixed pool (each sequence at the method's `device_tokens` bound, or every token: Full KV, while the
+    last one prefills its whole context), its state beside the pool and its offloaded K/V in host memory."""
     if engine.pool.max_pages is None:
         raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
-    tokens = context + warmup + steps + 2  # the warm-up and timed steps and the two breakdown steps append a slot each
-    per_seq = engine.config.num_layers * -(-tokens // engine.pool.page_size)
-    batch = len(engine.pool.free) // per_seq
-    if batch < 1:
-        raise SemkvError(f"one sequence of {context} tokens needs {per_seq} KV pages; the pool has "
-                         f"{len(engine.pool.free)} free")
-    return batch
+    new = warmup + steps + 8  # the generation `bench_decode` allows
+    layers, page = engine.config.num_layers, engine.pool.page_size
+    bound = method.device_tokens(context, new, page)
+    prefill = layers * -(-(context + warmup + steps + 2) // page)  # Full KV: the warm-up, timed and 2 breakdown steps
+    per_seq = prefill if bound is None else layers * -(-bound // page)
+    free = len(engine.pool.free)
+    if free < prefill:
+        raise SemkvError(f"one sequence of {context} tokens needs {prefill} KV pages; the pool has {free} free")
+    batch = (free - prefill) // per_seq + 1
+    seq = Sequence(0, synthetic_ids(engine, 0, context), SamplingParams(max_new_tokens=new), SeqKV(engine.pool))
+    seq.method_state = method.new_state(seq)  # a request like the benchmark's, not admitted
+    host, room = method.admission_host_bytes(seq), engine.state_room(method)
+    if host:
+        batch = min(batch, int(available_host_bytes() // host))
+    while batch > 1 and math.isfinite(room) and method.batch_state_bytes(seq, batch) > room:
+        batch -= 1
+    method.reset()
+    return max(batch, 1)
+
+
+def bound_method(engine: Engine, name: str, budget, params: dict | None = None, tokenizer=None) -> KVMethod:
+    """A method of the registry, bound to the engine's model (what `bench_decode` runs)."""
+    method = get_method(name, budget, **(params or {}))
+    method.bind(engine.config, tokenizer, engine.pool.page_size)
+    return method
 
 
 def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, new_tokens: int,
@@ -115,8 +144,7 @@ def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, 
     seqs = []
     try:
         for i in tqdm(range(batch), desc="prefill batch", unit="seq", disable=text is None or batch == 1, leave=False):
-            ids = (text.window(i, batch, context) if text is not None
-                   else [1 + (i * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)])
+            ids = text.window(i, batch, context) if text is not None else synthetic_ids(engine, i, context)
             seq = Sequence(i, ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), SeqKV(engine.pool))
             seqs.append(seq)
             if text is not None:
@@ -188,8 +216,7 @@ def never_stop(seq: Sequence) -> None:
 def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, steps: int = 32,
                  warmup: int = WARMUP_STEPS, params: dict | None = None, tokenizer=None,
                  text: TextContexts | None = None) -> DecodeResult:
-    method = get_method(name, budget, **(params or {}))
-    method.bind(engine.config, tokenizer, engine.pool.page_size)
+    method = bound_method(engine, name, budget, params, tokenizer)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.pool.peak_in_use = engine.pool.in_use
@@ -199,9 +226,12 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
         time_steps(engine, method, seqs, warmup, graphs)
         selection_before, decode_before = sum(s.stats.selection_s for s in seqs), seqs[0].stats.decode_s
         lookups_before = cache_counts(seqs)
+        h2d_before = sum(s.stats.h2d_bytes for s in seqs)
         if graphs is not None:
             graphs.replay_events = []
         times = sorted(time_steps(engine, method, seqs, steps, graphs))
+        h2d = (sum(s.stats.h2d_bytes for s in seqs) - h2d_before) / steps
+        host = sum(engine.memory().host_bytes.values())
         forward = median_event_seconds(graphs.replay_events) if graphs is not None else 0.0
         if graphs is not None:
             graphs.replay_events = None
@@ -217,7 +247,8 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     finally:
         engine.end(seqs, method)
     return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / mean, peak, engine.pool.peak_in_use,
-                        attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown, hit_rate)
+                        attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown, hit_rate,
+                        host / 2**30, h2d / 2**20)
 
 
 def cache_counts(seqs: list[Sequence]) -> tuple[int, int] | None:
@@ -325,8 +356,7 @@ def bench_ttft(engine: Engine, name: str, budget, context: int, params: dict | N
                text: TextContexts | None = None, repeats: int = 2) -> list[float]:
     """Seconds from prompt to first token (a real prefill) for one request, `repeats` requests one after the other:
     the first pays what the method's first request pays in a process (the engine's own warm-up is done at load)."""
-    method = get_method(name, budget, **(params or {}))
-    method.bind(engine.config, tokenizer, engine.pool.page_size)
+    method = bound_method(engine, name, budget, params, tokenizer)
     ids = (text.window(0, 1, context) if text is not None
            else [1 + t % (engine.config.vocab_size - 2) for t in range(context)])
     times = []
@@ -347,8 +377,7 @@ def bench_long_generation(engine: Engine, name: str, budget, context: int, new_t
                           params: dict | None = None, tokenizer=None,
                           text: TextContexts | None = None) -> list[tuple[int, float]]:
     """(generated tokens, TPOT ms) every `every` steps over a long generation at batch 1."""
-    method = get_method(name, budget, **(params or {}))
-    method.bind(engine.config, tokenizer, engine.pool.page_size)
+    method = bound_method(engine, name, budget, params, tokenizer)
     seqs = prefilled_batch(engine, method, 1, context, new_tokens + 8, text)
     graphs = engine.graph_runner(method, seqs)
     curve = []

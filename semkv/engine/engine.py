@@ -18,6 +18,7 @@ from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
+from semkv.engine.offload import available_host_bytes
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -360,10 +361,10 @@ class Engine:
         chosen = logits.argmax(-1) if greedy else None
         if chosen is not None and self.tp is not None:
             self.tp.broadcast(chosen)  # rank 0's sampler decides
-        if greedy and method.graph_safe and type(method).begin_step is KVMethod.begin_step:
+        if greedy and method.graph_safe and method.steady_slots and type(method).begin_step is KVMethod.begin_step:
             # while the device runs this step, prepare the next one for the same batch (its tokens are this step's
             # greedy tokens, filled in on the device); a request that finishes now leaves a spare slot behind, and
-            # the method's end_step must not move the cache (graph-safe methods do not)
+            # the method's end_step must not move the cache (`steady_slots`)
             upcoming = self.step_inputs(running, method, ahead=True)
             upcoming.packed[:, 0] = chosen
             self._ahead = (list(running), upcoming)
@@ -394,20 +395,32 @@ class Engine:
         seq.stats.kv_attended_tokens = seq.attended_total / max(len(seq.output_ids) - 1, 1)
         self.release(seq)
 
-    def pages_needed(self, seq: Sequence) -> int:
-        """Pages a request may hold at most: every layer keeps its whole prompt and output (Full KV)."""
-        tokens = len(seq.prompt_ids) + seq.params.max_new_tokens
+    def pages_needed(self, seq: Sequence, method: KVMethod, prefill: bool = False) -> int:
+        """Pages a request may hold at most: every layer keeps what the method keeps on the device
+        (`device_tokens`), else its whole prompt and output (Full KV); during its prefill, at least its prompt."""
+        n, new = len(seq.prompt_ids), seq.params.max_new_tokens
+        bound = method.device_tokens(n, new, self.pool.page_size)
+        tokens = n + new if bound is None else max(bound, n) if prefill else bound
         return self.config.num_layers * -(-tokens // self.pool.page_size)
 
     def blocked(self, seq: Sequence, running: list[Sequence], method: KVMethod) -> str | None:
         """Why `seq` cannot be admitted beside the running requests now (every running request may still grow to
         its own bound), or None when it can."""
         if self.pool.max_pages is not None:
-            growth = sum(max(self.pages_needed(s) - sum(map(len, s.kv.pages)), 0) for s in running)
-            need = self.pages_needed(seq)
+            growth = sum(max(self.pages_needed(s, self._live.get(s, method)) - sum(map(len, s.kv.pages)), 0)
+                         for s in running)
+            need = self.pages_needed(seq, method, prefill=True)
             if len(self.pool.free) - growth < need:
                 return (f"request {seq.seq_id} needs {need} KV pages; the pool has {self.pool.num_pages - 1} (raise "
                         "gpu_memory_utilization or shorten it)")
+        host = method.admission_host_bytes(seq)
+        if host:
+            room = available_host_bytes()
+            if self.tp is not None:  # the ranks share the host; they decide alike
+                room = self.tp.host_min(room / self.tp.size)
+            if host > room:
+                return (f"request {seq.seq_id} needs {host / 2**30:.2f} GiB of host memory for its offloaded K/V; "
+                        f"{room / 2**30:.2f} GiB is available (lower the batch or shorten it)")
         state = method.admission_bytes(seq)
         room = self.state_room(method) if state else math.inf  # most admissions allocate nothing: no device query
         if state and self.tp is not None:

@@ -20,12 +20,15 @@ Decode (a batch, one token per sequence):
 Fast-path and admission hooks (`BatchedHooks`), for methods that keep batched state on the device or decide a step
 once for every layer:
     admit(seq) / admission_bytes(seq)  -> device memory beside the KV pool, taken at admission
+    admission_host_bytes(seq)          -> host memory for offloaded K/V, taken at admission
+    device_tokens(prompt, new, page)   -> slots a layer holds on the device at most (None: Full KV)
     release(seq) -> the request ended (finished, stopped, failed or cancelled): forget it
     reset()      -> the run ended: drop every buffer kept for its requests
     step_plan(batch) -> a typed `StepPlan`; plan_buffers(...) its static copy under CUDA graphs;
     plan_selection(batch, plan) -> one `Selection` for every layer of the step (CHESS), inside the graph
     observe_logits(seqs, logits) -> device work on a step's logits while the forward runs (entropy)
     graph_epoch -> bumped when device buffers a captured step points at move.
+    steady_slots -> False when end_step may move cached slots (no step is prepared ahead).
 
 The budget is the number of cached positions one KV head of one layer attends to (or keeps) in a decode step, sinks
 and recent window included: an int is tokens, a float in (0, 1] a fraction of the current context.
@@ -156,6 +159,12 @@ class BatchedHooks:
     # Bumped by a method that reallocates device buffers its captured steps point at: graphs are captured again.
     graph_epoch: int = 0
 
+    @property
+    def steady_slots(self) -> bool:
+        """False when `end_step` may move a request's cached slots (offloading the oldest recent tokens): the engine
+        then prepares no step ahead, since the slots it would name could move."""
+        return True
+
     def admit(self, seq: "Sequence") -> None:
         """Take the device memory the request's state needs beside the KV pool (rows of batched tensors); called by
         the engine when the request is admitted, before its prefill."""
@@ -165,6 +174,22 @@ class BatchedHooks:
         """Device bytes beside the KV pool that `admit(seq)` allocates now; the engine admits the request only when
         they are free."""
         return 0
+
+    def batch_state_bytes(self, seq: "Sequence", batch: int) -> int:
+        """Device bytes beside the KV pool that `batch` requests like `seq` hold at once (`semkv bench --batches
+        max` fits them in the state room)."""
+        return batch * self.admission_bytes(seq)
+
+    def admission_host_bytes(self, seq: "Sequence") -> int:
+        """Host bytes `admit(seq)` allocates for the request's offloaded K/V; the engine admits it only when the host
+        has them free."""
+        return 0
+
+    def device_tokens(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> int | None:
+        """The most slots one layer of a request holds on the device once prefilled (its prefill holds the whole
+        prompt), for a prompt and generation of these lengths and pages of `page_size` slots; None: every token
+        (Full KV). Admission and `semkv bench --batches max` count pages with it."""
+        return None
 
     def release(self, seq: "Sequence") -> None:
         """The request ended (finished, stopped, failed or cancelled): forget what is kept for it on this object

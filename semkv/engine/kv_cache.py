@@ -252,6 +252,18 @@ class SeqKV:
             self.pool.release(extra)
             self.widest = max(map(len, self.pages))
 
+    def drop_pages(self, first: int, count: int) -> None:
+        """Remove pages [first, first + count) of every layer, which must be full: their slots go, the later slots
+        move down by count * page_size without a copy (only the table's entries move), the pages go back to the
+        pool."""
+        for layer, pages in enumerate(self.pages):
+            self.pool.release(pages[first : first + count])
+            del pages[first : first + count]
+            self.num_slots[layer] -= count * self.pool.page_size
+        self.table[:, first : self.widest - count] = self.table[:, first + count : self.widest].clone()
+        self.widest = max(map(len, self.pages))
+        self.version = next(_versions)
+
     def resident_slots(self) -> float:
         """Mean stored slots per layer (per KV head)."""
         return sum(self.num_slots) / len(self.num_slots)

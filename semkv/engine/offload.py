@@ -1,15 +1,21 @@
 """Host-side store of offloaded K/V for methods that keep most of the cache off the device (SentenceKV, DynSplit-KV).
 
-Per sequence and layer it holds keys, values and original positions `[kv_heads, n, D]` in host memory (pinned when
-the device is a GPU, so copies can be asynchronous) and counts every byte moved each way. On a CPU-only run the
-"device" is the host: the same calls run and gather, but nothing crosses a bus (bytes are still counted as the
-traffic a GPU run would have).
+One store holds one sequence's offloaded tokens, every layer: keys and values `[layers, kv_heads, capacity, D]` and
+original positions `[layers, kv_heads, capacity]`, numbered 0.. per layer in the order they were put. The capacity is
+fixed when the store is made (what the request can offload over its whole generation), so the buffers never move: on
+a GPU they are pinned, and a kernel reads them in place through their addresses (`pointers`; with unified virtual
+addressing a pinned host address is also a device address). That read is the only host-to-device traffic, and the
+kernel counts it. On a CPU-only run the "device" is the host: the same calls run, nothing crosses a bus.
 """
 from __future__ import annotations
+
+import math
+import weakref
 
 import torch
 
 from semkv.engine.memory import HostMemory
+from semkv.errors import SemkvError
 
 
 def grown_capacity(need: int, minimum: int) -> int:
@@ -18,64 +24,84 @@ def grown_capacity(need: int, minimum: int) -> int:
     return need + max(minimum, need // 8)
 
 
+PAGE = 4096  # host memory is pinned a page at a time
+
+
 class HostKVStore(HostMemory):
-    def __init__(self, num_layers: int, device: torch.device):
-        self.device = device
-        self.pin = device.type == "cuda"
-        # per layer, buffers with room to grow (the first `size(layer)` tokens are held): keys and values
-        # [kv_heads, capacity, D], positions [kv_heads, capacity] int32, on the host
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.pos: list[torch.Tensor | None] = [None] * num_layers
-        self.count = [0] * num_layers
-        self.h2d_bytes = 0
+    def __init__(self, layers: int, kv_heads: int, dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.capacity = capacity
+        shapes = ((layers, kv_heads, capacity, dim), (layers, kv_heads, capacity, dim), (layers, kv_heads, capacity))
+        dtypes = (dtype, dtype, torch.int32)
+        sizes = [math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in zip(shapes, dtypes)]
+        total = -(-sum(sizes) // PAGE) * PAGE
+        # one buffer, page-aligned: on a GPU it is pinned in place (`cudaHostRegister`), so it takes exactly its size
+        # (the pinned caching allocator would round it up to a power of two) and is unpinned when the store goes
+        with torch.inference_mode(False):  # normal tensors: written between steps, outside inference mode too
+            self.buffer = torch.empty(total + PAGE, dtype=torch.uint8)
+            start = -self.buffer.data_ptr() % PAGE
+            views = []
+            for shape, d, size in zip(shapes, dtypes, sizes):
+                views.append(self.buffer[start : start + size].view(d).view(shape))
+                start += size
+        self.k, self.v, self.pos = views  # [layers, kv_heads, capacity, D] x 2, [layers, kv_heads, capacity]
+        if device.type == "cuda":
+            address = self.buffer.data_ptr() + (-self.buffer.data_ptr() % PAGE)
+            pin(address, total)
+            weakref.finalize(self, unpin, self.buffer, address)  # the buffer lives until it is unpinned
+        self.count = [0] * layers  # tokens held per layer
         self.d2h_bytes = 0
 
     def size(self, layer: int) -> int:
         return self.count[layer]
 
-    def _reserve(self, layer: int, k: torch.Tensor, need: int) -> None:
-        """Room for `need` tokens (`grown_capacity`)."""
-        have = 0 if self.k[layer] is None else self.k[layer].shape[1]
-        if need <= have:
-            return
-        capacity = grown_capacity(need, 256)
-        heads, dim, n = k.shape[0], k.shape[2], self.count[layer]
-        grown = [torch.empty(heads, capacity, *rest, dtype=dtype, pin_memory=self.pin)
-                 for rest, dtype in (((dim,), k.dtype), ((dim,), k.dtype), ((), torch.int32))]
-        for new, old in zip(grown, (self.k[layer], self.v[layer], self.pos[layer])):
-            if old is not None:
-                new[:, :n] = old[:, :n]
-        self.k[layer], self.v[layer], self.pos[layer] = grown
-
-    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append tokens (device tensors [kv_heads, m, D], positions [kv_heads, m]) to the layer's host store."""
-        n, m = self.count[layer], k.shape[1]
-        self._reserve(layer, k, n + m)
-        self.k[layer][:, n : n + m] = k
-        self.v[layer][:, n : n + m] = v
-        self.pos[layer][:, n : n + m] = pos
-        self.count[layer] = n + m
+    def put(self, layers: slice, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append tokens to `layers` (each holding as many): keys and values [L', kv_heads, m, D], positions
+        [L', kv_heads, m], on the device. The copy waits for the device (it is rare: the prompt at the end of
+        prefill, then a few tokens every `offload_chunk` steps)."""
+        counts = set(self.count[layers])
+        n, m = counts.pop(), k.shape[2]
+        if counts or n + m > self.capacity:
+            raise SemkvError(f"host KV store: {m} more tokens do not fit layers {layers} (held {self.count[layers]}, "
+                             f"capacity {self.capacity})")
+        self.k[layers, :, n : n + m] = k
+        self.v[layers, :, n : n + m] = v
+        self.pos[layers, :, n : n + m] = pos
+        for layer in range(*layers.indices(len(self.count))):
+            self.count[layer] = n + m
         self.d2h_bytes += (k.numel() + v.numel()) * k.element_size()
 
-    def fetch(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """index [kv_heads or 1, m] into the layer's store -> keys, values [kv_heads, m, D] and positions
-        [kv_heads, m] on the device. The rows are gathered on the host by `index_select` straight into pinned
-        buffers (whole rows at a time, no second copy to pin them), which the device then copies asynchronously;
-        the host allocator keeps a buffer until its copy is done."""
-        index = index.to("cpu")
-        heads, capacity, dim = self.k[layer].shape
-        flat = (torch.arange(heads)[:, None] * capacity + index).flatten()  # [kv_heads * m] rows of the store
-        m = flat.shape[0] // heads
-        gathered = []
-        for store, row_shape in ((self.k[layer], (dim,)), (self.v[layer], (dim,)), (self.pos[layer], ())):
-            out = torch.empty(flat.shape[0], *row_shape, dtype=store.dtype, pin_memory=self.pin)
-            torch.index_select(store.view(heads * capacity, *row_shape), 0, flat, out=out)
-            gathered.append(out.view(heads, m, *row_shape).to(self.device, non_blocking=self.pin))
-        k, v, pos = gathered
-        self.h2d_bytes += (k.numel() + v.numel()) * k.element_size()
-        return k, v, pos
+    def pointers(self) -> list[int]:
+        """The buffers' addresses (keys, values, positions) and the capacity, as a kernel reads them."""
+        return [self.k.data_ptr(), self.v.data_ptr(), self.pos.data_ptr(), self.capacity]
 
-    def nbytes(self) -> int:
-        """Host bytes held (keys and values)."""
-        return sum(2 * n * k.shape[0] * k.shape[2] * k.element_size() for n, k in zip(self.count, self.k) if n)
+
+def available_host_bytes() -> float:
+    """Host memory the system can still give (`MemAvailable` of /proc/meminfo), unbounded where it is not known."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return math.inf
+
+
+def token_bytes(kv_heads: int, dim: int, dtype: torch.dtype) -> int:
+    """Host bytes of one offloaded token of one layer: keys, values and positions of every KV head."""
+    return kv_heads * (2 * dim * torch.empty((), dtype=dtype).element_size() + 4)
+
+
+def pin(address: int, size: int) -> None:
+    """Pin `size` bytes of host memory at a page-aligned address for the GPU, in place. With unified virtual
+    addressing a kernel then reads them at their host address."""
+    error = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+    if int(error) != 0:
+        raise SemkvError(f"cannot pin {size / 2**30:.2f} GiB of host memory for offloaded K/V (CUDA error "
+                         f"{int(error)}); free host memory or lower the batch")
+
+
+def unpin(buffer: torch.Tensor, address: int) -> None:
+    """Undo `pin` (the buffer is freed once this returns)."""
+    torch.cuda.cudart().cudaHostUnregister(address)

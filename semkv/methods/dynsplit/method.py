@@ -8,8 +8,8 @@ query's attention to the chunk by `sum_d max(q_d * max_d, q_d * min_d)`, gives t
 chunk and lets each KV head attend to its top `budget` tokens, chosen in one fixed-shape sort.
 
 The method class is `DynSplitKV`; its helpers beside it are `split.py` (delimiters, Algorithm 1, DD-Select), `v2f.py`
-(chunk summaries, scores, selection, per-sequence state), `rows.py` (the batched device state), `offload.py` (host
-offload with KV reuse) and `kernels.py` (Triton kernels, torch references in `reference.py`).
+(chunk summaries, scores, selection, per-sequence state), `rows.py` (the batched device state) and `kernels.py`
+(Triton kernels, torch references in `reference.py`).
 
 With K/V resident and min/max pooling, decoding is batched and captured in CUDA graphs: every sequence's chunk
 summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs on the host in `begin_step` and the
@@ -18,8 +18,15 @@ new token touched (`kernels.chunk_refresh`, from the last chunk_size + max_devia
 with `kernels.page_bound` (a chunk read as a page of one slot), ranks the chunks with one sort and writes the slot
 lists with `kernels.chunk_slots` (a walk over chunks, each taking its leading slots): the same selection as V2F's
 token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading tokens). Reuse is
-counted on the device from per-slot stamps (`kernels.slot_stamps`). Offload and mean pooling keep the per-sequence
-path.
+counted on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
+
+Offload (the paper's CPU-GPU setting, min/max pooling): the same selection runs over virtual slots (every token in
+position order, as resident), and `WorkingSets.load` makes it device slots. On the device a sequence keeps its
+`n_sink` sinks, a working set of as many slots as it attends at most, and its tail: the newest tokens, at least
+chunk_size + max_deviation + 1 of them (the chunk summaries are refreshed from them) and the recent window. The
+tokens in between live in pinned host memory; the working set holds the selected ones, and only those it did not
+hold yet are read from the host, in the same kernel (KV reuse across steps: the paper's Appendix B.2). Tokens leaving
+the tail go to the host `offload_chunk` at a time, between steps.
 """
 from __future__ import annotations
 
@@ -31,18 +38,17 @@ import torch
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
 from semkv.engine.kv_cache import SeqKV
-from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.kernels import reference
+from semkv.kernels import reference, use_triton
 from semkv.methods import calibration
 from semkv.methods.dynsplit import kernels as dynsplit_kernels
-from semkv.methods.dynsplit.offload import load_region
 from semkv.methods.dynsplit.rows import DynSplitRows
 from semkv.methods.dynsplit.split import (DEFAULT_DELIMITERS, AttentionDependency, arrange_weights, dd_select,
                                           delimiter_candidates, normalise, table7_weight)
 from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
 from semkv.methods.state.rows import RowHolder
+from semkv.methods.state.working_set import WorkingSets, move_tail, working_set_slots
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
@@ -55,7 +61,7 @@ class ChunkPlan(StepPlan):
     (k), sinks, recent tokens and open chunk; the chunk the token joined (open before it: its start, and the start of
     the chunk after it or the token count); the summary rows `targets` [B, 2] of that chunk and of the chunk the token
     opened (also its place in the flattened starts; 0: none); this step's stamp; 1 at the row's first decode step
-    (no reuse yet)."""
+    (no reuse yet); with offload on, its sinks on the device, offloaded tokens and working-set slots (else 0s)."""
 
     row: torch.Tensor
     k: torch.Tensor
@@ -67,6 +73,9 @@ class ChunkPlan(StepPlan):
     targets: torch.Tensor  # [B, 2]
     step: torch.Tensor
     first_step: torch.Tensor
+    sinks: torch.Tensor
+    offloaded: torch.Tensor
+    cache: torch.Tensor
 
 
 @dataclass
@@ -96,8 +105,11 @@ class DynSplitKV(RowHolder, KVMethod):
     group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest).
     n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
         Quest page, so the open chunk's latest keys are never dropped); both count in the budget.
-    offload: False keeps all K/V on the device; True keeps them in a host store (the paper's CPU-GPU setting) and the
-        device holds only the tokens selected for the step; see `offload.py`.
+    offload: False keeps all K/V on the device; True keeps them in pinned host memory (the paper's CPU-GPU setting):
+        the device holds the sinks, a working set of the selected tokens and the newest tokens, so a request's device
+        footprint is about its budget, not its context; same tokens as False (min/max pooling only).
+    offload_chunk: with offload, tokens leaving the device's tail go to the host, in whole KV pages, once this many
+        wait; 16.
     """
 
     chunk_size: int = 16
@@ -115,6 +127,7 @@ class DynSplitKV(RowHolder, KVMethod):
     n_sink: int = 0
     n_recent: int = 16
     offload: bool = False
+    offload_chunk: int = 16
 
     kind = "selection"
     name = "dynsplit"
@@ -135,16 +148,30 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("n_sink", self.n_sink, 0, None, int)
         check_range("n_recent", self.n_recent, 0, None, int)
         check_range("offload", self.offload, types=bool)
+        check_range("offload_chunk", self.offload_chunk, 1, None, int)
+        if self.offload and self.pooling == "mean":
+            raise SemkvError("offload=True needs pooling='minmax' (the batched path); mean pooling keeps K/V resident")
         for field, allowed in CHOICES.items():
             check_choice(field, getattr(self, field), allowed)
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
 
     @property
+    def batched(self) -> bool:
+        """Min/max pooling: every row is selected from device state (`DynSplitRows`) and the step plan; mean pooling
+        selects sequence by sequence."""
+        return self.pooling == "minmax"
+
+    @property
     def graph_safe(self) -> bool:
-        """K/V resident with min/max pooling: every row is selected from device state (`DynSplitRows`) and the step
-        plan, so the step is captured in a CUDA graph; offload and mean pooling select sequence by sequence."""
-        return not self.offload and self.pooling == "minmax"
+        """The batched path is captured in a CUDA graph (with offload, when the working-set kernel runs on the
+        device: its torch reference reads host memory from Python)."""
+        return self.batched and (not self.offload or use_triton(torch.device("cuda")))
+
+    @property
+    def steady_slots(self) -> bool:
+        """With offload on, `end_step` moves the tail back over the tokens it offloads."""
+        return not self.offload
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -164,13 +191,40 @@ class DynSplitKV(RowHolder, KVMethod):
 
     def new_state(self, seq: Sequence) -> DynSplitState:
         pool = seq.kv.pool
-        store = HostKVStore(pool.num_layers, pool.device) if self.offload else None
-        if self.graph_safe and self._rows is None:
-            self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
-        return DynSplitState(pool.num_layers, store, self.token_weights, pool.device)
+        tokens = len(seq.prompt_ids) + seq.params.max_new_tokens
+        if self.offload and self._sets is None:
+            self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
+        if self.batched and self._rows is None:
+            self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
+                                      stamped=not self.offload)
+        state = DynSplitState(pool.num_layers, self.token_weights, pool.device)
+        if self.offload:  # the sinks stay; the working set holds the most it attends and ends on a page
+            state.sinks = min(self.n_sink, len(seq.prompt_ids))
+            state.cache = working_set_slots(state.sinks, min(resolve_budget(self.budget, tokens), tokens),
+                                            pool.page_size)
+        return state
 
     def takes_row(self, seq: Sequence) -> bool:
-        return self.graph_safe and not seq.method_state.row
+        return self.batched and not seq.method_state.row
+
+    def set_needs(self, seq: Sequence, row: int) -> tuple[int, int, int] | None:
+        """(rows, working-set slots, offloaded tokens: every token at most), or None without offload."""
+        tokens = len(seq.prompt_ids) + seq.params.max_new_tokens
+        return (row + 1, seq.method_state.cache, tokens) if self.offload else None
+
+    def device_tokens(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> int | None:
+        """With offload: the sinks, the working set (the most it attends, up to a page boundary) and the tail with
+        the tokens waiting to leave it; without: every token."""
+        if not self.offload:
+            return None
+        tokens = prompt_tokens + max_new_tokens
+        sinks = min(self.n_sink, prompt_tokens)
+        cache = working_set_slots(sinks, min(resolve_budget(self.budget, tokens), tokens), page_size)
+        return min(tokens, sinks + cache + self._tail() + -(-self.offload_chunk // page_size) * page_size)
+
+    def _tail(self) -> int:
+        """Offload: the newest tokens kept on the device (the recent window and the slots `chunk_refresh` reads)."""
+        return max(self.n_recent, self.chunk_size + self.max_deviation + 1)
 
     def row_needs(self, seq: Sequence, row: int) -> tuple[int, int]:
         """(rows, chunks) the device rows need for `seq` in `row`: its whole generation, in about as many chunks as
@@ -202,19 +256,37 @@ class DynSplitKV(RowHolder, KVMethod):
             state.token_weights = arrange_weights({**self.base_weights, **normalise(scores)}, self.weights)
         self._extend(state, seq.prompt_ids)
         kv = seq.kv
-        if self.graph_safe:
+        if self.batched:
             self._prefill_rows(seq, state)
+            if self.offload:
+                self._offload(seq, state, len(state.ids) - state.sinks - self._tail(), prefill=True)
             return
         for layer in range(kv.pool.num_layers):
-            keys, values, positions = kv.gather(layer, kv.all_slots(layer))
+            keys, _, _ = kv.gather(layer, kv.all_slots(layer))
             state.summarise(layer, keys, self.pooling)
-            if self.offload:
-                state.store.put(layer, keys, values, positions)
-                kv.truncate(layer, 0)
-                state.previous[layer] = positions[:, :0].long()
         state.pending = 0
-        if self.offload:
-            seq.stats.d2h_bytes = state.store.d2h_bytes
+
+    def _offload(self, seq: Sequence, state: DynSplitState, m: int, prefill: bool = False) -> None:
+        """Offload: the m oldest tokens after the sinks and the working set go to the host. At the end of prefill
+        (the prompt after its sinks is the tail) layer by layer; the tail then moves behind the working set, which
+        holds the first offloaded tokens (already in place). Later in whole pages, every layer at once, which leave
+        the page table without a copy."""
+        kv, m, layers, page = seq.kv, max(m, 0), seq.kv.pool.num_layers, seq.kv.pool.page_size
+        start = state.sinks if prefill else state.sinks + state.cache  # the first token to offload
+        kf, vf, pf = kv.pool.flat()
+        for part in [slice(layer, layer + 1) for layer in range(layers)] if prefill else [slice(None)]:
+            if m:  # prefill: a layer at a time, so the copy never needs the whole prompt's K/V twice
+                slots = torch.arange(start, start + m, device=kv.table.device).expand(len(range(layers)[part]), -1)
+                rows = reference.physical_rows(kv.table[part], slots, page)  # [layers, m] flat pool rows
+                state.store.put(part, kf[rows].transpose(1, 2), vf[rows].transpose(1, 2), pf[rows].transpose(1, 2))
+        state.offloaded += m
+        if prefill:
+            for layer in range(layers):
+                self._sets.hold_first(layer, state.row, min(state.cache, m))
+                move_tail(kv, layer, start + m, state.sinks + state.cache)
+        elif m:
+            kv.drop_pages(start // page, m // page)
+        seq.stats.d2h_bytes = state.store.d2h_bytes
 
     def _prefill_rows(self, seq: Sequence, state: DynSplitState) -> None:
         """The prompt's chunk starts and every layer's chunk summaries into the sequence's device row."""
@@ -243,7 +315,7 @@ class DynSplitKV(RowHolder, KVMethod):
         """Extend every split by the new token. Batched path: note the chunks the step must summarise again (the one
         open before the token and the one open now) and where the token closed the first of them (the plan carries
         it to the device: the host writes nothing there)."""
-        if self.graph_safe:
+        if self.batched:
             for seq in batch.seqs:
                 state = seq.method_state
                 chunk, start = len(state.ends), state.open_start
@@ -253,14 +325,11 @@ class DynSplitKV(RowHolder, KVMethod):
             return None
         for seq in batch.seqs:
             self._extend(seq.method_state, [seq.last_token])
-            if self.offload:  # the step's region must have pages before the engine snapshots the page tables
-                for layer in range(seq.kv.pool.num_layers):
-                    seq.kv.ensure_slots(layer, max(self._k(seq), seq.kv.num_slots[layer] + 1))
         return None
 
     def step_plan(self, batch: DecodeBatch) -> "ChunkPlan | None":
         """Batched path: each row's `ChunkPlan`."""
-        if not self.graph_safe:
+        if not self.batched:
             return None
         self._step += 1
         self.ensure_rows((1, 1), batch.pool)  # stamps for pages the pool gained
@@ -272,28 +341,27 @@ class DynSplitKV(RowHolder, KVMethod):
             dirty, start, closed_at = state.dirty
             plan.append([state.row, k, min(k - recent, self.n_sink), recent, len(state.ends), start,
                          closed_at or len(state.ids), state.row * chunks + dirty,
-                         state.row * chunks + dirty + 1 if closed_at else 0, self._step, int(len(seq.output_ids) == 1)])
-        table = torch.tensor(plan, device=batch.positions.device)  # [B, 11]: one copy to the device
-        return ChunkPlan(*table[:, :7].unbind(1), table[:, 7:9], table[:, 9], table[:, 10])
+                         state.row * chunks + dirty + 1 if closed_at else 0, self._step, int(len(seq.output_ids) == 1),
+                         state.sinks, state.offloaded, state.cache])
+        table = torch.tensor(plan, device=batch.positions.device)  # [B, 14]: one copy to the device
+        return ChunkPlan(*table[:, :7].unbind(1), table[:, 7:9], table[:, 9], table[:, 10], table[:, 11],
+                         table[:, 12], table[:, 13])
 
     def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "ChunkPlan | None":
-        return ChunkPlan.static(size, device, {"targets": 2}) if self.graph_safe else None
+        return ChunkPlan.static(size, device, {"targets": 2}) if self.batched else None
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
-        if self.graph_safe:
+        if self.batched:
             return self._select_rows(layer, batch, q)
         seqs, device = batch.seqs, q.device
         for b, seq in enumerate(seqs):
             slot = torch.tensor([[seq.kv.num_slots[layer] - 1]], device=device)  # the host's count: no device read
-            k_new, v_new, _ = seq.kv.gather(layer, slot)  # [kv_heads, 1, D]: the current token
-            state = seq.method_state
-            if self.offload:
-                state.store.put(layer, k_new, v_new, torch.full(k_new.shape[:2], len(state.ids) - 1, device=device))
-            state.summarise(layer, k_new, self.pooling)
+            k_new, _, _ = seq.kv.gather(layer, slot)  # [kv_heads, 1, D]: the current token
+            seq.method_state.summarise(layer, k_new, self.pooling)
         n_host, k_host = [len(s.method_state.ids) for s in seqs], [self._k(s) for s in seqs]
         n, k = torch.tensor(n_host, device=device), torch.tensor(k_host, device=device)  # [B]
         width = max(n_host)
-        if not self.offload and all(a >= b for a, b in zip(k_host, n_host)):
+        if all(a >= b for a, b in zip(k_host, n_host)):
             mask = torch.arange(width, device=device)[None, None] < n[:, None, None]
             self._count_reuse(seqs, layer, mask.expand(-1, batch.model.num_kv_heads, -1))
             return None
@@ -304,19 +372,16 @@ class DynSplitKV(RowHolder, KVMethod):
         sinks = torch.minimum(k - recent, torch.tensor(self.n_sink, device=device))
         forced = ((pos >= (n - recent)[:, None]) | (pos < sinks[:, None])) & (pos < n[:, None])  # [B, width]
         mask = v2f_select(scores, labels, k, forced)  # [B, kv_heads, width]
-        if not self.offload:
-            self._count_reuse(seqs, layer, mask)
-            return Selection.from_mask(mask)
-        for b, seq in enumerate(seqs):
-            load_region(seq, layer, Selection.from_mask(mask[b:b + 1]).slots[0, :, : k_host[b]])
-        heads = batch.model.num_kv_heads
-        slots = torch.arange(max(k_host), device=device)[None, None].expand(len(seqs), heads, -1)
-        return Selection(slots=slots, lengths=k[:, None].expand(-1, heads))
+        self._count_reuse(seqs, layer, mask)
+        return Selection.from_mask(mask)
 
     def _select_rows(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection:
-        """Every row at once from the device rows and the plan (see the module docstring). q [B, heads, D]."""
+        """Every row at once from the device rows and the plan (see the module docstring); with offload, over
+        virtual slots, made device slots by the working set. q [B, heads, D]."""
         plan: ChunkPlan = batch.step_plan
-        n = batch.num_slots[:, layer]  # [B], the same in every layer
+        stored = batch.num_slots[:, layer]  # [B] device slots, the same in every layer
+        shift = plan.offloaded - plan.cache  # virtual slot - device slot in the tail (0 without offload)
+        n = stored + shift  # [B] virtual slots: every token
         if batch.graphed:  # the widest any row may attend
             width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
         else:
@@ -327,8 +392,8 @@ class DynSplitKV(RowHolder, KVMethod):
             state.start.view(-1)[plan.targets[:, 1]] = plan.following.int()  # a chunk the token opened
             self._ranges = self._chunk_ranges(plan, n)
         kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
-        dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, plan.dirty_start,
-                                       plan.following, n, plan.targets, span, kmin, kmax)
+        dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, plan.dirty_start - shift,
+                                       plan.following - shift, stored, plan.targets, span, kmin, kmax)  # in the tail
         table, lo, count = self._ranges
         scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
                                     self.group_reduce)  # [B, kv_heads, chunks]
@@ -337,6 +402,9 @@ class DynSplitKV(RowHolder, KVMethod):
         slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, plan.k - sinks - recent,
                                                       torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink,
                                                       width, span)
+        if self.offload:  # reuse is the working set's: tokens found on the device
+            return self._sets.load(layer, batch, Selection(slots, lengths), plan.row, plan.sinks, plan.offloaded,
+                                   plan.cache)
         dynsplit_kernels.slot_stamps(state.stamps.data.view(-1, pool.num_kv_heads), batch.tables[:, layer],
                                      pool.page_size, slots, lengths, n - 1, plan.step, plan.first_step, state.reuse,
                                      plan.row, pool.scratch)  # reuse counts
@@ -355,12 +423,25 @@ class DynSplitKV(RowHolder, KVMethod):
         return table, lo, count
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Batched path: the rows' reuse counters into the sequences' statistics (one small read)."""
-        if not self.graph_safe:
+        """Batched path: the rows' reuse counters into the sequences' statistics (one small read); with offload,
+        the working sets' (tokens found on the device / loaded from the host) and the oldest tokens of a tail
+        `offload_chunk` longer than it must be go to the host."""
+        if not self.batched:
             return
-        counts = self._rows.reuse[torch.tensor([s.method_state.row for s in seqs], device=self._rows.device)]
-        for seq, (reused, reloaded) in zip(seqs, counts.tolist()):
-            seq.stats.extra.update(kv_reused=reused, kv_reloaded=reloaded)
+        rows = [s.method_state.row for s in seqs]
+        if not self.offload:
+            counts = self._rows.reuse[torch.tensor(rows, device=self._rows.device)].tolist()
+            for seq, (reused, reloaded) in zip(seqs, counts):
+                seq.stats.extra.update(kv_reused=reused, kv_reloaded=reloaded)
+            return
+        for seq, (found, loaded) in zip(seqs, self._sets.counts(rows)):
+            state, pool = seq.method_state, seq.kv.pool
+            seq.stats.extra.update(kv_reused=found, kv_reloaded=loaded)
+            seq.stats.h2d_bytes = loaded * (2 * pool.head_dim * pool.k.element_size() + 4)  # key, value, position
+            extra = seq.kv.num_slots[0] - state.sinks - state.cache - self._tail()
+            extra -= extra % pool.page_size  # whole pages leave
+            if extra and extra >= self.offload_chunk:
+                self._offload(seq, state, extra)
 
     def _count_reuse(self, seqs: list[Sequence], layer: int, mask: torch.Tensor) -> None:
         """Selected tokens (the current one aside) that were / were not selected at the previous step of this layer."""

@@ -17,10 +17,12 @@ class DynSplitRows(DeviceRows):
     """Row 0 is the padding rows' (and the place where writes that are not needed land). Shapes grow with the
     longest row (`ensure`); a move makes captured graphs be captured again (the owner bumps its `graph_epoch`)."""
 
-    # each growth copies every row: rows come a few at a time, chunks with an eighth more
-    slack = (4, 64)
+    # rows come one per admitted request (a row is about 290 MB at 32 layers and a 32k context): little slack;
+    # chunks with an eighth more
+    slack = (1, 64)
 
-    def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 stamped: bool = True):
         super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
         self.kmin = torch.zeros(layers, 1, 1, kv_heads, dim, dtype=dtype, device=device)  # [L, rows, chunks, H, D]
@@ -28,7 +30,9 @@ class DynSplitRows(DeviceRows):
         self.start = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [rows, chunks] first position
         self.reuse = torch.zeros(1, 2, dtype=torch.long, device=device)  # [rows, 2] tokens reused / reloaded
         # step (of this method) at which each slot and KV head was last attended: [pages, page_size, kv_heads]
-        self.stamps = PageStorage(lambda pool: (pool.page_size, pool.num_kv_heads), dtype=torch.int32)
+        # (not with offload: the working sets count reuse)
+        self.stamps = PageStorage(lambda pool: (pool.page_size, pool.num_kv_heads), dtype=torch.int32) if stamped \
+            else None
 
     @property
     def chunks(self) -> int:
@@ -44,11 +48,11 @@ class DynSplitRows(DeviceRows):
     def ensure(self, needs: tuple[int, int], pool: KVPool) -> bool:
         """Room for needs = (rows, chunks per row), and stamps for every page of the pool; True when a tensor
         moved."""
-        moved = self.stamps.ensure(pool)
+        moved = self.stamps is not None and self.stamps.ensure(pool)
         return self.grow(needs) or moved
 
     def growth_bytes(self, needs: tuple[int, int], pool: KVPool) -> int:
-        return super().growth_bytes(needs, pool) + self.stamps.growth_bytes(pool)
+        return super().growth_bytes(needs, pool) + (self.stamps.growth_bytes(pool) if self.stamps else 0)
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""

@@ -55,8 +55,7 @@ class DynSplitState:
     """One sequence: its tokens, the DD-Select chunk ends, the chunk of every position, and per layer the chunk
     summaries (closed chunks, then the open one), the keys of the open chunk and the previous step's selection."""
 
-    def __init__(self, num_layers: int, store: HostKVStore | None, token_weights: dict[int, float],
-                 device: torch.device):
+    def __init__(self, num_layers: int, token_weights: dict[int, float], device: torch.device):
         self.token_weights = token_weights  # token id -> delimiter weight
         self.ids: list[int] = []
         self.position_weights: list[float] = []  # weight of each position's token, -1 for non-delimiters
@@ -66,9 +65,11 @@ class DynSplitState:
         self._labelled = 0  # positions whose entry in `_labels` is up to date
         self.summaries: list[torch.Tensor | None] = [None] * num_layers  # [stats, kv_heads, capacity, D]
         self.open_keys: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads, m, D]
-        # device-resident: selected mask [kv_heads, n]; offload: positions held in device slots [kv_heads, r]
-        self.previous: list[torch.Tensor | None] = [None] * num_layers
-        self.store = store
+        self.previous: list[torch.Tensor | None] = [None] * num_layers  # per-sequence path: selected mask [kv_heads, n]
+        self.store: HostKVStore | None = None  # offload: its offloaded tokens (made at admission)
+        self.sinks = 0  # offload: the first tokens, kept on the device
+        self.offloaded = 0  # offload: tokens per layer in the store
+        self.cache = 0  # offload: working-set slots per layer and KV head
         self.dependency = None  # AttentionDependency while per-document weights are estimated
         self.row = 0  # batched path: the sequence's row in `DynSplitRows` (0 until it is admitted)
         # batched path: the chunk open before this step's token, its start, and its end if the token closed it (else 0)
@@ -131,11 +132,9 @@ class DynSplitState:
                               for s in states])
         return summaries, labels
 
-    def count(self, seq: Sequence, reused: int, reloaded: int, fetched: int = 0) -> None:
+    @staticmethod
+    def count(seq: Sequence, reused: int, reloaded: int) -> None:
         """Reuse counters (token x KV head x layer, summed over steps) in the request's statistics."""
         extra = seq.stats.extra
         extra["kv_reused"] = extra.get("kv_reused", 0) + reused
         extra["kv_reloaded"] = extra.get("kv_reloaded", 0) + reloaded
-        if self.store is not None:
-            extra["kv_fetched"] = extra.get("kv_fetched", 0) + fetched
-            seq.stats.h2d_bytes, seq.stats.d2h_bytes = self.store.h2d_bytes, self.store.d2h_bytes

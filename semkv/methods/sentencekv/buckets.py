@@ -2,7 +2,7 @@
 (sentence) of every retained token, each bucket's retained-token count and sentence vector (mean retained key), and
 the sum of the current sentence's queries; the ranking of buckets against a query runs for a whole batch in tensor
 operations. On the host, per sequence (`SentenceState`): the budget split, bucket starts and, when retained K/V live in
-host memory, the store and the working set that holds the chosen tokens on the device.
+host memory, the store (the working set that holds the chosen tokens on the device is a `WorkingSets` row).
 
 Retained tokens are numbered 0..n-1 per KV head in position order (their index in the host store, or their offset
 in the device region that holds them without offloading); bucket ids grow with positions, so each bucket's tokens of
@@ -10,12 +10,10 @@ one head are a contiguous index range.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from semkv.engine.kv_cache import SeqKV
 from semkv.engine.offload import HostKVStore
 from semkv.kernels import reference
 from semkv.methods.state.rows import DeviceRows
@@ -95,66 +93,27 @@ class SentenceRows(DeviceRows):
         return self.held_bytes() // self.sizes()[0]
 
 
-def load_working_set(loaded: torch.Tensor, kv: SeqKV, store: HostKVStore, layer: int, wanted: torch.Tensor,
-                     base: int) -> torch.Tensor:
-    """Make the working set (device slots [base, base + capacity)) hold exactly the wanted tokens: tokens already
-    loaded stay where they are, only the missing ones are copied from the host store into freed slots. loaded
-    [kv_heads, capacity] (token held by each slot, -1 if empty), wanted [kv_heads, n] -> the new `loaded`."""
-    heads, n = wanted.shape
-    held = torch.where(loaded >= 0, loaded, n)  # [kv_heads, capacity], n = empty
-    keep = F.pad(wanted, (0, 1)).gather(1, held)  # loaded and still wanted
-    loaded = torch.where(keep, loaded, -1)
-    present = torch.zeros(heads, n + 1, dtype=torch.bool, device=wanted.device)
-    present.scatter_(1, torch.where(keep, held, n), True)
-    head, index = (wanted & ~present[:, :n]).nonzero(as_tuple=True)  # missing tokens, head-major, ascending
-    if head.numel():
-        n_missing = torch.bincount(head, minlength=heads)  # [kv_heads]
-        free = loaded < 0
-        fill = free & (free.cumsum(1) <= n_missing[:, None])  # the first n_missing free slots of each head
-        loaded[fill.nonzero(as_tuple=True)] = index  # same per-head counts and order as the missing tokens
-        # one copy of m tokens per head: the filled slots, padded with slots re-copied unchanged (every head
-        # holds as many tokens as it wants, the same number in every head, and at least m)
-        m = int(n_missing.max())
-        kind = torch.where(fill, 0, torch.where(loaded >= 0, 1, 2)).to(torch.int8)
-        slots = torch.sort(kind, dim=1, stable=True).indices[:, :m]  # [kv_heads, m]
-        k, v, pos = store.fetch(layer, loaded.gather(1, slots))
-        kv.write(layer, (base + slots).T, k.transpose(0, 1), v.transpose(0, 1), pos.T)
-    return loaded
-
-
-def move_tail(kv: SeqKV, layer: int, src: int, dst: int) -> None:
-    """Move the slots [src, num_slots) of a layer to start at dst, allocating or freeing pages as needed."""
-    n = kv.num_slots[layer] - src
-    if src == dst:
-        return
-    k, v, pos = kv.gather(layer, torch.arange(src, src + n, device=kv.table.device)[None])  # copies
-    kv.truncate(layer, min(dst, kv.num_slots[layer]))
-    kv.ensure_slots(layer, dst + n)
-    kv.write(layer, torch.arange(dst, dst + n, device=kv.table.device), k.transpose(0, 1), v.transpose(0, 1), pos[0])
-    kv.num_slots[layer] = dst + n
-
-
 @dataclass
 class SentenceState:
     """One sequence's SentenceKV state on the host. Device layout per layer: sinks [0, n_sink), then the retained
-    tokens (offload off) or the working set of `capacity` slots (offload on), then the recent window (`tail`)."""
+    tokens (offload off) or the working set of `cache` slots (offload on), then the recent window (`tail`)."""
 
     dense: bool  # the budget covers the whole generation: nothing is dropped or moved
     budget: int
     n_sink: int
     n_recent: int
-    capacity: int  # tokens of loaded buckets attended per step
+    capacity: int  # tokens of chosen buckets attended per step
     offload: bool
     starts: list[int]  # start position of every bucket, the prompt's then the generated text's
     limit: int  # longest bucket of generated text
     row: int  # in `SentenceRows` (0 when dense or not admitted yet)
     retained: int  # tokens retained per layer and KV head so far
     store: HostKVStore | None
-    loaded: list[torch.Tensor | None] = field(default_factory=list)  # offload: per layer [kv_heads, capacity]
+    cache: int = 0  # offload: working-set slots (`capacity`, rounded so that the recent window starts a page)
     q_count: int = 0  # earlier queries of the current sentence
     h2d_step_max: int = 0
     device_peak: int = 0
 
     @property
     def tail_start(self) -> int:
-        return self.n_sink + (self.capacity if self.offload else self.retained)
+        return self.n_sink + (self.cache if self.offload else self.retained)

@@ -11,10 +11,11 @@ buckets are taken (with offload: loaded) until the budget is filled, and attenti
 sinks and the recent window.
 
 Device memory during decoding with offload: `n_sink` sinks + a working set of `budget - n_sink - n_recent` slots
-(the loaded buckets; a bucket that stays chosen stays loaded, so only newly chosen tokens are copied) + the recent
-window, which holds up to `offload_chunk` more tokens on their way out: tokens leaving the recent window are offloaded
-`offload_chunk` at a time and join the bucket of the sentence they belong to (generated text is bucketed like the
-prompt), so they can be retrieved later. Plus the sentence vectors and a token -> bucket map (one int per retained
+(rounded up so that it ends on a KV page; the loaded buckets: a bucket that stays chosen stays loaded, so only newly
+chosen tokens are copied) + the recent window, which holds up to `offload_chunk` (at least a page) more tokens on
+their way out: tokens leaving the recent window are offloaded in whole pages, which leave the page table without a
+copy, and join the bucket of the sentence they belong to (generated text is bucketed like the prompt), so they can be
+retrieved later. Plus the sentence vectors and a token -> bucket map (one int per retained
 token). Bytes moved are counted in `stats.h2d_bytes` / `d2h_bytes` (`h2d_bytes_step_max`: the largest decode step).
 
 Choices where the paper is silent: sinks and recent window count in the budget (`budget // 4` each at most, so at
@@ -27,9 +28,11 @@ masks; here retained K/V really live in host memory (pinned on GPU runs) when `o
 Decoding is batched (`buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every
 retained token and the running query sums of all sequences live in device tensors, one row per sequence; the step plan
 gives each row its state row and budget split, one sort ranks the buckets of every row and KV head, and
-`kernels.sentence_slots` turns the ranks into slot lists. With `offload=False` a step reads nothing back and is
-captured in a CUDA graph; tokens that leave the recent window join their buckets between steps (host-decided, every
-`offload_chunk` tokens). With offload on, each row's working set is then loaded from the host row by row (eager).
+`kernels.sentence_slots` turns the ranks into slot lists. With offload on, those slot lists name virtual slots (the
+resident layout) and `WorkingSets.load` makes them device slots, reading the chosen tokens the working set does not
+hold from pinned host memory in the same kernel. Either way a step reads nothing back and is captured in a CUDA
+graph; tokens that leave the recent window join their buckets between steps (host-decided, every `offload_chunk`
+tokens).
 
 Parameters
 ----------
@@ -48,12 +51,12 @@ query: "mean" (mean query of the current generated sentence, the paper) or "curr
 buckets: "sentences" (the paper) or "chunks" (as many equal-size chunks as there are sentences, the ablation of
     section 6.1; generated text is chunked the same way).
 offload: False (the default) keeps the retained K/V resident and selects in place: the same tokens as offloading,
-    batched and replayed in CUDA graphs (1.7x Full KV's throughput at 11 x 32k on an H100), and most of the memory
-    saving already comes from dropping the unretained tokens at prefill. True keeps retained K/V in host memory and
-    copies chosen tokens to the device (the paper's setting: less device memory, eager steps, ~50 ms a sequence at
-    32k); None: on when the engine runs on a GPU.
-offload_chunk: tokens leaving the recent window are moved to the host this many at a time; 16 (one copy per
-    layer every 16 steps instead of every step).
+    and most of the memory saving already comes from dropping the unretained tokens at prefill. True keeps retained
+    K/V in host memory and holds only the budget on the device (the paper's setting): the same tokens, a device
+    footprint that does not grow with the context, so more or longer requests fit; None: on when the engine runs on
+    a GPU. Both are batched and replayed in CUDA graphs.
+offload_chunk: tokens leaving the recent window join their buckets (with offload: go to the host, in whole KV
+    pages) this many at a time; 16 (with offload a multiple of the KV page size).
 """
 from __future__ import annotations
 
@@ -63,17 +66,16 @@ from typing import Any
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
-from semkv.engine.offload import HostKVStore
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.kernels import reference
+from semkv.kernels import reference, use_triton
 from semkv.methods.base import keep_top, per_kv_head, window_attention
 from semkv.methods.eviction import window_positions
 from semkv.methods.sentencekv import kernels as sentencekv_kernels
-from semkv.methods.sentencekv.buckets import SentenceRows, SentenceState, bucket_of, load_working_set, move_tail
-from semkv.methods.sentencekv.reference import sentence_tokens
+from semkv.methods.sentencekv.buckets import SentenceRows, SentenceState, bucket_of
 from semkv.methods.sentencekv.sentences import SentenceRule, segment
 from semkv.methods.state.rows import RowHolder
+from semkv.methods.state.working_set import WorkingSets, move_tail, working_set_slots
 
 KEEP_ALL = 1 << 40  # the recent window of a row that keeps everything
 
@@ -81,8 +83,9 @@ KEEP_ALL = 1 << 40  # the recent window of a row that keeps everything
 @dataclass
 class SentencePlan(StepPlan):
     """SentenceKV's step plan, one value a sequence [B]: its row in the device state, the queries summed in its open
-    sentence, its sinks, retained tokens, working-set capacity and recent window, and the start of that window after
-    the sinks (a row that keeps everything: row 0, recent window `KEEP_ALL`)."""
+    sentence, its sinks, retained tokens, the tokens its chosen buckets take and its recent window; with offload on,
+    its offloaded tokens (the retained ones) and working-set slots, else 0 and 0 (a row that keeps everything: row 0,
+    recent window `KEEP_ALL`)."""
 
     row: torch.Tensor
     q_count: torch.Tensor
@@ -90,7 +93,8 @@ class SentencePlan(StepPlan):
     retained: torch.Tensor
     capacity: torch.Tensor
     n_recent: torch.Tensor
-    region: torch.Tensor
+    offloaded: torch.Tensor
+    cache: torch.Tensor
 
 
 @dataclass
@@ -127,12 +131,21 @@ class SentenceKV(RowHolder, KVMethod):
 
     @property
     def graph_safe(self) -> bool:
-        """With retained K/V resident (offload=False) a step ranks every row's buckets from the device state and
-        the step plan alone; offloading copies chosen tokens from the host and moves the cache between steps."""
+        """A step ranks every row's buckets from the device state and the step plan alone, and with offload on the
+        working-set kernel loads from host addresses on the device (the torch reference of that kernel reads the
+        host from Python: not captured)."""
+        return self.offload is False or use_triton(torch.device("cuda"))
+
+    @property
+    def steady_slots(self) -> bool:
+        """With offload on, `end_step` moves the recent window back over the tokens it offloads."""
         return self.offload is False
 
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
+        if self.offload is not False and self.offload_chunk % page_size:
+            raise SemkvError(f"offload_chunk={self.offload_chunk} must be a multiple of the KV page size ({page_size}) "
+                             "with offload on: offloaded tokens leave the device a page at a time")
         self.rule = SentenceRule.for_tokenizer(tokenizer)
 
     def window_size(self) -> int:
@@ -150,14 +163,17 @@ class SentenceKV(RowHolder, KVMethod):
         offload = pool.device.type == "cuda" if self.offload is None else self.offload
         dense = self.budget is None or resolve_budget(self.budget, final) >= final
         middle = n - n_sink - min(n_recent, n - n_sink)  # prompt tokens between the sinks and the recent window
-        st = SentenceState(
-            dense=dense, budget=budget, n_sink=n_sink, n_recent=n_recent, capacity=budget - n_sink - n_recent,
-            offload=offload, starts=starts + [n], limit=limit, row=0,
-            retained=0 if dense else min(int(self.keep_factor * budget), middle),
-            store=HostKVStore(pool.num_layers, pool.device) if offload else None, loaded=[None] * pool.num_layers)
+        offload = offload and not dense
+        capacity = budget - n_sink - n_recent
+        st = SentenceState(dense=dense, budget=budget, n_sink=n_sink, n_recent=n_recent, capacity=capacity,
+                           offload=offload, starts=starts + [n], limit=limit, row=0,
+                           retained=0 if dense else min(int(self.keep_factor * budget), middle), store=None,
+                           cache=working_set_slots(n_sink, capacity, pool.page_size) if offload else 0)
         if self._rows is None:  # also when every row keeps everything: a graphed step still reads row 0
             self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
                                       pool.device)
+        if offload and self._sets is None:
+            self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         return st
 
     def takes_row(self, seq: Sequence) -> bool:
@@ -170,10 +186,32 @@ class SentenceKV(RowHolder, KVMethod):
         st: SentenceState = seq.method_state
         return row + 1, len(st.starts), st.retained + more_tokens
 
+    def set_needs(self, seq: Sequence, row: int) -> tuple[int, int, int] | None:
+        """(rows, working-set slots, offloaded tokens: the retained prompt and every generated token), or None
+        without offload."""
+        st: SentenceState = seq.method_state
+        return (row + 1, st.cache, st.retained + seq.params.max_new_tokens) if st.offload else None
+
+    def device_tokens(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> int | None:
+        """With offload: the sinks, the working set and the recent window with the tokens waiting to leave it;
+        without: the prompt's sinks, retained tokens and recent window, and every generated token (they join the
+        retained region). None when it keeps everything, or with offload=None (decided by the device when the
+        request is made)."""
+        final = prompt_tokens + max_new_tokens - 1  # tokens in the cache at the last decode step
+        if self.budget is None or resolve_budget(self.budget, final) >= final or self.offload is None:
+            return None
+        budget = resolve_budget(self.budget, prompt_tokens)
+        if not self.offload:
+            return min(final + 1, budget + int(self.keep_factor * budget) + max_new_tokens)
+        n_sink = min(self.n_sink, budget // 4, prompt_tokens)
+        n_recent = max(1, min(self.n_recent, budget // 4))
+        cache = working_set_slots(n_sink, budget - n_sink - n_recent, page_size)
+        return min(final + 1, n_sink + cache + n_recent + self.offload_chunk)
+
     # -- prefill --------------------------------------------------------------------------------------------------
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
         """Retain the top floor(r * budget) middle tokens per KV head; keep sinks, the retained tokens (offload
-        off) or the first `capacity` of them (offload on: all of them go to the host) and the recent window."""
+        off) or as many as the working set holds (offload on: all of them go to the host) and the recent window."""
         st: SentenceState = seq.method_state
         if st.dense:
             return None
@@ -189,10 +227,10 @@ class SentenceKV(RowHolder, KVMethod):
                        bucket_of(st.starts, retained)[None], at=0)
         resident = retained
         if st.offload:
-            st.store.put(layer, keys[heads, retained], values[heads, retained], positions[heads, retained])
-            resident = retained[:, : st.capacity]
-            held = torch.arange(resident.shape[1], device=keys.device)[None].expand(keys.shape[0], -1)
-            st.loaded[layer] = torch.nn.functional.pad(held, (0, st.capacity - held.shape[1]), value=-1)
+            st.store.put(slice(layer, layer + 1), keys[heads, retained][None], values[heads, retained][None],
+                         positions[heads, retained][None])
+            resident = retained[:, : st.cache]
+            self._sets.hold_first(layer, st.row, resident.shape[1])
         own = torch.arange(n, device=keys.device)[None].expand(keys.shape[0], -1)
         return torch.cat([own[:, : st.n_sink], resident, own[:, n - recent :]], dim=1)
 
@@ -203,7 +241,7 @@ class SentenceKV(RowHolder, KVMethod):
             return
         if st.offload:
             for layer in range(seq.kv.pool.num_layers):
-                move_tail(seq.kv, layer, st.n_sink + min(st.capacity, st.retained), st.tail_start)
+                move_tail(seq.kv, layer, st.n_sink + min(st.cache, st.retained), st.tail_start)
         self._record(seq, self._rows.row_bytes())
 
     # -- decode ---------------------------------------------------------------------------------------------------
@@ -214,8 +252,9 @@ class SentenceKV(RowHolder, KVMethod):
         states: list[SentenceState] = [s.method_state for s in batch.seqs]
         if all(st.dense for st in states) and not self.graph_safe:
             return None
-        rows = [[0, 0, 0, 0, 0, KEEP_ALL, 0] if st.dense else
-                [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent, st.tail_start - st.n_sink]
+        rows = [[0, 0, 0, 0, 0, KEEP_ALL, 0, 0] if st.dense else
+                [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent,
+                 st.retained if st.offload else 0, st.cache]
                 for st in states]
         return SentencePlan(*torch.tensor(rows, device=batch.positions.device).unbind(1))
 
@@ -224,7 +263,7 @@ class SentenceKV(RowHolder, KVMethod):
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         """Sinks, the chosen buckets' tokens and the recent window of every row, ranked from the device state; with
-        offload on, the chosen tokens are first loaded into each row's working set (row by row). q [B, heads, D]."""
+        offload on, as device slots of the working set, which is made to hold the chosen tokens. q [B, heads, D]."""
         if batch.step_plan is None or self.budget is None:
             return None
         if batch.graphed:  # the widest budget any row may have
@@ -242,36 +281,20 @@ class SentenceKV(RowHolder, KVMethod):
         query = self._rows.mean_query(layer, rows, q, plan.q_count) if self.query == "mean" else q.float()
         query = query.view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] the group's mean
         before, first = self._rows.rank(layer, rows, query)  # [B, kv_heads, buckets]
-        if any(s.method_state.offload for s in batch.seqs):
-            chosen = sentence_tokens(self._rows.bucket[layer], rows, before, first, retained, capacity)
-            return self._load(layer, batch.seqs, chosen)
-        n = batch.num_slots[:, layer]  # [B]
-        tail = torch.minimum(plan.n_recent, n - n_sink - plan.region).clamp(min=1)  # [B] attended recent slots
-        return Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n, n_sink,
-                                                            retained, capacity, tail, self.n_sink, width))
-
-    def _load(self, layer: int, seqs: list[Sequence], chosen: torch.Tensor) -> Selection:
-        """Offload on: each row's working set is made to hold its chosen tokens ([B, kv_heads, retained] bool);
-        the row attends to its sinks, the working-set slots that hold a token and the recent window."""
-        n_slots = [seq.kv.num_slots[layer] for seq in seqs]  # host copies: no device read
-        mask = torch.zeros(*chosen.shape[:2], max(n_slots), dtype=torch.bool, device=chosen.device)
-        for b, seq in enumerate(seqs):
-            st: SentenceState = seq.method_state
-            if st.dense:
-                mask[b, :, : n_slots[b]] = True
-                continue
-            st.loaded[layer] = load_working_set(st.loaded[layer], seq.kv, st.store, layer,
-                                                chosen[b, :, : st.retained], st.n_sink)
-            mask[b, :, : st.n_sink] = True
-            mask[b, :, st.n_sink : st.tail_start] = st.loaded[layer] >= 0
-            mask[b, :, max(n_slots[b] - st.n_recent, st.tail_start) : n_slots[b]] = True
-        return Selection.from_mask(mask)
+        n = batch.num_slots[:, layer] - plan.cache + plan.offloaded  # [B] virtual slots (the resident layout)
+        tail = torch.minimum(plan.n_recent, n - n_sink - retained).clamp(min=1)  # [B] attended recent slots
+        selection = Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n,
+                                                                 n_sink, retained, capacity, tail, self.n_sink, width))
+        if self._sets is None:
+            return selection
+        return self._sets.load(layer, batch, selection, rows, n_sink, plan.offloaded, plan.cache)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the
         recent window join their buckets (and move to the host when offloading) once `offload_chunk` of them
         wait."""
         vector_bytes = self._rows.row_bytes()
+        counts = self._traffic(seqs)
         for seq, token in zip(seqs, tokens):
             st: SentenceState = seq.method_state
             if st.dense:
@@ -289,12 +312,12 @@ class SentenceKV(RowHolder, KVMethod):
             st.device_peak = max(st.device_peak, stored)
             waiting = stored - st.tail_start - st.n_recent
             if waiting >= self.offload_chunk:
-                self._offload_waiting(seq, st, waiting)
-            self._record(seq, vector_bytes)
+                self._offload_waiting(seq, st, waiting - waiting % self.offload_chunk)
+            self._record(seq, vector_bytes, counts.get(st.row))
 
     def _offload_waiting(self, seq: Sequence, st: SentenceState, m: int) -> None:
-        """The m oldest tokens of the recent window join their buckets, every layer at once (and move to the host
-        when offloading)."""
+        """The m oldest tokens of the recent window join their buckets, every layer at once (and with offload go to
+        the host: their pages, which start where the working set ends, leave the page table)."""
         kv, start = seq.kv, st.tail_start
         slots = torch.arange(start, start + m, device=kv.table.device).expand(kv.pool.num_layers, -1)
         rows = reference.physical_rows(kv.table, slots, kv.pool.page_size)  # [layers, m] flat pool rows
@@ -303,19 +326,26 @@ class SentenceKV(RowHolder, KVMethod):
         self.ensure_rows(self.row_needs(seq, st.row, m), kv.pool)
         self._rows.add(st.row, slice(None), k, bucket_of(st.starts, pos), at=st.retained)
         if st.offload:
-            v = vf[rows].transpose(1, 2)
-            for layer in range(kv.pool.num_layers):
-                st.store.put(layer, k[layer], v[layer], pos[layer])
-                move_tail(kv, layer, start + m, start)
+            st.store.put(slice(None), k, vf[rows].transpose(1, 2), pos)
+            kv.drop_pages(start // kv.pool.page_size, m // kv.pool.page_size)
         st.retained += m
 
+    def _traffic(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
+        """Offloading rows: (found, loaded) chosen tokens so far, by row (one small read)."""
+        rows = [s.method_state.row for s in seqs if s.method_state.offload]
+        return dict(zip(rows, self._sets.counts(rows))) if rows else {}
+
     @staticmethod
-    def _record(seq: Sequence, vector_bytes: int) -> None:
+    def _record(seq: Sequence, vector_bytes: int, counts: tuple[int, int] | None = None) -> None:
         st: SentenceState = seq.method_state
         stats = seq.stats
         if st.store is not None:
-            st.h2d_step_max = max(st.h2d_step_max, st.store.h2d_bytes - stats.h2d_bytes)
-            stats.h2d_bytes, stats.d2h_bytes = st.store.h2d_bytes, st.store.d2h_bytes
+            found, loaded = counts or (0, 0)
+            pool = seq.kv.pool
+            h2d = loaded * (2 * pool.head_dim * pool.k.element_size() + 4)  # key, value and position of a token
+            st.h2d_step_max = max(st.h2d_step_max, h2d - stats.h2d_bytes)
+            stats.h2d_bytes, stats.d2h_bytes = h2d, st.store.d2h_bytes
+            stats.extra.update(kv_reused=found, kv_reloaded=loaded)
         stats.extra.update(
             sentences=len(st.starts), offload=st.offload, h2d_bytes_step_max=st.h2d_step_max,
             kv_device_peak=max(st.device_peak, max(seq.kv.num_slots)),

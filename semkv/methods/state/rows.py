@@ -11,7 +11,7 @@ import torch
 
 from semkv.engine.hooks import BatchedHooks
 from semkv.engine.kv_cache import KVPool
-from semkv.engine.offload import grown_capacity
+from semkv.engine.offload import HostKVStore, grown_capacity, token_bytes
 from semkv.engine.sequence import Sequence
 
 
@@ -74,12 +74,13 @@ class DeviceRows:
 
 
 class RowHolder(BatchedHooks):
-    """Admission hooks of a method whose batched per-sequence state is a `DeviceRows` in `self._rows`: a request
-    that takes a row (`takes_row`) gets one at admission, with room for what it needs there (`row_needs`), and gives
-    it back when released; a move of the tensors makes captured graphs be captured again (`graph_epoch`); a reset
-    drops the tensors."""
+    """Admission hooks of a method whose batched per-sequence state is a `DeviceRows` in `self._rows` (and, when it
+    offloads, the working sets in `self._sets`, rows numbered alike): a request that takes a row (`takes_row`) gets
+    one at admission, with room for what it needs there (`row_needs`, `set_needs`), and gives it back when released;
+    a move of the tensors makes captured graphs be captured again (`graph_epoch`); a reset drops the tensors."""
 
     _rows: DeviceRows | None
+    _sets: DeviceRows | None = None
 
     def takes_row(self, seq: Sequence) -> bool:
         raise NotImplementedError
@@ -87,29 +88,67 @@ class RowHolder(BatchedHooks):
     def row_needs(self, seq: Sequence, row: int) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def set_needs(self, seq: Sequence, row: int) -> tuple[int, ...] | None:
+        """Sizes the working sets need for `seq` in `row` (`WorkingSets`: rows, working-set slots, offloaded tokens;
+        the last is also the capacity of the `HostKVStore` made at admission); None: it offloads nothing."""
+        return None
+
     def admit(self, seq: Sequence) -> None:
         if not self.takes_row(seq):
             return
         seq.method_state.row = row = self._rows.owners.take()
         self.ensure_rows(self.row_needs(seq, row), seq.kv.pool)
         self._rows.clear(row)
+        needs = self.set_needs(seq, row)
+        if needs is not None:
+            pool = seq.kv.pool
+            self.ensure_sets(needs, pool)
+            store = HostKVStore(pool.num_layers, pool.num_kv_heads, pool.head_dim, needs[2], pool.dtype, pool.device)
+            seq.method_state.store = store
+            self._sets.attach(row, store)
 
     def admission_bytes(self, seq: Sequence) -> int:
         if not self.takes_row(seq):
             return 0
-        return self._rows.growth_bytes(self.row_needs(seq, self._rows.owners.next_row()), seq.kv.pool)
+        row = self._rows.owners.next_row()
+        needs = self.set_needs(seq, row)
+        sets = 0 if needs is None else self._sets.growth_bytes(needs, seq.kv.pool)
+        return self._rows.growth_bytes(self.row_needs(seq, row), seq.kv.pool) + sets
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        """The rows (and working sets) of `batch` requests like `seq`: what growing to rows 1..batch allocates."""
+        if not self.takes_row(seq):
+            return 0
+        needs = self.set_needs(seq, batch)
+        sets = 0 if needs is None else self._sets.growth_bytes(needs, seq.kv.pool)
+        return self._rows.growth_bytes(self.row_needs(seq, batch), seq.kv.pool) + sets
+
+    def admission_host_bytes(self, seq: Sequence) -> int:
+        needs = self.set_needs(seq, self._rows.owners.next_row()) if self.takes_row(seq) else None
+        if needs is None:
+            return 0
+        pool = seq.kv.pool
+        return needs[2] * pool.num_layers * token_bytes(pool.num_kv_heads, pool.head_dim, pool.dtype)
 
     def release(self, seq: Sequence) -> None:
         row = getattr(seq.method_state, "row", 0)
         if row and self._rows is not None:
             self._rows.owners.free(row)
+            if self._sets is not None:
+                self._sets.drop(row)
 
     def reset(self) -> None:
         self._rows = None
+        self._sets = None
 
     def ensure_rows(self, needs: tuple[int, ...], pool: KVPool) -> None:
         """Room in the device rows for `needs`."""
         if self._rows.ensure(needs, pool):
+            self.graph_epoch += 1
+
+    def ensure_sets(self, needs: tuple[int, ...], pool: KVPool) -> None:
+        """Room in the working sets for `needs`."""
+        if self._sets.ensure(needs, pool):
             self.graph_epoch += 1
 
 

@@ -1,0 +1,95 @@
+"""Offloaded working sets, the device side of host offload (SentenceKV and DynSplit-KV with `offload=True`).
+
+A method that offloads describes each sequence, per layer, by its *virtual* slots, the layout its device-resident
+variant keeps: sinks [0, n_sink), offloaded tokens [n_sink, n_sink + offloaded) (token t of the sequence's
+`HostKVStore` at virtual slot n_sink + t), then the tail (recent tokens not offloaded yet). It selects over virtual
+slots exactly as the resident variant does, then `load` makes the selection device slots: on the device the sinks
+stay, `cache` working-set slots follow, then the tail; the working set holds the selected offloaded tokens, and only
+those it did not hold at the previous step are read from the host (`kernels.working_set`). Every row's maps, host
+addresses and traffic counters live in device tensors (one row per sequence, numbered as the method's `DeviceRows`),
+so a step is batched and captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from semkv import kernels
+from semkv.engine.hooks import DecodeBatch, Selection
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.offload import HostKVStore
+from semkv.methods.state.rows import DeviceRows
+
+
+def working_set_slots(n_sink: int, needed: int, page_size: int) -> int:
+    """Working-set slots for `needed` selected offloaded tokens behind `n_sink` sinks: rounded up so that the tail
+    after them starts a KV page (tokens leave the tail a page at a time, without a copy: `SeqKV.drop_pages`)."""
+    return -(-(n_sink + needed) // page_size) * page_size - n_sink
+
+
+class WorkingSets(DeviceRows):
+    """Row 0 is the padding rows' (and the rows that offload nothing: they load nothing and their slots are not
+    translated). Sizes: rows, working-set slots, offloaded tokens a row can hold."""
+
+    slack = (1, 64, 256)
+
+    def __init__(self, layers: int, kv_heads: int, device: torch.device):
+        super().__init__()
+        self.layers, self.kv_heads, self.device = layers, kv_heads, device
+        with torch.inference_mode(False):  # normal tensors: written between steps, outside inference mode too
+            self.held = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, capacity]
+            self.where = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, tokens]
+            self.host = torch.zeros(1, 4, dtype=torch.long, device=device)  # [rows, 4] `HostKVStore.pointers`
+            self.traffic = torch.zeros(1, 2, dtype=torch.long, device=device)  # [rows, 2] tokens found / loaded
+        self.stores: dict[int, HostKVStore] = {}  # by row, what the torch reference reads
+
+    def sizes(self) -> tuple[int, int, int]:
+        return self.held.shape[1], self.held.shape[3], self.where.shape[3]
+
+    def shapes(self, rows: int, capacity: int, tokens: int) -> dict[str, tuple[int, ...]]:
+        return dict(held=(self.layers, rows, self.kv_heads, capacity), where=(self.layers, rows, self.kv_heads, tokens),
+                    host=(rows, 4), traffic=(rows, 2))
+
+    def attach(self, row: int, store: HostKVStore) -> None:
+        """Give an emptied row its sequence's store."""
+        for t in (self.held, self.where):
+            t[:, row] = 0
+        self.traffic[row] = 0
+        self.host[row] = torch.tensor(store.pointers(), device=self.device)
+        self.stores[row] = store
+
+    def drop(self, row: int) -> None:
+        """The row's request ended: forget its store (its pinned memory goes back)."""
+        self.stores.pop(row, None)
+        self.host[row] = 0
+
+    def hold_first(self, layer: int, row: int, count: int) -> None:
+        """The working set's first `count` slots hold offloaded tokens 0..count-1 (what prefill left there)."""
+        held = torch.arange(1, count + 1, dtype=torch.int32, device=self.device)
+        self.held[layer, row, :, :count] = held
+        self.where[layer, row, :, :count] = held
+
+    def load(self, layer: int, batch: DecodeBatch, selection: Selection, rows: torch.Tensor, n_sink: torch.Tensor,
+             offloaded: torch.Tensor, cache: torch.Tensor) -> Selection:
+        """The selection (over virtual slots, one list per KV head) as device slots, its offloaded tokens loaded;
+        rows / n_sink / offloaded / cache [B] (a row that offloads nothing: 0 offloaded and 0 cache)."""
+        pool = batch.pool
+        kernels.working_set(selection.slots, selection.lengths, rows, n_sink, offloaded, cache, self.held[layer],
+                            self.where[layer], self.host, self.stores, batch.tables[:, layer], pool.k, pool.v,
+                            pool.pos, self.traffic, layer)
+        return selection
+
+    def counts(self, rows: list[int]) -> list[tuple[int, int]]:
+        """(found, loaded) selected offloaded tokens of each row so far, every layer and KV head (one small read)."""
+        return [tuple(c) for c in self.traffic[torch.tensor(rows, device=self.device)].tolist()]
+
+
+def move_tail(kv: SeqKV, layer: int, src: int, dst: int) -> None:
+    """Move the slots [src, num_slots) of a layer to start at dst, allocating or freeing pages as needed."""
+    n = kv.num_slots[layer] - src
+    if src == dst:
+        return
+    k, v, pos = kv.gather(layer, torch.arange(src, src + n, device=kv.table.device)[None])  # copies
+    kv.truncate(layer, min(dst, kv.num_slots[layer]))
+    kv.ensure_slots(layer, dst + n)
+    kv.write(layer, torch.arange(dst, dst + n, device=kv.table.device), k.transpose(0, 1), v.transpose(0, 1), pos[0])
+    kv.num_slots[layer] = dst + n
