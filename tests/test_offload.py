@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import semkv
-from semkv.engine.offload import PAGE, HostKVStore, token_bytes
+from semkv.engine.offload import HOST_PAGE, HostKVStore, token_bytes
 from semkv.errors import SemkvError
 from semkv.methods import SentenceKV
 
@@ -31,12 +31,12 @@ def test_put_appends_per_layer_within_the_capacity():
 
 def test_one_page_aligned_buffer_of_exactly_its_size():
     store = HostKVStore(3, 2, 16, 100, torch.bfloat16, torch.device("cpu"))
-    assert store.k.data_ptr() % PAGE == 0
+    assert store.k.data_ptr() % HOST_PAGE == 0
     assert store.v.data_ptr() == store.k.data_ptr() + store.k.nbytes  # one buffer: one pin, one address table
     assert store.pos.data_ptr() == store.v.data_ptr() + store.v.nbytes
     size = 3 * 100 * token_bytes(2, 16, torch.bfloat16)
     assert size == store.k.nbytes + store.v.nbytes + store.pos.nbytes
-    assert store.buffer.nbytes - PAGE < size + PAGE
+    assert store.buffer.nbytes - HOST_PAGE < size + HOST_PAGE
     k_ptr, v_ptr, pos_ptr, capacity = store.pointers()
     assert (k_ptr, v_ptr, pos_ptr, capacity) == (store.k.data_ptr(), store.v.data_ptr(), store.pos.data_ptr(), 100)
 

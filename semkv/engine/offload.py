@@ -24,7 +24,7 @@ def grown_capacity(need: int, minimum: int) -> int:
     return need + max(minimum, need // 8)
 
 
-PAGE = 4096  # host memory is pinned a page at a time
+HOST_PAGE = 4096  # host memory is pinned a page at a time
 
 
 class HostKVStore(HostMemory):
@@ -34,19 +34,19 @@ class HostKVStore(HostMemory):
         shapes = ((layers, kv_heads, capacity, dim), (layers, kv_heads, capacity, dim), (layers, kv_heads, capacity))
         dtypes = (dtype, dtype, torch.int32)
         sizes = [math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in zip(shapes, dtypes)]
-        total = -(-sum(sizes) // PAGE) * PAGE
+        total = -(-sum(sizes) // HOST_PAGE) * HOST_PAGE
         # one buffer, page-aligned: on a GPU it is pinned in place (`cudaHostRegister`), so it takes exactly its size
         # (the pinned caching allocator would round it up to a power of two) and is unpinned when the store goes
         with torch.inference_mode(False):  # normal tensors: written between steps, outside inference mode too
-            self.buffer = torch.empty(total + PAGE, dtype=torch.uint8)
-            start = -self.buffer.data_ptr() % PAGE
+            self.buffer = torch.empty(total + HOST_PAGE, dtype=torch.uint8)
+            start = -self.buffer.data_ptr() % HOST_PAGE
             views = []
             for shape, d, size in zip(shapes, dtypes, sizes):
                 views.append(self.buffer[start : start + size].view(d).view(shape))
                 start += size
         self.k, self.v, self.pos = views  # [layers, kv_heads, capacity, D] x 2, [layers, kv_heads, capacity]
         if device.type == "cuda":
-            address = self.buffer.data_ptr() + (-self.buffer.data_ptr() % PAGE)
+            address = self.buffer.data_ptr() + (-self.buffer.data_ptr() % HOST_PAGE)
             pin(address, total)
             weakref.finalize(self, unpin, self.buffer, address)  # the buffer lives until it is unpinned
         self.count = [0] * layers  # tokens held per layer

@@ -5,7 +5,9 @@ no selected token holds. One program per row and KV head, in four passes separat
 working-set slots of selected tokens, free the others (in slot order), give each missing token the next free slot
 (listing where it comes from and goes to) and write every entry's device slot, then copy the listed keys, values and
 positions, a dense tile of missing tokens at a time. Nothing is read back to the host, so
-the step is captured in a CUDA graph; the traffic is counted on the device."""
+the step is captured in a CUDA graph; the traffic is counted on the device. (A version that copied inside pass 3,
+masked by the block's misses, wrote other tokens' keys on an H100 while Triton's CPU interpreter agreed with the
+reference: `benchmarks/kernel_check.py` checks this kernel on the GPU.)"""
 from __future__ import annotations
 
 import torch
