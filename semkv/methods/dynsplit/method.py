@@ -38,6 +38,7 @@ import torch
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.offload import token_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import reference, use_triton
@@ -437,7 +438,7 @@ class DynSplitKV(RowHolder, KVMethod):
         for seq, (found, loaded) in zip(seqs, self._sets.counts(rows)):
             state, pool = seq.method_state, seq.kv.pool
             seq.stats.extra.update(kv_reused=found, kv_reloaded=loaded)
-            seq.stats.h2d_bytes = loaded * (2 * pool.head_dim * pool.k.element_size() + 4)  # key, value, position
+            seq.stats.h2d_bytes = loaded * token_bytes(1, pool.head_dim, pool.dtype)  # per KV head
             extra = seq.kv.num_slots[0] - state.sinks - state.cache - self._tail()
             extra -= extra % pool.page_size  # whole pages leave
             if extra and extra >= self.offload_chunk:

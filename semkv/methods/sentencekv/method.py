@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
+from semkv.engine.offload import token_bytes
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import reference, use_triton
@@ -342,7 +343,7 @@ class SentenceKV(RowHolder, KVMethod):
         if st.store is not None:
             found, loaded = counts or (0, 0)
             pool = seq.kv.pool
-            h2d = loaded * (2 * pool.head_dim * pool.k.element_size() + 4)  # key, value and position of a token
+            h2d = loaded * token_bytes(1, pool.head_dim, pool.dtype)  # a token of one KV head
             st.h2d_step_max = max(st.h2d_step_max, h2d - stats.h2d_bytes)
             stats.h2d_bytes, stats.d2h_bytes = h2d, st.store.d2h_bytes
             stats.extra.update(kv_reused=found, kv_reloaded=loaded)
