@@ -38,7 +38,6 @@ import torch
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
 from semkv.engine.kv_cache import SeqKV
-from semkv.engine.offload import token_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import reference, use_triton
@@ -49,7 +48,7 @@ from semkv.methods.dynsplit.split import (DEFAULT_DELIMITERS, AttentionDependenc
                                           delimiter_candidates, normalise, table7_weight)
 from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
 from semkv.methods.state.rows import RowHolder
-from semkv.methods.state.working_set import WorkingSets, move_tail, working_set_slots
+from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_range, working_set_slots
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
@@ -192,18 +191,23 @@ class DynSplitKV(RowHolder, KVMethod):
 
     def new_state(self, seq: Sequence) -> DynSplitState:
         pool = seq.kv.pool
-        tokens = len(seq.prompt_ids) + seq.params.max_new_tokens
         if self.offload and self._sets is None:
             self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         if self.batched and self._rows is None:
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
                                       stamped=not self.offload)
         state = DynSplitState(pool.num_layers, self.token_weights, pool.device)
-        if self.offload:  # the sinks stay; the working set holds the most it attends and ends on a page
-            state.sinks = min(self.n_sink, len(seq.prompt_ids))
-            state.cache = working_set_slots(state.sinks, min(resolve_budget(self.budget, tokens), tokens),
-                                            pool.page_size)
+        if self.offload:
+            state.sinks, state.cache = self._device_layout(len(seq.prompt_ids), seq.params.max_new_tokens,
+                                                           pool.page_size)
         return state
+
+    def _device_layout(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
+        """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, up to a
+        page boundary)."""
+        tokens = prompt_tokens + max_new_tokens
+        sinks = min(self.n_sink, prompt_tokens)
+        return sinks, working_set_slots(sinks, min(resolve_budget(self.budget, tokens), tokens), page_size)
 
     def takes_row(self, seq: Sequence) -> bool:
         return self.batched and not seq.method_state.row
@@ -218,10 +222,9 @@ class DynSplitKV(RowHolder, KVMethod):
         the tokens waiting to leave it; without: every token."""
         if not self.offload:
             return None
-        tokens = prompt_tokens + max_new_tokens
-        sinks = min(self.n_sink, prompt_tokens)
-        cache = working_set_slots(sinks, min(resolve_budget(self.budget, tokens), tokens), page_size)
-        return min(tokens, sinks + cache + self._tail() + -(-self.offload_chunk // page_size) * page_size)
+        sinks, cache = self._device_layout(prompt_tokens, max_new_tokens, page_size)
+        return min(prompt_tokens + max_new_tokens,
+                   sinks + cache + self._tail() + -(-self.offload_chunk // page_size) * page_size)
 
     def _tail(self) -> int:
         """Offload: the newest tokens kept on the device (the recent window and the slots `chunk_refresh` reads)."""
@@ -274,12 +277,9 @@ class DynSplitKV(RowHolder, KVMethod):
         the page table without a copy."""
         kv, m, layers, page = seq.kv, max(m, 0), seq.kv.pool.num_layers, seq.kv.pool.page_size
         start = state.sinks if prefill else state.sinks + state.cache  # the first token to offload
-        kf, vf, pf = kv.pool.flat()
         for part in [slice(layer, layer + 1) for layer in range(layers)] if prefill else [slice(None)]:
             if m:  # prefill: a layer at a time, so the copy never needs the whole prompt's K/V twice
-                slots = torch.arange(start, start + m, device=kv.table.device).expand(len(range(layers)[part]), -1)
-                rows = reference.physical_rows(kv.table[part], slots, page)  # [layers, m] flat pool rows
-                state.store.put(part, kf[rows].transpose(1, 2), vf[rows].transpose(1, 2), pf[rows].transpose(1, 2))
+                state.store.put(part, *slot_range(kv, part, start, m))
         state.offloaded += m
         if prefill:
             for layer in range(layers):
@@ -435,12 +435,11 @@ class DynSplitKV(RowHolder, KVMethod):
             for seq, (reused, reloaded) in zip(seqs, counts):
                 seq.stats.extra.update(kv_reused=reused, kv_reloaded=reloaded)
             return
-        for seq, (found, loaded) in zip(seqs, self._sets.counts(rows)):
-            state, pool = seq.method_state, seq.kv.pool
-            seq.stats.extra.update(kv_reused=found, kv_reloaded=loaded)
-            seq.stats.h2d_bytes = loaded * token_bytes(1, pool.head_dim, pool.dtype)  # per KV head
+        for seq, counts in zip(seqs, self._sets.counts(rows)):
+            state = seq.method_state
+            record_traffic(seq, *counts)
             extra = seq.kv.num_slots[0] - state.sinks - state.cache - self._tail()
-            extra -= extra % pool.page_size  # whole pages leave
+            extra -= extra % seq.kv.pool.page_size  # whole pages leave
             if extra and extra >= self.offload_chunk:
                 self._offload(seq, state, extra)
 

@@ -66,17 +66,16 @@ from typing import Any
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
-from semkv.engine.offload import token_bytes
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.kernels import reference, use_triton
+from semkv.kernels import use_triton
 from semkv.methods.base import keep_top, per_kv_head, window_attention
 from semkv.methods.eviction import window_positions
 from semkv.methods.sentencekv import kernels as sentencekv_kernels
 from semkv.methods.sentencekv.buckets import SentenceRows, SentenceState, bucket_of
 from semkv.methods.sentencekv.sentences import SentenceRule, segment
 from semkv.methods.state.rows import RowHolder
-from semkv.methods.state.working_set import WorkingSets, move_tail, working_set_slots
+from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_range, working_set_slots
 
 KEEP_ALL = 1 << 40  # the recent window of a row that keeps everything
 
@@ -152,17 +151,21 @@ class SentenceKV(RowHolder, KVMethod):
     def window_size(self) -> int:
         return self.window
 
+    def split(self, prompt_tokens: int, max_new_tokens: int) -> tuple[bool, int, int, int]:
+        """A request's budget split: whether the budget covers its whole generation (nothing is dropped or moved),
+        its budget, sinks and recent window."""
+        final = prompt_tokens + max_new_tokens - 1  # tokens in the cache at the last decode step
+        dense = self.budget is None or resolve_budget(self.budget, final) >= final
+        budget = resolve_budget(self.budget, prompt_tokens)
+        return dense, budget, min(self.n_sink, budget // 4, prompt_tokens), max(1, min(self.n_recent, budget // 4))
+
     def new_state(self, seq: Sequence) -> SentenceState:
         n = len(seq.prompt_ids)
-        final = n + seq.params.max_new_tokens - 1  # tokens in the cache at the last decode step
-        budget = resolve_budget(self.budget, n)
-        n_sink = min(self.n_sink, budget // 4, n)
-        n_recent = max(1, min(self.n_recent, budget // 4))
+        dense, budget, n_sink, n_recent = self.split(n, seq.params.max_new_tokens)
         starts, limit = segment(seq.prompt_ids, self.rule, self.split_std, self.max_sentence,
                                 self.buckets == "chunks")
         pool = seq.kv.pool
         offload = pool.device.type == "cuda" if self.offload is None else self.offload
-        dense = self.budget is None or resolve_budget(self.budget, final) >= final
         middle = n - n_sink - min(n_recent, n - n_sink)  # prompt tokens between the sinks and the recent window
         offload = offload and not dense
         capacity = budget - n_sink - n_recent
@@ -198,16 +201,13 @@ class SentenceKV(RowHolder, KVMethod):
         without: the prompt's sinks, retained tokens and recent window, and every generated token (they join the
         retained region). None when it keeps everything, or with offload=None (decided by the device when the
         request is made)."""
-        final = prompt_tokens + max_new_tokens - 1  # tokens in the cache at the last decode step
-        if self.budget is None or resolve_budget(self.budget, final) >= final or self.offload is None:
+        dense, budget, n_sink, n_recent = self.split(prompt_tokens, max_new_tokens)
+        if dense or self.offload is None:
             return None
-        budget = resolve_budget(self.budget, prompt_tokens)
         if not self.offload:
-            return min(final + 1, budget + int(self.keep_factor * budget) + max_new_tokens)
-        n_sink = min(self.n_sink, budget // 4, prompt_tokens)
-        n_recent = max(1, min(self.n_recent, budget // 4))
+            return min(prompt_tokens + max_new_tokens, budget + int(self.keep_factor * budget) + max_new_tokens)
         cache = working_set_slots(n_sink, budget - n_sink - n_recent, page_size)
-        return min(final + 1, n_sink + cache + n_recent + self.offload_chunk)
+        return min(prompt_tokens + max_new_tokens, n_sink + cache + n_recent + self.offload_chunk)
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:
@@ -320,14 +320,11 @@ class SentenceKV(RowHolder, KVMethod):
         """The m oldest tokens of the recent window join their buckets, every layer at once (and with offload go to
         the host: their pages, which start where the working set ends, leave the page table)."""
         kv, start = seq.kv, st.tail_start
-        slots = torch.arange(start, start + m, device=kv.table.device).expand(kv.pool.num_layers, -1)
-        rows = reference.physical_rows(kv.table, slots, kv.pool.page_size)  # [layers, m] flat pool rows
-        kf, vf, pf = kv.pool.flat()
-        k, pos = kf[rows].transpose(1, 2), pf[rows].transpose(1, 2)  # [layers, kv_heads, m, D], [layers, kv_heads, m]
+        k, v, pos = slot_range(kv, slice(None), start, m)  # [layers, kv_heads, m, D] x 2, [layers, kv_heads, m]
         self.ensure_rows(self.row_needs(seq, st.row, m), kv.pool)
         self._rows.add(st.row, slice(None), k, bucket_of(st.starts, pos), at=st.retained)
         if st.offload:
-            st.store.put(slice(None), k, vf[rows].transpose(1, 2), pos)
+            st.store.put(slice(None), k, v, pos)
             kv.drop_pages(start // kv.pool.page_size, m // kv.pool.page_size)
         st.retained += m
 
@@ -341,12 +338,10 @@ class SentenceKV(RowHolder, KVMethod):
         st: SentenceState = seq.method_state
         stats = seq.stats
         if st.store is not None:
-            found, loaded = counts or (0, 0)
-            pool = seq.kv.pool
-            h2d = loaded * token_bytes(1, pool.head_dim, pool.dtype)  # a token of one KV head
-            st.h2d_step_max = max(st.h2d_step_max, h2d - stats.h2d_bytes)
-            stats.h2d_bytes, stats.d2h_bytes = h2d, st.store.d2h_bytes
-            stats.extra.update(kv_reused=found, kv_reloaded=loaded)
+            before = stats.h2d_bytes
+            record_traffic(seq, *(counts or (0, 0)))
+            st.h2d_step_max = max(st.h2d_step_max, stats.h2d_bytes - before)
+            stats.d2h_bytes = st.store.d2h_bytes
         stats.extra.update(
             sentences=len(st.starts), offload=st.offload, h2d_bytes_step_max=st.h2d_step_max,
             kv_device_peak=max(st.device_peak, max(seq.kv.num_slots)),

@@ -108,15 +108,11 @@ class RowHolder(BatchedHooks):
             self._sets.attach(row, store)
 
     def admission_bytes(self, seq: Sequence) -> int:
-        if not self.takes_row(seq):
-            return 0
-        row = self._rows.owners.next_row()
-        needs = self.set_needs(seq, row)
-        sets = 0 if needs is None else self._sets.growth_bytes(needs, seq.kv.pool)
-        return self._rows.growth_bytes(self.row_needs(seq, row), seq.kv.pool) + sets
+        return self.batch_state_bytes(seq, self._rows.owners.next_row()) if self.takes_row(seq) else 0
 
     def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
-        """The rows (and working sets) of `batch` requests like `seq`: what growing to rows 1..batch allocates."""
+        """The rows (and working sets) of `batch` requests like `seq`: what growing to rows 1..batch allocates (a
+        request admitted now takes row `next_row`: `admission_bytes`)."""
         if not self.takes_row(seq):
             return 0
         needs = self.set_needs(seq, batch)

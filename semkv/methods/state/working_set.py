@@ -16,7 +16,9 @@ import torch
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, Selection
 from semkv.engine.kv_cache import SeqKV
-from semkv.engine.offload import HostKVStore
+from semkv.engine.offload import HostKVStore, token_bytes
+from semkv.engine.sequence import Sequence
+from semkv.kernels import reference
 from semkv.methods.state.rows import DeviceRows
 
 
@@ -93,3 +95,20 @@ def move_tail(kv: SeqKV, layer: int, src: int, dst: int) -> None:
     kv.ensure_slots(layer, dst + n)
     kv.write(layer, torch.arange(dst, dst + n, device=kv.table.device), k.transpose(0, 1), v.transpose(0, 1), pos[0])
     kv.num_slots[layer] = dst + n
+
+
+def slot_range(kv: SeqKV, layers: slice, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copies of the keys, values [L', kv_heads, m, D] and positions [L', kv_heads, m] at slots [start, start + m)
+    of `layers` (the tokens a method offloads or hands to its buckets)."""
+    count = len(range(kv.pool.num_layers)[layers])
+    slots = torch.arange(start, start + m, device=kv.table.device).expand(count, -1)
+    rows = reference.physical_rows(kv.table[layers], slots, kv.pool.page_size)  # [L', m] flat pool rows
+    return tuple(x[rows].transpose(1, 2) for x in kv.pool.flat())
+
+
+def record_traffic(seq: Sequence, found: int, loaded: int) -> None:
+    """A request's offload counters in its statistics: the selected offloaded tokens (token x KV head x layer,
+    summed over steps) found in its working set and read from the host, and the bytes read."""
+    pool = seq.kv.pool
+    seq.stats.extra.update(kv_reused=found, kv_reloaded=loaded)
+    seq.stats.h2d_bytes = loaded * token_bytes(1, pool.head_dim, pool.dtype)
