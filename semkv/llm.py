@@ -18,7 +18,7 @@ from semkv.engine.memory import MemoryUsage
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
 from semkv.engine.trace import Trace
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_range
 from semkv.launch import Ranks, check_size, receive
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
@@ -99,6 +99,7 @@ class LLM:
             raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int (or None: the device's default)")
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
             raise SemkvError(f"page_size={page_size!r} is out of range; allowed: 1..256")
+        check_range("gpu_memory_utilization", gpu_memory_utilization, 0.05, 1.0)
         dev = resolve_device(device)
         check_size(tensor_parallel_size, dev)
         settings = dict(model=model, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,

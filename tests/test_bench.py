@@ -50,6 +50,45 @@ def test_an_offloading_method_reaches_a_larger_batch_and_reports_its_traffic(tin
     assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv", "pyramidkv"])
+def test_an_evicting_method_is_counted_at_what_it_keeps(tiny_llm, name):
+    """A method that compresses the prompt at prefill holds its budget and its generated tokens afterwards
+    (`device_tokens`): `--batches max` runs more sequences in the pool than Full KV, each within its bound, and the
+    run gives every page back; with query_aware=False (the question appended after the compression) it is counted at
+    its whole prompt."""
+    model, cfg = tiny_llm.engine.model, tiny_llm.config
+    engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
+    context, steps = 320, 3
+    full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
+    method = bound_method(engine, name, 32)
+    batch = largest_batch(engine, method, context, steps)
+    assert batch >= 3 * full
+    row = bench_decode(engine, name, 32, batch, context, steps=steps)
+    bound = method.device_tokens(context, 4 + steps + 8, engine.pool.page_size)
+    assert row.batch == batch and row.kv_pages_peak <= batch * cfg.num_layers * -(-bound // engine.pool.page_size)
+    assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
+    assert bound_method(engine, name, 32, dict(query_aware=False)).device_tokens(context, 8, 16) is None
+
+
+@pytest.mark.parametrize("name", ["quest", "infllm"])
+def test_a_table_over_the_pool_counts_once_whatever_the_batch(tiny_llm, name):
+    """Quest's page summaries and InfLLM's block scores are tables over the pool's pages (`pool_state`): `--batches
+    max` fits them once in the state room, not once per sequence, so these methods reach Full KV's batch."""
+    from semkv.bench.run import synthetic_ids
+    from semkv.engine.kv_cache import SeqKV
+    from semkv.engine.sequence import SamplingParams, Sequence
+
+    model, cfg, device, dtype = tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype
+    context, steps = 100, 3
+    probe = Engine(model, cfg, device, dtype, num_pages=400)
+    seq = Sequence(0, synthetic_ids(probe, 0, context), SamplingParams(max_new_tokens=16), SeqKV(probe.pool))
+    table = bound_method(probe, name, 32).admission_bytes(seq)
+    assert table > 0
+    engine = Engine(model, cfg, device, dtype, num_pages=400, state_memory=int(1.5 * table))
+    full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
+    assert full > 1 and largest_batch(engine, bound_method(engine, name, 32), context, steps) == full
+
+
 def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--methods", "full,chess",
@@ -158,3 +197,92 @@ def test_the_hf_reference_runs_with_its_default_sdpa_attention_and_eager(tmp_pat
     report.write(dict(info={}, decode=[], ttft=[], long_generation={}, hf=rows), tmp_path)
     lines = (tmp_path / "results.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in lines if line.startswith(("| sdpa", "| eager"))] == ["| sdpa", "| eager"]
+
+
+def test_hf_generate_left_pads_a_batch_and_gives_full_kv_tokens(tiny_llm, tiny_model_dir):
+    """`hf_generate` (the reference of `semkv eval --hf`): prompts of different lengths, left-padded into one
+    `generate`, give semkv Full KV's greedy tokens; each row ends at its first EOS id."""
+    from semkv.bench.hf_baseline import hf_generate, hf_model
+
+    prompts = ["The quick brown fox jumps over the lazy dog. " * k for k in (1, 7, 20)]
+    full = tiny_llm.generate(prompts, "full", max_new_tokens=16, questions=["What jumps?"] * 3)
+    ids = [tiny_llm.encode(p, "What jumps?")[0] for p in prompts]
+    assert len({len(i) for i in ids}) == 3 and [o.prompt_token_ids for o in full] == ids
+    model = hf_model(tiny_model_dir("llama"), torch.device("cpu"), torch.float32)
+    outputs = hf_generate(model, ids, 16, tiny_llm.config.eos_token_ids, 2)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in full]
+    flash = hf_generate(model, ids, 16, tiny_llm.config.eos_token_ids, 2, "sdpa-flash")  # cuDNN's kernel off
+    assert [o.token_ids for o in flash] == [o.token_ids for o in full]
+    assert all(o.prefill_s > 0 and o.decode_s > 0 for o in outputs)
+    stop = full[1].token_ids[3]  # taken as the EOS id: rows end with their first one
+    cut = [o.token_ids[:o.token_ids.index(stop) + 1] if stop in o.token_ids else o.token_ids for o in full]
+    assert [o.token_ids for o in hf_generate(model, ids, 16, [stop], 2)] == cut
+
+
+def test_hf_generate_halves_its_batch_when_the_gpu_runs_out_of_memory(monkeypatch, capsys):
+    """Out of GPU memory, `hf_generate` halves the batch until it fits (saying so once) and runs every prompt."""
+    from semkv.bench import hf_baseline
+    from semkv.bench.hf_baseline import HFOutput, hf_generate
+
+    sizes = []
+
+    def generate(model, prompts, *args):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return [HFOutput(p[:1], 0.0, 0.0) for p in prompts]
+
+    monkeypatch.setattr(hf_baseline, "_generate", generate)
+    prompts = [[i] for i in range(7)]
+    assert [o.token_ids for o in hf_generate(None, prompts, 4, [2], 2)] == prompts
+    assert sizes == [7, 4, 2, 2, 2, 1]  # 7 and 4 fail; batches of 2 through the rest
+    assert capsys.readouterr().err.count("out of GPU memory") == 1
+
+
+def test_bench_hf_runs_a_local_model_with_its_real_weights(tiny_model_dir, tmp_path):
+    """`--hf` with `--model`: HF transformers loads the model's own folder (not a shape) and its decode is timed."""
+    from transformers import AutoModelForCausalLM
+
+    from semkv.bench.hf_baseline import hf_model
+
+    folder = tiny_model_dir("llama")
+    model = hf_model(folder, torch.device("cpu"), torch.float32)
+    saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert all(torch.equal(t, saved[k]) for k, t in model.state_dict().items())
+    assert model.config._attn_implementation == "sdpa"
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", str(folder), "--device", "cpu", "--methods", "full", "--batches", "1",
+                 "--contexts", "96", "--steps", "2", "--hf", "1x96", "--hf-attention", "sdpa,sdpa-flash",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["hf"]
+    assert [(r["batch"], r["context"], r["attention"]) for r in rows] == [(1, 96, "sdpa"), (1, 96, "sdpa-flash")]
+    assert all(r["tpot_ms"] > 0 for r in rows)
+    assert "| sdpa | 1 | 96 |" in (out / "results.md").read_text()
+
+
+def test_bench_refuses_an_unknown_hf_attention(capsys, tmp_path):
+    assert main(["bench", "--device", "cpu", "--hf", "1x96", "--hf-attention", "sdpa,flash2",
+                 "--out", str(tmp_path / "b")]) == 2
+    assert "--hf-attention flash2: allowed: sdpa, sdpa-flash, eager" in capsys.readouterr().err
+
+
+def test_a_method_out_of_device_memory_is_skipped_and_the_rest_is_written(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A method whose batch does not fit the device (torch's out-of-memory error, as a method's state outgrowing the
+    card raises it) is reported and skipped; the other methods' rows are still written."""
+    from semkv.bench import run as bench_run
+
+    real = bench_run.bench_decode
+
+    def failing(engine, name, *args, **kwargs):
+        if name == "snapkv":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.21 GiB")
+        return real(engine, name, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "bench_decode", failing)
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--methods", "full,snapkv,quest",
+                 "--budget", "48", "--batches", "1", "--contexts", "160", "--steps", "2", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["decode"]
+    assert [r["method"] for r in rows] == ["full", "quest"]
+    assert "snapkv B=1 ctx=160: skipped (CUDA out of memory. Tried to allocate 2.21 GiB)" in capsys.readouterr().out

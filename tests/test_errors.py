@@ -163,6 +163,14 @@ def test_bad_page_size(tiny_model_dir):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", page_size=0)
 
 
+def test_bad_gpu_memory_utilization(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(semkv.SemkvError, match=r"gpu_memory_utilization=1.5 is out of range; allowed: \[0.05, 1.0\]"):
+        semkv.LLM(tiny_model_dir("llama"), device="cpu", gpu_memory_utilization=1.5)
+    assert main(["eval", "--device", "cpu", "--task", "passkey", "--methods", "full", "--lengths", "192",
+                 "--gpu-memory-utilization", "0", "--out", str(tmp_path / "e")]) == 2
+    assert "gpu_memory_utilization=0.0 is out of range" in capsys.readouterr().err
+
+
 def test_methods_lists_every_method_with_its_parameters(capsys):
     """`semkv methods --json` names every registered method with its kind and each parameter's default; the text
     form prints one line per method."""

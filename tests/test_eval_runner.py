@@ -14,7 +14,7 @@ import pytest
 
 from semkv.cli.main import main
 from semkv.errors import SemkvError
-from semkv.eval import run, run_config
+from semkv.eval import report, run, run_config
 from semkv.eval.lengths import n_tokens
 from semkv.eval.perplexity_data import book_text
 from semkv.eval.task import prompt_text
@@ -108,6 +108,62 @@ def test_batched_run_equals_one_by_one_and_records_its_speed(clean_run, tiny_llm
     assert len(ResultsDir(out).runs()) == len(runs)
 
 
+def test_hf_generate_gives_full_kv_predictions_and_records_its_speed(tiny_llm, tmp_path, monkeypatch):
+    """`hf=True` (batched): HF transformers' greedy generate on the prompt ids `LLM.generate` makes gives Full KV's
+    predictions, token counts and attended KV (the correctness cross-check, on a budget-free run), and runs.jsonl has
+    its speed; the rows resume like the others (a finished run does not even load HF's model); the report shows it."""
+    from semkv.eval import runner
+
+    out = tmp_path / "hf"
+    grid = dict(GRID, methods=["full"], budgets=[])
+    rows = run(**grid, out=str(out), llm=tiny_llm, progress=False, batched=True, hf=True)
+    by_arm = {(r["method"], r["sample_id"]): r for r in rows}
+    assert sorted(by_arm) == sorted((m, s) for m in ("full", "hf") for s in {r["sample_id"] for r in rows})
+    for (method, sample_id), hf in by_arm.items():
+        if method != "hf":
+            continue
+        full = by_arm[("full", sample_id)]
+        assert hf["budget"] is None and hf["prediction"] == full["prediction"] and hf["score"] == full["score"]
+        assert hf["finish_reason"] == full["finish_reason"]
+        for key in ("prompt_tokens", "new_tokens", "kv_attended_tokens", "kv_resident_tokens", "kv_attended_max"):
+            assert hf["stats"][key] == full["stats"][key], key
+    runs = {r["method"]: r for r in ResultsDir(out).runs()}
+    assert set(runs) == {"full", "hf"}
+    record = runs["hf"]
+    assert record["samples"] == 2 and record["budget"] is None and record["device"] == "cpu"
+    assert record["new_tokens"] == runs["full"]["new_tokens"] and record["attended"] == runs["full"]["attended"]
+    assert record["tokens_per_s"] > 0 and record["tokens_per_s"] == pytest.approx(record["new_tokens"] /
+                                                                                  record["wall_s"])
+    assert record["tpot_ms"] > 0 and record["peak_memory_gib"] is None  # no device memory on the CPU
+    assert record["attention"] == "sdpa"  # transformers' default
+    assert json.loads((out / "config.json").read_text())["run"]["hf"] is True
+
+    def unloadable(*args):
+        raise AssertionError("nothing is left for HF to run")
+
+    monkeypatch.setattr(runner, "hf_model", unloadable)
+    before = (out / "predictions.jsonl").read_bytes()
+    run(**grid, out=str(out), llm=tiny_llm, progress=False, batched=True, hf=True)
+    assert (out / "predictions.jsonl").read_bytes() == before and len(ResultsDir(out).runs()) == 2
+    assert main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| HF transformers | - |" in text  # the score table
+    assert "| 192 | HF transformers |" in text  # the speed table
+    assert (out / "plots" / "pareto_192.png").stat().st_size > 0
+
+
+def test_hf_needs_batched_mode(tiny_llm, tmp_path, capsys):
+    with pytest.raises(SemkvError, match=r"hf=True \(--hf\) needs batched mode"):
+        run(**GRID, out=str(tmp_path / "lib"), llm=tiny_llm, progress=False, batched=False, hf=True)
+    args = ["eval", "--device", "cpu", "--task", "passkey", "--methods", "full", "--lengths", "192", "--hf",
+            "--out", str(tmp_path / "cli")]
+    assert main(args) == 2  # on the CPU batched mode is not the default
+    assert main(args + ["--no-batched"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("semkv: error: hf=True (--hf) needs batched mode (batched=True, --batched") == 2, err
+    assert not (tmp_path / "cli").exists()  # refused before anything ran
+
+
 def test_config_json_reproduces_the_run(clean_run, tmp_path):
     out, rows = clean_run
     config = json.loads((out / "config.json").read_text())
@@ -191,3 +247,30 @@ def test_report_bad_input(capsys, tmp_path):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert main(["report", str(tmp_path)]) == 2
     assert "no results" in capsys.readouterr().err
+
+
+def test_report_shows_bench_decode_speed_beside_quality(smol_llm, tmp_path, capsys):
+    """`semkv report --bench DIR`: a `semkv bench` run's decode speed beside the scores of the same context length,
+    method and budget (x Full KV in the same bench run, at the same batch), and a Pareto plot of the two; a folder
+    without results.json is refused with its name. The embedded model, whose Full KV finds these passkeys."""
+    from semkv.models.loader import embedded_model_path
+
+    out, bench = tmp_path / "eval", tmp_path / "bench"
+    rows = run(tasks=["passkey"], methods=["full", "snapkv"], budgets=[64], lengths=[512], samples=2, seed=3,
+               out=str(out), llm=smol_llm, progress=False)
+    assert any(r["method"] == "full" and r["score"] > 0 for r in rows)
+    assert main(["bench", "--model", str(embedded_model_path()), "--device", "cpu", "--methods", "full,snapkv",
+                 "--budget", "64", "--batches", "2", "--contexts", "512", "--steps", "2", "--out", str(bench)]) == 0
+    assert main(["report", str(out), "--bench", str(bench)]) == 0
+    text = (out / "report.md").read_text()
+    section = text.split("## Decode speed (`semkv bench`) beside quality")[1].split("## Plots")[0]
+    decode = {r["method"]: r for r in json.loads((bench / "results.json").read_text())["decode"]}
+    share = report.relative_quality(rows)[(512, "snapkv", 64)]
+    ratio = decode["snapkv"]["tokens_per_s"] / decode["full"]["tokens_per_s"]
+    assert f"| 512 | snapkv@64 | 2 | {decode['snapkv']['tpot_ms']:.2f} |" in section
+    assert f"| {ratio:.2f} (at 2) | {share:.1f} |" in section
+    assert "| 1.00 (at 2) | 100.0 |" in section  # Full KV against itself
+    assert (out / "plots" / "pareto_decode_512.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["report", str(out), "--bench", str(tmp_path)]) == 2
+    assert f"--bench {str(tmp_path)!r}: no results.json there" in capsys.readouterr().err

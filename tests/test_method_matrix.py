@@ -230,7 +230,9 @@ def serve(llm, method, copies: list) -> list[int]:
 
     ids = llm.encode(CONTEXTS[0], QUESTIONS[0], chat=False)[0]
     assert 3 * -(-(len(ids) + NEW) // 16) <= NEED
-    bound = method.device_tokens(len(ids), NEW, 16)  # an offloading method holds less: three batches of as many as fit
+    # a method that offloads or compresses the prompt holds less (the engine asks a copy bound to the model): three
+    # batches of as many as fit
+    bound = method.bound(llm.config, llm.tokenizer, 16).device_tokens(len(ids), NEW, 16)
     queued = QUEUED if bound is None else 3 * (1 + (2 * NEED - 3 * -(-len(ids) // 16)) // (3 * -(-bound // 16)))
     llm.engine.release = recording
     try:

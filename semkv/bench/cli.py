@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from semkv.cli.args import parse_budget, parse_params
+from semkv.cli.args import HF_ATTENTIONS, parse_budget, parse_params
 from semkv.errors import SemkvError
 
 
@@ -41,9 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
     p.add_argument("--long-gen", type=int, default=0, help="TPOT over this many generated tokens (largest context)")
     p.add_argument("--hf", default="",
-                   help="points 'BxCTX' (e.g. 1x4k,maxx32k) to time HF transformers' decode ('max' as in --batches)")
-    p.add_argument("--hf-attention", default="sdpa", choices=("sdpa", "eager"),
-                   help="HF's attention for --hf: sdpa (transformers' default, what a user gets) or eager")
+                   help="points 'BxCTX' (e.g. 1x4k,maxx32k) to time HF transformers' decode ('max' as in "
+                        "--batches), on the shape or the real weights of --model")
+    p.add_argument("--hf-attention", default="sdpa",
+                   help="HF's attention for --hf, comma-separated to time several: sdpa (transformers' default: torch "
+                        "picks the kernel, cuDNN's for bf16 on Hopper), sdpa-flash (SDPA without cuDNN's kernel), "
+                        "eager")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for methods that read token text (sentencekv, dynsplit) on a shape")
     p.add_argument("--text-file", action="append", default=None, metavar="FILE",
@@ -103,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     grid = Grid(methods, parse_batches(args.batches), parse_sizes(args.contexts, "contexts"),
                 parse_budget(args.budget), method_params(args.param))
     hf_points = parse_hf_points(args.hf)
+    attentions = [a.strip() for a in args.hf_attention.split(",")]
+    bad = [a for a in attentions if a not in HF_ATTENTIONS]
+    if bad:
+        raise SemkvError(f"--hf-attention {', '.join(bad)}: allowed: {', '.join(HF_ATTENTIONS)}")
     if args.text_file and not args.model:
         raise SemkvError("--text-file needs --model: a random-weight shape has no real queries to measure")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -120,26 +128,24 @@ def run(args: argparse.Namespace) -> int:
     results = run_ranks(args.tensor_parallel_size, device, measure, (args, grid))
     if hf_points:
         from semkv.bench.hf_baseline import hf_decode_tpot_ms
+        from semkv.models.loader import resolve_dtype
 
-        shape = args.shape if args.model is None else None
-        if shape is None:
-            raise SemkvError("--hf needs --shape (HF is built from the shape's config)")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        for batch, context in hf_points:
+        for (batch, context), attention in itertools.product(hf_points, attentions):
             if batch == "max":
                 batch = results["max_batch"][str(context)]
             try:
-                on = results["info"]["device"]
-                tpot = hf_decode_tpot_ms(shape, batch, context, min(args.steps, 16), torch.device(on),
-                                         torch.bfloat16 if "cuda" in on else torch.float32, args.hf_attention)
+                on = torch.device(results["info"]["device"])
+                tpot = hf_decode_tpot_ms(hf_source(args), batch, context, min(args.steps, 16), on,
+                                         resolve_dtype(args.dtype, on), attention)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                print(f"HF {args.hf_attention} B={batch} ctx={context}: out of GPU memory")
+                print(f"HF {attention} B={batch} ctx={context}: out of GPU memory")
                 continue
             results["hf"].append(dict(batch=batch, context=context, tpot_ms=tpot, tokens_per_s=1e3 * batch / tpot,
-                                      attention=args.hf_attention))
-            print(f"HF {args.hf_attention} B={batch} ctx={context}: {tpot:.2f} ms/token")
+                                      attention=attention))
+            print(f"HF {attention} B={batch} ctx={context}: {tpot:.2f} ms/token")
     out = Path(args.out)
     report.write(results, out)
     print(f"wrote {out}/results.json, results.md and plots")
@@ -159,6 +165,8 @@ class Grid:
 
 def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     """The measurements of `run` on one rank (every rank of a tensor-parallel run does the same; rank 0 prints)."""
+    import torch
+
     from semkv.bench import report
     from semkv.bench.device import device_info
     from semkv.bench.run import (TextContexts, bench_decode, bench_long_generation, bench_ttft, bound_method,
@@ -167,12 +175,12 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     say = print if tp is None or tp.rank == 0 else (lambda *_: None)
     methods, batches, contexts, budget, params = grid.methods, grid.batches, grid.contexts, grid.budget, grid.params
     hf_ttft = []  # HF transformers' prefill, timed before the engine's KV pool takes the card's memory
-    if args.ttft and not args.model and tp is None and device.type == "cuda":
+    if args.ttft and tp is None and device.type == "cuda":
         from semkv.bench.hf_baseline import hf_prefill_s
         from semkv.models.loader import resolve_dtype
 
         for context in contexts:
-            times = hf_prefill_s(args.shape, context, device, resolve_dtype(args.dtype, device))
+            times = hf_prefill_s(hf_source(args), context, device, resolve_dtype(args.dtype, device))
             hf_ttft.append(dict(context=context, first_s=times[0], ttft_s=times[-1]))
             say(f"HF transformers (sdpa) ctx={context}: TTFT {times[-1]:.3f} s (first {times[0]:.3f} s)")
     engine, label, model_tokenizer = build_engine(args, device, tp)
@@ -205,8 +213,8 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
                 try:
                     row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
                                        tokenizer=tokenizer, text=text)
-                except MemoryError as exc:
-                    say(f"{name} B={batch} ctx={context}: skipped ({exc})")
+                except (MemoryError, torch.OutOfMemoryError) as exc:  # the pool's pages, or the device itself
+                    say(f"{name} B={batch} ctx={context}: skipped ({str(exc).splitlines()[0]})")
                     continue
                 results["decode"].append(asdict(row))
                 say(report.decode_line(row))
@@ -223,6 +231,12 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
                                           tokenizer=tokenizer, text=text)
             results["long_generation"][name] = curve
     return results
+
+
+def hf_source(args: argparse.Namespace) -> str | Path:
+    """What HF transformers runs for `--hf` and `--ttft`: the shape, or the real weights of `--model` (a path, never
+    taken for a shape's name)."""
+    return args.shape if args.model is None else Path(args.model)
 
 
 def load_tokenizer(path: str):

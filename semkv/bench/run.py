@@ -154,8 +154,8 @@ def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, 
             fill_random(engine, seq, context, seed=i)
             engine.apply_prefill(seq, method)
             seq.output_ids.append(ids[-1])
-    except MemoryError:  # the pool cannot hold the batch: give back what was filled
-        engine.end(seqs, method)
+    except (MemoryError, torch.OutOfMemoryError):  # the pool or the device cannot hold the batch: give back what
+        engine.end(seqs, method)                    # was filled
         raise
     return seqs
 

@@ -34,6 +34,13 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     return params
 
 
+# HF transformers' attention for --hf (bench, eval): "sdpa", transformers' default, torch's SDPA with its own kernel
+# choice (for bf16 on Hopper, torch 2.11 picks cuDNN's attention, which builds a plan for every new sequence length:
+# 40-47 ms a decode step); "sdpa-flash", the same SDPA without cuDNN's kernel (flash, else memory-efficient), the
+# fastest HF decode a user can pick; "eager", HF's matmuls (`semkv.bench.hf_baseline.attention_kernels`)
+HF_ATTENTIONS = ("sdpa", "sdpa-flash", "eager")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

@@ -12,6 +12,8 @@ static-buffer step runs eagerly, which is how the CPU tests check the padding an
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
@@ -19,7 +21,8 @@ from semkv.engine.kv_cache import stack_tables
 from semkv.engine.sequence import Sequence
 from semkv.engine.step import DecodeStep, StepInputs
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# batch sizes a graph is captured for (each when first needed); a larger batch runs eagerly, with a warning
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
 
 
 class GraphedStep:
@@ -103,8 +106,14 @@ class GraphRunner:
         self.steps: dict[int, GraphedStep] = {}
         self.epoch = method.graph_epoch  # see `KVMethod.graph_epoch`
         self.replay_events: list | None = None  # a list: each step's (start, end) CUDA events (benches set it)
+        self.warned = False  # a batch larger than the largest bucket was said to run eagerly
 
     def fits(self, seqs: list[Sequence]) -> bool:
+        if len(seqs) > BUCKETS[-1] and not self.warned:
+            warnings.warn(f"a batch of {len(seqs)} sequences is larger than the largest CUDA-graph batch "
+                          f"({BUCKETS[-1]}): its decode steps run eagerly, with the host launching every kernel",
+                          stacklevel=2)
+            self.warned = True
         return len(seqs) <= BUCKETS[-1] and max(s.kv.widest for s in seqs) <= self.max_pages
 
     @torch.inference_mode()

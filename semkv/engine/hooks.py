@@ -156,6 +156,9 @@ class BatchedHooks:
     # reads of device values), so the decode step can be captured in a CUDA graph. `begin_step` and `step_plan` run
     # on the host before the forward and may use per-sequence state.
     graph_safe: ClassVar[bool] = False
+    # the state beside the KV pool is tables over the pool's pages (page summaries, block scores), sized by the pool
+    # whatever the batch: `admission_bytes` is what the first request grows them by
+    pool_state: ClassVar[bool] = False
     # Bumped by a method that reallocates device buffers its captured steps point at: graphs are captured again.
     graph_epoch: int = 0
 
@@ -177,8 +180,9 @@ class BatchedHooks:
 
     def batch_state_bytes(self, seq: "Sequence", batch: int) -> int:
         """Device bytes beside the KV pool that `batch` requests like `seq` hold at once (`semkv bench --batches
-        max` fits them in the state room)."""
-        return batch * self.admission_bytes(seq)
+        max` fits them in the state room): one table over the pool's pages whatever the batch (`pool_state`), else
+        what each request's admission allocates."""
+        return self.admission_bytes(seq) if self.pool_state else batch * self.admission_bytes(seq)
 
     def admission_host_bytes(self, seq: "Sequence") -> int:
         """Host bytes `admit(seq)` allocates for the request's offloaded K/V; the engine admits it only when the host

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from semkv.cli.args import add_model_args, parse_budget, parse_params
+from semkv.cli.args import HF_ATTENTIONS, add_model_args, parse_budget, parse_params
 from semkv.errors import SemkvError, check_range
 
 DEFAULTS = dict(lengths="2k", budgets="128,512", samples=4)
@@ -65,6 +65,15 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batched", action=argparse.BooleanOptionalAction, default=None,
                    help="run each method's samples of a task and length together through continuous batching and "
                         "record the run's speed (default: on a GPU; no selection diagnostics or traces then)")
+    p.add_argument("--hf", action="store_true",
+                   help="with --batched: also run HF transformers' generate on the same prompt ids as method 'hf', "
+                        "the Full-KV reference for speed and correctness")
+    p.add_argument("--hf-attention", default="sdpa", choices=HF_ATTENTIONS,
+                   help="HF's attention for --hf: sdpa (transformers' default: torch picks the kernel, cuDNN's for "
+                        "bf16 on Hopper), sdpa-flash (SDPA without cuDNN's kernel), eager")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU the weights, KV pool and activations may take (lower it to leave room "
+                        "for --hf's model)")
     p.add_argument("--quick", action="store_true",
                    help="a small suite over every method: 200 runs of 512 and 1024 tokens (about 9 minutes on 2 idle "
                         "CPU cores, longer on a busy machine)")
@@ -96,7 +105,8 @@ def run_eval(args: argparse.Namespace) -> int:
                query_aware=args.query_aware, model=args.model, device=args.device, dtype=args.dtype,
                page_size=args.page_size, prefill_chunk=args.prefill_chunk, data_dir=args.data_dir, out=args.out,
                seed=args.seed, method_params=parse_method_params(args.param), trace_samples=args.trace_samples,
-               tensor_parallel_size=args.tensor_parallel_size, batched=args.batched)
+               tensor_parallel_size=args.tensor_parallel_size, batched=args.batched, hf=args.hf,
+               hf_attention=args.hf_attention, gpu_memory_utilization=args.gpu_memory_utilization)
     return 0
 
 
@@ -104,6 +114,9 @@ def add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("results_dir", help="a directory written by `semkv eval`")
     p.add_argument("--html", action="append", metavar="SAMPLE_ID", help="only these traced samples' HTML views")
     p.add_argument("--png", action="store_true", help="also render each HTML view to PNG with headless Chromium")
+    p.add_argument("--bench", action="append", default=[], metavar="DIR",
+                   help="a `semkv bench` output folder (repeatable): its decode speed beside the scores, a table and "
+                        "a Pareto plot per context length the two share")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -111,7 +124,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     if not Path(args.results_dir).is_dir():
         raise SemkvError(f"results directory {args.results_dir!r} does not exist")
-    path, pages = report.write_report(args.results_dir, args.html)
+    path, pages = report.write_report(args.results_dir, args.html, args.bench)
     print(path.read_text(encoding="utf-8"))
     for page in pages:
         print(f"HTML view: {page}", file=sys.stderr)

@@ -4,11 +4,13 @@ traced sample.
 Scores are the mean over samples (0..100); perplexity is exp(total NLL / total scored tokens). Plots: score (or
 perplexity) vs budget per task, one panel per method with a line per context length, Full KV dashed; depth x length
 heatmaps per method and budget for tasks whose samples have a needle depth; with batched runs (`runs.jsonl`), a
-Pareto plot per length: score as % of Full KV against throughput as x Full KV. Matplotlib is used through `Figure`
-(Agg), never pyplot, so no global backend is touched.
+Pareto plot per length: score as % of Full KV against throughput as x Full KV. Rows of method "hf" (`semkv eval
+--hf`) are HF transformers' `generate`, shown as "HF transformers" after Full KV. Matplotlib is used through
+`Figure` (Agg), never pyplot, so no global backend is touched.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +21,7 @@ from semkv.eval import html
 from semkv.eval.store import ResultsDir
 
 PERPLEXITY = "perplexity"
+HF, HF_LABEL = "hf", "HF transformers"  # the rows of `semkv eval --hf`
 # selection diagnostics of the rows (`diagnostics.py`), shown where a task has them
 DIAG_COLUMNS = {"retention": "needle kept (heads)", "retained_layers": "layers keeping needle",
                 "recall": "top-k recall", "mass_recall": "mass recall"}
@@ -31,13 +34,18 @@ def _aggregate(rows: list[dict[str, Any]]) -> float:
 
 
 def _arms(rows: Iterable[dict[str, Any]]) -> list[tuple[str, Any]]:
-    """(method, budget) in a stable order: Full KV first, methods by first appearance, token budgets then fractions."""
+    """(method, budget) in a stable order: Full KV, HF, methods by first appearance, token budgets then fractions."""
     order: dict[str, int] = {}
     arms = set()
     for r in rows:
         order.setdefault(r["method"], len(order))
         arms.add((r["method"], r["budget"]))
-    return sorted(arms, key=lambda a: (a[0] != "full", order[a[0]], *_budget_order(a[1])))
+    return sorted(arms, key=lambda a: (_rank(a[0]), order[a[0]], *_budget_order(a[1])))
+
+
+def _rank(method: str) -> int:
+    """Full KV first, then HF (the references), then the methods."""
+    return {"full": 0, HF: 1}.get(method, 2)
 
 
 def _budget_order(budget: Any) -> tuple[int, float]:
@@ -45,7 +53,11 @@ def _budget_order(budget: Any) -> tuple[int, float]:
 
 
 def _label(method: str, budget: Any) -> str:
-    return method if budget is None else f"{method}@{budget}"
+    return _name(method) if budget is None else f"{method}@{budget}"
+
+
+def _name(method: str) -> str:
+    return HF_LABEL if method == HF else method
 
 
 def _group(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
@@ -80,7 +92,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             attended = sum(r["stats"]["kv_attended_tokens"] for r in rs) / len(rs)
             per_length = [f"{_aggregate(cells[(method, budget, n)]):.1f}" if cells.get((method, budget, n)) else "-"
                           for n in lengths]
-            lines.append([method, "-" if budget is None else str(budget), *per_length, f"{_aggregate(rs):.1f}",
+            lines.append([_name(method), "-" if budget is None else str(budget), *per_length, f"{_aggregate(rs):.1f}",
                           f"{attended:.0f}", *[_diag_mean(rs, key) for key in diag]])
         metric = "perplexity, lower is better" if task == PERPLEXITY else "score 0-100"
         n = len({r["sample_id"] for r in task_rows})
@@ -105,22 +117,24 @@ def run_speeds(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, float]]:
 
 
 def relative_quality(rows: list[dict[str, Any]]) -> dict[tuple, float]:
-    """(length, method, budget) -> the mean over generative tasks of the arm's score as a percentage of Full KV's at
-    that task and length (tasks where Full KV scores 0 are left out)."""
+    """(length, method, budget) -> the arm's mean score over the generative tasks both it and Full KV ran at that
+    length, as a percentage of Full KV's mean over the same tasks: a suite's average as a share of Full KV's."""
     cells = _group([r for r in rows if r["task"] != PERPLEXITY], "task", "length", "method", "budget")
-    shares: dict[tuple, list[float]] = defaultdict(list)
+    sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])  # the arm's scores, Full KV's
     for (task, length, method, budget), rs in cells.items():
         full = cells.get((task, length, "full", None))
-        if full and _aggregate(full) > 0:
-            shares[(length, method, budget)].append(100 * _aggregate(rs) / _aggregate(full))
-    return {key: sum(v) / len(v) for key, v in shares.items()}
+        if full:
+            total = sums[(length, method, budget)]
+            total[0] += _aggregate(rs)
+            total[1] += _aggregate(full)
+    return {key: 100 * arm / full for key, (arm, full) in sums.items() if full > 0}
 
 
 def speed_table(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
     """Per length and arm: the batched runs' speed beside the quality (% of Full KV) measured in the same runs."""
     speeds, quality = run_speeds(runs), relative_quality(rows)
     lines = []
-    for length, method, budget in sorted(speeds, key=lambda k: (k[0], k[1] != "full", k[1], *_budget_order(k[2]))):
+    for length, method, budget in sorted(speeds, key=lambda k: (k[0], _rank(k[1]), k[1], *_budget_order(k[2]))):
         speed, full = speeds[(length, method, budget)], speeds.get((length, "full", None))
         share = quality.get((length, method, budget))
         peak = speed["peak_memory_gib"]
@@ -134,26 +148,83 @@ def speed_table(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
 
 
 def _pareto_plot(length: int, rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> Path:
-    """Score as % of Full KV against throughput as x Full KV, one point per method and budget, at one length."""
-    from matplotlib.figure import Figure
-
+    """Score as % of Full KV against throughput as x Full KV, one point per method and budget (and HF's), at one
+    length."""
     speeds, quality = run_speeds(runs), relative_quality(rows)
     full = speeds[(length, "full", None)]["tokens_per_s"]
+    points = [(speed["tokens_per_s"] / full, quality[(n, method, budget)], method, _label(method, budget), False)
+              for (n, method, budget), speed in speeds.items() if n == length and (n, method, budget) in quality]
+    return _pareto_figure(points, "throughput, x Full KV (same run's tokens per second)",
+                          f"{length} tokens: quality against speed", path)
+
+
+def _pareto_figure(points: list[tuple[float, float, str, str, bool]], xlabel: str, title: str, path: Path) -> Path:
+    """Points (x, score % of Full KV, method, label, hollow) with the Full-KV lines at 1x and 100%."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.subplots()
-    for (n, method, budget), speed in speeds.items():
-        if n == length and (n, method, budget) in quality:
-            x, y = speed["tokens_per_s"] / full, quality[(n, method, budget)]
-            ax.scatter([x], [y], marker="*" if method == "full" else "o", s=60)
-            ax.annotate(_label(method, budget), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for x, y, method, label, hollow in points:
+        ax.scatter([x], [y], marker={"full": "*", HF: "s"}.get(method, "o"), s=60,
+                   facecolors="none" if hollow else None, edgecolors="C0" if hollow else None)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(3, -9 if method == HF else 3),
+                    textcoords="offset points")  # HF's label below its point: it often sits beside Full KV's
     ax.axhline(100, ls="--", lw=1, color="grey")
     ax.axvline(1, ls="--", lw=1, color="grey")
-    ax.set_xlabel("throughput, x Full KV (same run's tokens per second)")
-    ax.set_ylabel("score, % of Full KV (mean over tasks)")
-    ax.set_title(f"{length} tokens: quality against speed")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean score over the tasks, % of Full KV's")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110)
     return path
+
+
+def bench_speeds(folders: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """The decode rows of `semkv bench` runs (each folder's results.json), each with `full_tokens_per_s`: Full KV's
+    tokens/s in the same run at the same batch and context, else at its largest batch there (what a method at its own
+    largest batch is compared with), and `full_batch`; HF transformers' rows (`--hf`) come as method "hf"."""
+    speeds = []
+    for folder in folders:
+        path = Path(folder) / "results.json"
+        if not path.is_file():
+            raise SemkvError(f"--bench {str(folder)!r}: no results.json there (a folder written by `semkv bench`)")
+        results = json.loads(path.read_text())
+        hf = [dict(h, method=HF, budget=None, label=f"{HF_LABEL} ({h['attention']})") for h in results["hf"]]
+        full = {(r["batch"], r["context"]): r["tokens_per_s"] for r in results["decode"] if r["method"] == "full"}
+        for row in results["decode"] + hf:
+            same = (row["batch"], row["context"])
+            batch = row["batch"] if same in full else max((b for b, c in full if c == row["context"]), default=None)
+            if batch is not None:
+                speeds.append(dict(row, full_tokens_per_s=full[(batch, row["context"])], full_batch=batch))
+    return speeds
+
+
+def bench_table(rows: list[dict[str, Any]], speeds: list[dict[str, Any]]) -> str:
+    """Decode speed from `semkv bench` beside the quality this results directory measured at the same context
+    length, method and budget."""
+    quality, lines = relative_quality(rows), []
+    for s in sorted(speeds, key=lambda s: (s["context"], s["full_batch"], _rank(s["method"]), s["batch"])):
+        share = quality.get((s["context"], s["method"], s["budget"]))
+        lines.append([str(s["context"]), s.get("label", _label(s["method"], s["budget"])), str(s["batch"]),
+                      f"{s['tpot_ms']:.2f}", f"{s['tokens_per_s']:.1f}",
+                      f"{s['tokens_per_s'] / s['full_tokens_per_s']:.2f} (at {s['full_batch']})",
+                      "-" if share is None else f"{share:.1f}"])
+    header = ["context", "method", "batch", "TPOT ms", "tokens/s", "x Full KV (its batch)", "score % of Full KV"]
+    return _markdown(header, lines)
+
+
+def _bench_pareto_plot(length: int, rows: list[dict[str, Any]], speeds: list[dict[str, Any]], path: Path) -> Path:
+    """Score as % of Full KV against decode throughput as x Full KV (`semkv bench`), at one length; a method at a
+    batch other than Full KV's is drawn hollow."""
+    quality, points = relative_quality(rows), []
+    for s in speeds:
+        y = quality.get((length, s["method"], s["budget"]))
+        if s["context"] == length and y is not None:
+            own = s["batch"] != s["full_batch"]
+            label = s.get("label", _label(s["method"], s["budget"])) + (f" (batch {s['batch']})" if own else "")
+            points.append((s["tokens_per_s"] / s["full_tokens_per_s"], y, s["method"], label, own))
+    return _pareto_figure(points, "decode throughput, x Full KV (semkv bench, Full KV at its largest batch)",
+                          f"{length} tokens: quality against decode speed", path)
 
 
 def cost_table(rows: list[dict[str, Any]]) -> str:
@@ -181,7 +252,7 @@ def _budget_plot(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
     lengths = sorted({r["length"] for r in rows})
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=_budget_order)
     cells = _group(rows, "method", "budget", "length")
-    fulls = [method for method, _ in _arms(r for r in rows if r["budget"] is None)]
+    fulls = [method for method, _ in _arms(r for r in rows if r["budget"] is None) if method != HF]
     methods = list(dict.fromkeys(m for m, b in _arms(rows) if b is not None)) or fulls[:1]
     colours = colormaps["viridis"]([0.1 + 0.75 * j / max(len(lengths) - 1, 1) for j in range(len(lengths))])
     cols = min(4, len(methods))
@@ -238,9 +309,12 @@ def _depth_heatmaps(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def write_report(results_dir: str | Path, html_samples: list[str] | None = None) -> tuple[Path, list[Path]]:
+def write_report(results_dir: str | Path, html_samples: list[str] | None = None,
+                 bench: Iterable[str | Path] = ()) -> tuple[Path, list[Path]]:
     """Write report.md, plots/*.png and html/*.html (every traced sample, or those named) into `results_dir`;
-    return the report's path and the HTML pages'."""
+    return the report's path and the HTML pages'. `bench`: folders of `semkv bench` runs whose decode speed is
+    shown beside this directory's quality at the same context length, method and budget (a table and a Pareto plot
+    per length)."""
     store = ResultsDir(results_dir)
     rows = store.rows()
     if not rows:
@@ -257,6 +331,9 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None)
     speeds = run_speeds(runs)
     for length in sorted({n for n, method, budget in speeds if method == "full"}):
         images.append(_pareto_plot(length, rows, runs, plots / f"pareto_{length}.png"))
+    decode = bench_speeds(bench)
+    for length in sorted({s["context"] for s in decode} & {r["length"] for r in rows}):
+        images.append(_bench_pareto_plot(length, rows, decode, plots / f"pareto_decode_{length}.png"))
     views = [store.find_trace(s) for s in html_samples] if html_samples else [store.read_trace(p)
                                                                                for p in store.traces()]
     links = [html.write(v, pages / f"{store.trace_path(v['task'], v['sample_id']).name[:-8]}.html") for v in views]
@@ -269,10 +346,17 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None)
             "KV's top-k (k = budget) attention mass, and of all its attention mass, on the attended positions.\n",
             "## Scores\n", summary_table(rows), "\n## Cost\n", cost_table(rows)]
     if runs:
+        hf = (f" {HF_LABEL}: transformers' greedy `generate` of the same prompt ids, all samples of a task and length "
+              "in one left-padded batch (`semkv eval --hf`).") if any(r["method"] == HF for r in runs) else ""
         text += ["\n## Speed of the batched runs\n", "Each method ran the samples of a task and length together "
                  "through continuous batching; tokens/s: tokens generated over the run's seconds (prefill included); "
-                 "x Full KV: against Full KV's runs at that length; score: the mean over tasks of the score as a "
-                 "percentage of Full KV's (the Pareto plots draw the two).\n", speed_table(rows, runs)]
+                 "x Full KV: against Full KV's runs at that length; score: the mean score over the tasks as a "
+                 f"percentage of Full KV's mean over the same tasks (the Pareto plots draw the two).{hf}\n", speed_table(rows, runs)]
+    if decode:
+        text += ["\n## Decode speed (`semkv bench`) beside quality\n", "Decode throughput of `semkv bench` runs, "
+                 "against Full KV's in the same run at the same batch, or at Full KV's largest batch for a method at "
+                 "its own; score: this directory's mean score over the tasks as a percentage of Full KV's mean, at "
+                 "that context length, method and budget.\n", bench_table(rows, decode)]
     text += ["\n## Plots\n"]
     text += [f"![{p.stem}](plots/{p.name})" for p in images]
     if links:

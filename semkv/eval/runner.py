@@ -5,9 +5,10 @@ Each sample is prefilled once with Full KV and every method that can start from 
 their first `DIAG_STEPS` decode steps, with Full KV first as the reference (run even when its row is done), and each
 row gets its selection diagnostics (`diagnostics.py`: needle retention where the sample has needles, recall). In
 batched mode (the default on a GPU) each method runs all samples of a task and length through continuous batching
-instead, and the speed of that run goes to `runs.jsonl`. A row per sample x method x budget is appended to
-`predictions.jsonl` as soon as it is done, so a rerun skips what is finished; `config.json` holds every
-setting, the resolved method parameters and the versions, and `run_config` repeats a run from it.
+instead, and the speed of that run goes to `runs.jsonl`; with `hf`, HF transformers' `generate` then runs the same
+prompt ids, the Full-KV reference of speed and correctness (`run_hf`). A row per sample x method x budget is appended
+to `predictions.jsonl` as soon as it is done, so a rerun skips what is finished; `config.json` holds every setting,
+the resolved method parameters and the versions, and `run_config` repeats a run from it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from typing import Any, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from semkv.bench.hf_baseline import hf_generate, hf_model, hf_warm_up
 from semkv.engine.hooks import validate_budget
+from semkv.engine.sequence import GenerationStats
 from semkv.errors import SemkvError
 from semkv.eval import diagnostics, html, packaged, perplexity_data, report
 from semkv.eval.perplexity import PerplexityTask
@@ -32,6 +35,7 @@ from semkv.eval.store import ResultsDir, row_key
 from semkv.eval.task import Sample, Task
 from semkv.eval.tasks import GROUPS, TASKS, get_task
 from semkv.methods import METHODS, KVMethod, get_method
+from semkv.models.loader import resolve_device
 
 DIAG_STEPS = 8  # decode steps traced for the diagnostics: the answer's first tokens
 QUICK = dict(tasks=["passkey", "perplexity"], lengths=[512, 1024], budgets=[64, 256], samples=2, ppl_tokens=32)
@@ -53,6 +57,9 @@ class Arm:
 
     def build(self) -> KVMethod:
         return get_method(self.method, self.budget, **self.params)
+
+
+HF = Arm("hf", None, {})  # HF transformers' `generate` (`run_hf`): the rows' method "hf", never built
 
 
 def make_arms(methods: Seq[str], budgets: Seq[int | float], method_params: dict[str, dict[str, Any]],
@@ -110,7 +117,8 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
         data_dir: str | None = None, out: str = "results", seed: int = 0,
         method_params: dict[str, dict[str, Any]] | None = None, ppl_tokens: int = 64, trace_samples: int = 1,
         llm: Any = None, progress: bool = True, tensor_parallel_size: int = 1,
-        batched: bool | None = None) -> list[dict[str, Any]]:
+        batched: bool | None = None, hf: bool = False, hf_attention: str = "sdpa",
+        gpu_memory_utilization: float = 0.9) -> list[dict[str, Any]]:
     """Run the grid, skipping rows already in `out`; return every row of `out`. `methods` None means all of
     `semkv methods`; `llm` reuses a loaded `semkv.LLM` instead of loading `model`. Budgets: int tokens or float
     fractions; lengths: context tokens. `trace_samples`: the first N samples of each task and length also record what
@@ -119,7 +127,11 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
 
     batched (None: on a GPU): each method runs the samples of a generative task and length together through
     continuous batching (`run_batch`), and the run's speed goes to `runs.jsonl` beside the scores; the rows then have
-    no selection diagnostics or traces (those need one eager sequence). Perplexity samples run one by one."""
+    no selection diagnostics or traces (those need one eager sequence). Perplexity samples run one by one.
+
+    hf (batched mode only): after the semkv arms, HF transformers' greedy `generate` (`hf_attention`, the engine's
+    dtype and device) runs every generative task and length on the prompt ids `LLM.generate` makes, as method "hf"
+    (`run_hf`); the model is loaded once, when the first such run is due, and freed at the end."""
     import semkv
 
     settings = dict(tasks=expand_tasks(tasks), methods=list(methods or METHODS), budgets=list(budgets),
@@ -127,7 +139,7 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
                     samples=samples, seed=seed, query_aware=query_aware, model=model if llm is None else llm.source,
                     device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
                     data_dir=None if data_dir is None else str(data_dir), method_params=method_params or {},
-                    ppl_tokens=ppl_tokens, trace_samples=trace_samples)
+                    ppl_tokens=ppl_tokens, trace_samples=trace_samples, hf=hf, hf_attention=hf_attention)
     if not settings["tasks"]:
         raise SemkvError("give at least one task")
     _check(settings["methods"], budgets, lengths, samples, seed, settings["method_params"])
@@ -137,11 +149,14 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     previous = store.config()
     if previous:
         settings = _merge(previous["run"], settings)
+    if batched is None:
+        batched = (resolve_device(device) if llm is None else llm.engine.device).type == "cuda"
+    if hf and not batched:
+        raise SemkvError("hf=True (--hf) needs batched mode (batched=True, --batched; the default on a GPU): HF's "
+                         "generate runs all samples of a task and length together")
     if llm is None:
         llm = semkv.LLM(model, device=device, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
-                        tensor_parallel_size=tensor_parallel_size)
-    if batched is None:
-        batched = llm.engine.device.type == "cuda"
+                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization)
     settings["batched"] = batched
     if batched:
         settings["trace_samples"] = trace_samples = 0
@@ -158,6 +173,7 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
     done = {row_key(r) for r in store.rows()}
     work = []  # (task, sample, arms still to run, traced)
     batches = []  # (task, arm, samples it still has to run): batched mode, generative tasks
+    hf_runs = []  # (task, samples HF still has to run): with hf, generative tasks
     for task in task_objs:
         together = batched and not isinstance(task, PerplexityTask)
         for length in lengths:
@@ -166,16 +182,30 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
                 todo = [s for s in drawn if sample_key(task, s, arm) not in done]
                 if todo:
                     batches.append((task, arm, todo))
+            todo = [s for s in drawn if sample_key(task, s, HF) not in done] if together and hf else []
+            if todo:
+                hf_runs.append((task, todo))
             for i, sample in enumerate([] if together else drawn):
                 pending = [a for a in arms if sample_key(task, sample, a) not in done]
                 if pending:
                     work.append((task, sample, pending, i < trace_samples))
-    total = sum(len(w[2]) for w in work) + sum(len(b[2]) for b in batches)
+    total = sum(len(w[2]) for w in work) + sum(len(b[2]) for b in batches) + sum(len(h[1]) for h in hf_runs)
     bar = tqdm(total=total, desc="eval", unit="run", disable=not progress, dynamic_ncols=True)
     for task, arm, todo in batches:
         bar.set_postfix_str(f"{task.name} {todo[0].length} {arm.label}")
         torch.manual_seed(seed)
         run_batch(llm, store, task, arm, todo, bar)
+    if hf_runs:
+        reference = hf_model(Path(llm.source), llm.engine.device, llm.engine.dtype, hf_attention)
+        hf_warm_up(reference, llm.config.eos_token_ids, hf_pad_id(llm), hf_attention)
+        try:
+            for task, todo in hf_runs:
+                bar.set_postfix_str(f"{task.name} {todo[0].length} {HF.label}")
+                run_hf(llm, reference, hf_attention, store, task, todo, bar)
+        finally:
+            del reference
+            if llm.engine.device.type == "cuda":
+                torch.cuda.empty_cache()
     for task, sample, pending, traced in work:
         bar.set_postfix_str(sample.sample_id)
         torch.manual_seed(seed)
@@ -232,6 +262,58 @@ def run_batch(llm, store: ResultsDir, task, arm: Arm, samples: list[Sample], bar
         "tpot_ms": 1e3 * sum(s.decode_s / max(s.new_tokens - 1, 1) for s in stats) / len(stats),
         "peak_memory_gib": needed_memory_gib(engine) if engine.device.type == "cuda" else None,
         "attended": sum(s.kv_attended_tokens for s in stats) / len(stats), "device": str(engine.device)})
+
+
+def run_hf(llm, model, attention: str, store: ResultsDir, task, samples: list[Sample], bar) -> None:
+    """HF transformers' greedy `generate` (`model`: `hf_model`) on samples of one generative task and length, on the
+    prompt ids `LLM.generate` makes (`LLM.encode`), stopping at the model's EOS ids: a row per sample as method "hf"
+    (the new tokens decoded as semkv decodes them, scored by the task) and the run's speed in `runs.jsonl`, as
+    `run_batch` records it: tokens per second of the whole `generate` (prefill included), TPOT (mean over the samples
+    of decode time per token after the first), the peak device memory it needed (the HF model's weights and the
+    growth of allocated memory during `generate`) and the mean KV attended per decode step (every cached token)."""
+    from semkv.bench.run import sync
+
+    device = llm.engine.device
+    prompts = [llm.encode(s.context, s.question, task.chat, s.answer_prefix)[0] for s in samples]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    sync(device)
+    started = time.perf_counter()
+    outputs = hf_generate(model, prompts, task.max_new_tokens, llm.config.eos_token_ids, hf_pad_id(llm), attention)
+    sync(device)
+    wall = time.perf_counter() - started
+    stats = []
+    for sample, prompt, out in zip(samples, prompts, outputs):
+        n = len(out.token_ids)
+        # as Full KV counts them: decode step k (1..n-1) attends the prompt and k tokens; none without a decode step
+        last, mean = (len(prompt) + n - 1, len(prompt) + n / 2) if n > 1 else (0, 0.0)
+        stats.append(GenerationStats(prompt_tokens=len(prompt), new_tokens=n, prefill_s=out.prefill_s,
+                                     decode_s=out.decode_s, kv_resident_tokens=last, kv_attended_tokens=mean,
+                                     kv_attended_max=last))
+        text = llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        row = sample_row(task, sample, HF)
+        row.update(prediction=text, score=task.score(text, sample),
+                   finish_reason="eos" if out.token_ids[-1] in llm.config.eos_token_ids else "length",
+                   stats=stats[-1].as_dict())
+        store.append(row)
+        bar.update(1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = torch.cuda.max_memory_allocated(device) - allocated + weights if device.type == "cuda" else None
+    store.append_run({
+        "task": task.name, "length": samples[0].length, "method": HF.method, "budget": HF.budget,
+        "samples": len(samples), "wall_s": wall, "new_tokens": sum(s.new_tokens for s in stats),
+        "tokens_per_s": sum(s.new_tokens for s in stats) / wall,
+        "tpot_ms": 1e3 * sum(s.decode_s / max(s.new_tokens - 1, 1) for s in stats) / len(stats),
+        "peak_memory_gib": None if peak is None else peak / 2**30,
+        "attended": sum(s.kv_attended_tokens for s in stats) / len(stats), "device": str(device),
+        "attention": attention})
+
+
+def hf_pad_id(llm) -> int:
+    """What pads HF's left-padded batch: the tokenizer's pad id, else an EOS id (masked out either way)."""
+    pad = llm.tokenizer.pad_token_id
+    return llm.config.eos_token_ids[0] if pad is None else pad
 
 
 def run_sample(llm, store: ResultsDir, task, sample: Sample, arms: list[Arm], traced: bool, bar) -> None:

@@ -42,6 +42,15 @@ class ScoredEviction(KVMethod):
         """Slots layer `layer` keeps out of n."""
         return resolve_budget(self.budget, n)
 
+    def device_tokens(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> int | None:
+        """The prompt compressed to the largest layer budget, and every generated token (appended): admission and
+        `semkv bench --batches max` count a request at what it keeps, not at its prompt. None with
+        query_aware=False (the question, kept whole, is appended after the compression)."""
+        if not self.query_aware:
+            return None
+        kept = max(self.layer_budget(layer, prompt_tokens) for layer in range(self.model.num_layers))
+        return min(prompt_tokens, kept) + max_new_tokens
+
     def score(self, layer: int, seq: Sequence, q_window: torch.Tensor, keys: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
         """q_window [w, heads, D], keys [kv_heads, n, D], positions [kv_heads, n] -> scores [kv_heads, n]."""

@@ -37,6 +37,7 @@ class Quest(KVMethod):
 
     kind = "selection"
     graph_safe = True  # `select` works from the batch tensors alone
+    pool_state = True  # min / max keys of every pool page
     name = "quest"
     summary = "Quest: per-head top pages by a min/max key bound on the query's attention, each decode step"
 

@@ -188,6 +188,7 @@ class Chess(KVMethod):
 
     kind = "selection"
     graph_safe = True  # the step's plan is decided before the forward; its selection is computed inside the graph
+    pool_state = True  # page summaries of every pool page (anchor="keys")
     name = "chess"
     renamed = {"page_size": "block_size", "window": "recent_pages"}
     summary = "CHESS: grid->chunk->page cascade by key-key affinity with the recent pages, re-selected on uncertainty"

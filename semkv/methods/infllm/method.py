@@ -111,6 +111,7 @@ class InfLLM(KVMethod):
     summary = "InfLLM: initial + local tokens and the top memory blocks by representative keys, each decode step"
     kind = "selection"
     graph_safe = True  # state beside the pool, the window in the step plan
+    pool_state = True  # block scores and representative keys over the pool's pages
 
     def __post_init__(self) -> None:
         super().__post_init__()
