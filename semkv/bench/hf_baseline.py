@@ -1,6 +1,7 @@
 """HF transformers as the Full-KV reference, with its default attention (sdpa: torch's fused kernels) unless told
-otherwise (`attention`: one of `semkv.cli.args.HF_ATTENTIONS`): its decode (DynamicCache) timed on a cache of random K/V like semkv's benchmark cache, its prefill, and its
-greedy `generate` (`semkv eval --hf`). The model is a shape with random weights or a local model's real weights."""
+otherwise (`attention`: one of `semkv.cli.args.HF_ATTENTIONS`): its decode (DynamicCache) timed on a cache of random
+K/V like semkv's benchmark cache, its prefill, and its greedy `generate` (`semkv eval --hf`). The model is a shape
+with random weights or a local model's real weights."""
 from __future__ import annotations
 
 import os

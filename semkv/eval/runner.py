@@ -248,20 +248,30 @@ def run_batch(llm, store: ResultsDir, task, arm: Arm, samples: list[Sample], bar
                            answer_prefixes=[s.answer_prefix for s in samples])
     sync(engine.device)
     wall = time.perf_counter() - started
-    for sample, out in zip(samples, outputs):
+    store_run(store, task, arm, samples, [(out.text, out.finish_reason, out.stats) for out in outputs], wall,
+              needed_memory_gib(engine) if engine.device.type == "cuda" else None, engine.device, bar)
+
+
+def store_run(store: ResultsDir, task, arm: Arm, samples: list[Sample],
+              outputs: list[tuple[str, str, GenerationStats]], wall: float, peak_gib: float | None,
+              device: torch.device, bar, **extra: Any) -> None:
+    """A batched run's rows, one per sample from its (text, finish reason, `GenerationStats`), and its speed in
+    `runs.jsonl` (with `extra` fields): tokens per second of the whole run, TPOT (mean over the samples of decode
+    time per token after the first), the peak device memory and the mean KV attended per decode step."""
+    for sample, (text, finish_reason, stats) in zip(samples, outputs):
         row = sample_row(task, sample, arm)
-        row.update(prediction=out.text, score=task.score(out.text, sample), finish_reason=out.finish_reason,
-                   stats=out.stats.as_dict())
+        row.update(prediction=text, score=task.score(text, sample), finish_reason=finish_reason,
+                   stats=stats.as_dict())
         store.append(row)
         bar.update(1)
-    stats = [out.stats for out in outputs]
+    stats = [out[2] for out in outputs]
     store.append_run({
         "task": task.name, "length": samples[0].length, "method": arm.method, "budget": arm.budget,
         "samples": len(samples), "wall_s": wall, "new_tokens": sum(s.new_tokens for s in stats),
         "tokens_per_s": sum(s.new_tokens for s in stats) / wall,
         "tpot_ms": 1e3 * sum(s.decode_s / max(s.new_tokens - 1, 1) for s in stats) / len(stats),
-        "peak_memory_gib": needed_memory_gib(engine) if engine.device.type == "cuda" else None,
-        "attended": sum(s.kv_attended_tokens for s in stats) / len(stats), "device": str(engine.device)})
+        "peak_memory_gib": peak_gib, "attended": sum(s.kv_attended_tokens for s in stats) / len(stats),
+        "device": str(device), **extra})
 
 
 def run_hf(llm, model, attention: str, store: ResultsDir, task, samples: list[Sample], bar) -> None:
@@ -283,31 +293,20 @@ def run_hf(llm, model, attention: str, store: ResultsDir, task, samples: list[Sa
     outputs = hf_generate(model, prompts, task.max_new_tokens, llm.config.eos_token_ids, hf_pad_id(llm), attention)
     sync(device)
     wall = time.perf_counter() - started
-    stats = []
-    for sample, prompt, out in zip(samples, prompts, outputs):
+    results = []
+    for prompt, out in zip(prompts, outputs):
         n = len(out.token_ids)
         # as Full KV counts them: decode step k (1..n-1) attends the prompt and k tokens; none without a decode step
         last, mean = (len(prompt) + n - 1, len(prompt) + n / 2) if n > 1 else (0, 0.0)
-        stats.append(GenerationStats(prompt_tokens=len(prompt), new_tokens=n, prefill_s=out.prefill_s,
-                                     decode_s=out.decode_s, kv_resident_tokens=last, kv_attended_tokens=mean,
-                                     kv_attended_max=last))
-        text = llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        row = sample_row(task, sample, HF)
-        row.update(prediction=text, score=task.score(text, sample),
-                   finish_reason="eos" if out.token_ids[-1] in llm.config.eos_token_ids else "length",
-                   stats=stats[-1].as_dict())
-        store.append(row)
-        bar.update(1)
+        stats = GenerationStats(prompt_tokens=len(prompt), new_tokens=n, prefill_s=out.prefill_s,
+                                decode_s=out.decode_s, kv_resident_tokens=last, kv_attended_tokens=mean,
+                                kv_attended_max=last)
+        results.append((llm.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                        "eos" if out.token_ids[-1] in llm.config.eos_token_ids else "length", stats))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = torch.cuda.max_memory_allocated(device) - allocated + weights if device.type == "cuda" else None
-    store.append_run({
-        "task": task.name, "length": samples[0].length, "method": HF.method, "budget": HF.budget,
-        "samples": len(samples), "wall_s": wall, "new_tokens": sum(s.new_tokens for s in stats),
-        "tokens_per_s": sum(s.new_tokens for s in stats) / wall,
-        "tpot_ms": 1e3 * sum(s.decode_s / max(s.new_tokens - 1, 1) for s in stats) / len(stats),
-        "peak_memory_gib": None if peak is None else peak / 2**30,
-        "attended": sum(s.kv_attended_tokens for s in stats) / len(stats), "device": str(device),
-        "attention": attention})
+    store_run(store, task, HF, samples, results, wall, None if peak is None else peak / 2**30, device, bar,
+              attention=attention)
 
 
 def hf_pad_id(llm) -> int:
