@@ -351,7 +351,8 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None,
         text += ["\n## Speed of the batched runs\n", "Each method ran the samples of a task and length together "
                  "through continuous batching; tokens/s: tokens generated over the run's seconds (prefill included); "
                  "x Full KV: against Full KV's runs at that length; score: the mean score over the tasks as a "
-                 f"percentage of Full KV's mean over the same tasks (the Pareto plots draw the two).{hf}\n", speed_table(rows, runs)]
+                 f"percentage of Full KV's mean over the same tasks (the Pareto plots draw the two).{hf}\n",
+                 speed_table(rows, runs)]
     if decode:
         text += ["\n## Decode speed (`semkv bench`) beside quality\n", "Decode throughput of `semkv bench` runs, "
                  "against Full KV's in the same run at the same batch, or at Full KV's largest batch for a method at "
