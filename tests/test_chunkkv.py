@@ -12,6 +12,7 @@ from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.methods import ChunkKV, SnapKV, get_method
+from semkv.methods.chunkkv import keep_chunks
 
 TEXT = ("Paged attention stores keys and values in fixed-size pages. The passkey is 4821. "
         "Long documents are split into sentences, and each sentence has a meaning. ") * 4
@@ -160,8 +161,25 @@ def test_compare_inspect_sees_each_compressed_cache(llm):
     assert not torch.equal(seen[id(methods[0])][0], seen[id(methods[1])][0])
 
 
+@pytest.mark.parametrize("neighbours", [0, 1, 2])
+def test_neighbours_keep_the_chunks_beside_the_best(neighbours):
+    """One token takes most of the window's attention: the paper keeps its chunk and the next best chunks anywhere;
+    `neighbours` keeps the chunks on either side of it."""
+    n, window, chunk_size, hit = 100, 4, 5, 52  # the hit's chunk is 10 of the 20 before the window
+    probs = torch.rand(2, window, n, generator=torch.Generator().manual_seed(0)) * 0.01  # [heads, w, n]
+    probs[:, :, hit] = 1.0
+    fill_chunks = 2 * max(neighbours, 1) + 1
+    kept = keep_chunks(probs, 1, window + fill_chunks * chunk_size, window, chunk_size, False, None, neighbours)[0]
+    chunks = set((kept[kept < n - window] // chunk_size).tolist())
+    assert 10 in chunks and len(chunks) == fill_chunks
+    near = set(range(10 - neighbours, 10 + neighbours + 1))
+    assert near <= chunks
+    if neighbours == 0:
+        assert chunks != set(range(10 - 1, 10 + 2))  # the noise picks chunks elsewhere (so the check can fail)
+
+
 @pytest.mark.parametrize("params", [dict(chunk_size=0), dict(reuse_layers=0), dict(chunk_size=2.5),
-                                    dict(per_head=1), dict(hybrid="yes")])
+                                    dict(per_head=1), dict(hybrid="yes"), dict(neighbours=-1)])
 def test_bad_parameters(params):
     with pytest.raises(SemkvError, match=next(iter(params))):
         get_method("chunkkv", 64, **params)

@@ -67,6 +67,32 @@ def test_shared_prefill_equals_separate_runs(clean_run, tiny_llm):
         assert alone.text == r["prediction"], r["method"]
 
 
+def test_variants_of_a_method_are_arms_of_one_run(clean_run, tiny_llm, tmp_path):
+    """"snapkv[kernel_size=1,pooling=max]" is its own arm beside "snapkv": rows, resolved parameters and report; its
+    predictions are that setting's (equal to running it as the method with those parameters)."""
+    _, base = clean_run
+    variant = "snapkv[kernel_size=1,pooling=max]"
+    rows = run(**(GRID | dict(methods=["full", "snapkv", variant])), out=str(tmp_path), llm=tiny_llm, progress=False)
+    assert {r["method"] for r in rows} == {"full", "snapkv", variant} and len(rows) == 6
+    resolved = ResultsDir(tmp_path).config()["resolved"]["methods"]
+    assert resolved[f"{variant}@24"]["kernel_size"] == 1 and resolved["snapkv@24"]["kernel_size"] == 5
+    run(**(GRID | dict(methods=["quest"])), out=str(tmp_path), llm=tiny_llm, progress=False)  # the run grows
+    assert set(ResultsDir(tmp_path).config()["resolved"]["methods"]) == {"full", "snapkv@24", f"{variant}@24",
+                                                                          "quest@24"}
+    task = get_task("passkey")
+    samples = {s.sample_id: s for s in task.samples(tiny_llm.tokenizer, 192, 2, 3)}
+    for r in rows:
+        if r["method"] == variant:
+            s = samples[r["sample_id"]]
+            alone = tiny_llm.compare(s.context, [get_method("snapkv", 24, kernel_size=1, pooling="max")], s.question,
+                                     task.max_new_tokens, task.chat, answer_prefix=s.answer_prefix)[0]
+            assert alone.text == r["prediction"]
+    same = {(r["sample_id"], r["method"]): r["prediction"] for r in base}
+    assert all(r["prediction"] == same[r["sample_id"], r["method"]] for r in rows if r["method"] != variant)
+    path, _ = report.write_report(tmp_path)
+    assert f"| {variant} | 24 |" in path.read_text()
+
+
 def test_second_run_skips_finished_rows_and_extends(clean_run, tiny_llm, tmp_path):
     out, rows = clean_run
     copy = tmp_path / "copy"
@@ -225,6 +251,9 @@ def test_perplexity_rows_score_the_teacher_forced_continuation(tiny_llm, tmp_pat
         (["--task", "nope"], "unknown task 'nope'; known: perplexity, infinitebench, ruler, longbench, passkey"),
         (["--task", "longbench_hotpotqa"], "task 'longbench_hotpotqa' reads data files: give data_dir"),
         (["--task", "passkey", "--methods", "full,nope"], "unknown method 'nope'"),
+        (["--task", "passkey", "--methods", "snapkv[window]"], r"method 'snapkv\[window\]': 'window' must look like"),
+        (["--task", "passkey", "--methods", "snapkv[nope=1]"], "unknown parameter"),
+        (["--task", "passkey", "--methods", "snapkv["], "must be a method's name or a variant"),
         (["--task", "passkey", "--lengths", "2x"], "length '2x' is not a token count"),
         (["--task", "passkey", "--lengths", "0"], "length '0' must be a whole positive number"),
         (["--task", "passkey", "--budgets", "abc"], "budget 'abc' is not a number"),

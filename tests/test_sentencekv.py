@@ -143,6 +143,35 @@ def test_retained_set_is_the_top_importances(tiny_llm):
     llm.engine.release(seq)
 
 
+def test_retain_sentences_keeps_whole_sentences(tiny_llm):
+    """retain="sentences": the retained tokens of a KV head are whole sentences (the last one may be cut), the best
+    ones first; the paper's top tokens cut sentences (so the check can fail)."""
+    llm, budget = tiny_llm, 64
+    ids = llm.tokenizer(book_text(3000))["input_ids"][:600]
+    cut = {}
+    for retain in ("tokens", "sentences"):
+        method = SentenceKV(budget=budget, offload=True, retain=retain)
+        method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+        seq = Sequence(0, ids, SamplingParams(max_new_tokens=8), SeqKV(llm.engine.pool))
+        seq.method_state = method.new_state(seq)
+        llm.engine.prefill(seq, method)
+        state = seq.method_state
+        starts = torch.tensor(state.starts)
+        sizes = torch.diff(starts)
+        cut[retain] = 0
+        for layer in range(llm.config.num_layers):
+            for head in state.store.pos[layer][:, : state.retained]:
+                bucket = torch.searchsorted(starts, head, right=True) - 1
+                ids_, counts = bucket.unique(return_counts=True)
+                cut[retain] += int((counts < sizes[ids_]).sum())
+                assert head.shape[0] == int(2.0 * budget)
+        if retain == "sentences":
+            per_head = llm.config.num_layers * llm.config.num_kv_heads
+            assert cut[retain] <= per_head  # at most the last sentence of each head
+        llm.engine.release(seq)
+    assert cut["tokens"] > cut["sentences"]
+
+
 def test_offload_gives_the_same_tokens_as_resident_selection(tiny_llm):
     text = book_text(2500)
     runs = {}
@@ -208,7 +237,7 @@ def test_budget_covering_the_generation_moves_nothing(tiny_llm):
 
 @pytest.mark.parametrize("params, word", [(dict(keep_factor=0.5), "keep_factor"), (dict(query="last"), "query"),
                                           (dict(buckets="words"), "buckets"), (dict(offload="yes"), "offload"),
-                                          (dict(max_sentence=0), "max_sentence")])
+                                          (dict(max_sentence=0), "max_sentence"), (dict(retain="words"), "retain")])
 def test_bad_parameters_are_named(params, word):
     with pytest.raises(SemkvError, match=word):
         SentenceKV(budget=128, **params)

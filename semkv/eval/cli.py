@@ -15,7 +15,8 @@ DEFAULTS = dict(lengths="2k", budgets="128,512", samples=4)
 
 
 def parse_names(text: str) -> list[str]:
-    return [name.strip() for name in text.split(",") if name.strip()]
+    """'a, b[x=1,y=2]' -> ['a', 'b[x=1,y=2]']: commas inside brackets (a method variant's parameters) do not split."""
+    return [name.strip() for name in re.split(r",(?![^\[]*\])", text) if name.strip()]
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -50,7 +51,9 @@ def parse_method_params(items: list[str] | None) -> dict[str, dict[str, Any]]:
 def add_eval(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--task", help="tasks or groups, comma-separated (passkey, niah, ruler, longbench, perplexity, ...)")
-    p.add_argument("--methods", default=None, help="methods, comma-separated (default: every one of `semkv methods`)")
+    p.add_argument("--methods", default=None,
+                   help="methods, comma-separated (default: every one of `semkv methods`); a variant with its own "
+                        "parameters is name[param=value,...], e.g. full,chunkkv,chunkkv[neighbours=2]")
     p.add_argument("--budgets", default=None, help=f"tokens or fractions, comma-separated ({DEFAULTS['budgets']})")
     p.add_argument("--lengths", default=None, help=f"context lengths in tokens, k = 1024 ({DEFAULTS['lengths']})")
     p.add_argument("--samples", type=int, default=None, help=f"samples per task and length ({DEFAULTS['samples']})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.bench.hf_baseline import hf_generate, hf_model, hf_warm_up
+from semkv.cli.args import parse_params
 from semkv.engine.hooks import validate_budget
 from semkv.engine.sequence import GenerationStats
 from semkv.errors import SemkvError
@@ -45,7 +47,8 @@ FIXED = ("model", "dtype", "page_size", "prefill_chunk", "seed", "query_aware", 
 
 @dataclass
 class Arm:
-    """One method with one budget (Full KV has none) and its parameters."""
+    """One method with one budget (Full KV has none) and its parameters. `method` names the rows: the method's name,
+    or a variant's entry such as "chunkkv[neighbours=2]" (`split_variant`)."""
 
     method: str
     budget: int | float | None
@@ -56,7 +59,24 @@ class Arm:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
 
     def build(self) -> KVMethod:
-        return get_method(self.method, self.budget, **self.params)
+        return get_method(split_variant(self.method)[0], self.budget, **self.params)
+
+
+def split_variant(entry: str) -> tuple[str, dict[str, Any]]:
+    """A `methods` entry: a method's name, or a variant of it with its own parameters, "name[param=value,...]" (as
+    `--param` writes values; e.g. "chunkkv[neighbours=2]"), so that one run holds several settings of a method ->
+    (the method's name, the variant's parameters)."""
+    match = re.fullmatch(r"([\w-]+)(?:\[(.*)\])?", entry)
+    if not match or match.group(2) == "":
+        raise SemkvError(f"method {entry!r} must be a method's name or a variant such as chunkkv[neighbours=2]")
+    name, inner = match.groups()
+    if name not in METHODS:
+        raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    items = inner.split(",") if inner else []
+    for item in items:
+        if "=" not in item:
+            raise SemkvError(f"method {entry!r}: {item!r} must look like param=value")
+    return name, parse_params(items)
 
 
 HF = Arm("hf", None, {})  # HF transformers' `generate` (`run_hf`): the rows' method "hf", never built
@@ -65,12 +85,13 @@ HF = Arm("hf", None, {})  # HF transformers' `generate` (`run_hf`): the rows' me
 def make_arms(methods: Seq[str], budgets: Seq[int | float], method_params: dict[str, dict[str, Any]],
               query_aware: bool | None) -> list[Arm]:
     arms = []
-    for name in methods:
-        params = dict(method_params.get(name, {}))
+    for entry in methods:
+        name, variant = split_variant(entry)
+        params = dict(method_params.get(name, {})) | variant
         if query_aware is not None and "query_aware" in METHODS[name].parameters():
             params["query_aware"] = query_aware
         for budget in [None] if name == "full" else budgets:
-            arms.append(Arm(name, budget, params))
+            arms.append(Arm(entry, budget, params))
             arms[-1].build()  # bad parameters fail here, before the model loads
     return arms
 
@@ -99,7 +120,7 @@ def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | Perple
 
 
 def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
-    for name in list(methods) + list(method_params):
+    for name in [split_variant(entry)[0] for entry in methods] + list(method_params):
         if name not in METHODS:
             raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     for budget in budgets:
@@ -168,7 +189,10 @@ def run(tasks: Seq[str], methods: Seq[str] | None = None, budgets: Seq[int | flo
         if max(lengths) + task.max_new_tokens > llm.max_context:
             raise SemkvError(f"length {max(lengths)} + {task.max_new_tokens} new tokens of task {task.name!r} is "
                              f"more than the model's context of {llm.max_context} tokens")
-    store.write_config({"run": settings, "resolved": _resolved(llm, arms, task_objs)})
+    resolved = _resolved(llm, arms, task_objs)
+    if previous:  # a grown run keeps the parameters of the arms it ran before
+        resolved["methods"] = previous["resolved"]["methods"] | resolved["methods"]
+    store.write_config({"run": settings, "resolved": resolved})
     store.repair()
     done = {row_key(r) for r in store.rows()}
     work = []  # (task, sample, arms still to run, traced)

@@ -20,6 +20,11 @@ per_head: False keeps one chunk set per layer shared by its KV heads (the paper'
 hybrid: False; True is the variant of section 4.6: ChunkKV in the lower half of the layers (layer < layers // 2),
     SnapKV with its defaults (pooled scores, top tokens per KV head) in the upper half, where reuse does not apply.
 query_aware: the window contains the question (True, as in the paper) or only the context (False).
+neighbours: 0 (the paper); n > 0 scores a chunk by the best of itself and the n chunks on either side (CHESS's
+    `neighbours` rule), so a kept chunk brings its neighbours. The window attends to a needle's key and the first
+    tokens of its value; the value's later tokens (digits and uuid pieces are a token or two each) fall in the next
+    chunks and are dropped, and the model answers the value's start and invents the rest
+    (benchmarks/results/2026-11-26-h100-niah.md). Opt-in: it spends the budget on fewer, whole regions.
 
 Readings of the paper (where it is loose):
 - Scores are softmax attention probabilities of the window queries over every prompt key (causal inside the window),
@@ -35,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_range
@@ -45,9 +51,10 @@ from semkv.models.parallel import TensorParallel, over_heads
 
 
 def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
-                per_head: bool, tp: TensorParallel | None = None) -> torch.Tensor:
+                per_head: bool, tp: TensorParallel | None = None, neighbours: int = 0) -> torch.Tensor:
     """Algorithm 1 from window attention probs [heads, w, n]: kept slots [kv_heads or 1, n_keep], ascending. Chunks
-    shared by the heads are scored over every rank's heads (`tp`)."""
+    shared by the heads are scored over every rank's heads (`tp`); `neighbours` > 0 max-pools the chunk scores over
+    that many chunks on either side."""
     n = probs.shape[-1]
     n_window = min(window, n_keep)
     prefix, fill = n - n_window, n_keep - n_window  # chunked part of the prompt, and its budget
@@ -55,8 +62,10 @@ def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, ch
     if not per_head:
         token_scores = over_heads(tp, token_scores, 0, keepdim=True)  # [1, prefix]
     n_chunks = -(-prefix // chunk_size)
-    padded = torch.nn.functional.pad(token_scores, (0, n_chunks * chunk_size - prefix))
+    padded = F.pad(token_scores, (0, n_chunks * chunk_size - prefix))
     chunk_scores = padded.view(padded.shape[0], n_chunks, chunk_size).sum(-1)  # [S, n_chunks]
+    if neighbours:
+        chunk_scores = F.max_pool1d(chunk_scores[:, None], 2 * neighbours + 1, stride=1, padding=neighbours)[:, 0]
     sizes = torch.full((n_chunks,), chunk_size, device=probs.device)
     sizes[-1] = prefix - (n_chunks - 1) * chunk_size
     order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [S, n_chunks] best first
@@ -75,6 +84,7 @@ class ChunkKV(ScoredEviction):
     reuse_layers: int = 1
     per_head: bool = False
     hybrid: bool = False
+    neighbours: int = 0
 
     name = "chunkkv"
     summary = "ChunkKV: keep whole chunks of prompt tokens most attended by the last prompt queries; layer index reuse"
@@ -85,6 +95,7 @@ class ChunkKV(ScoredEviction):
         check_range("reuse_layers", self.reuse_layers, 1, None, int)
         check_range("per_head", self.per_head, types=bool)
         check_range("hybrid", self.hybrid, types=bool)
+        check_range("neighbours", self.neighbours, 0, None, int)
 
     def new_state(self, seq: Sequence) -> dict[int, torch.Tensor]:
         return {}  # first layer of a reuse group -> its kept slots (Algorithm 2's I_reuse)
@@ -101,7 +112,7 @@ class ChunkKV(ScoredEviction):
             keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
             probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
             keep = keep_chunks(probs, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
-                               self.tp)
+                               self.tp, self.neighbours)
             seq.method_state[layer] = keep
         if keep.is_cuda:
             torch.cuda.synchronize(keep.device)  # scoring_s counts the GPU work, not only its launch

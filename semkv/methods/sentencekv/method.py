@@ -55,6 +55,11 @@ offload: False (the default) keeps the retained K/V resident and selects in plac
     K/V in host memory and holds only the budget on the device (the paper's setting): the same tokens, a device
     footprint that does not grow with the context, so more or longer requests fit; None: on when the engine runs on
     a GPU. Both are batched and replayed in CUDA graphs.
+retain: "tokens" (the paper: the top floor(r * budget) tokens per KV head) or "sentences": a token scores the best
+    score of its sentence, so retained sentences are kept whole (the last one may be cut). The window attends to a
+    needle's key and the first tokens of its value; the paper's top tokens drop the value's later tokens (digits and
+    uuid pieces are a token or two each), and the model answers the value's start and invents the rest
+    (benchmarks/results/2026-11-26-h100-niah.md). Opt-in: fewer, whole sentences.
 offload_chunk: tokens leaving the recent window join their buckets (with offload: go to the host, in whole KV
     pages) this many at a time; 16 (with offload a multiple of the KV page size).
 """
@@ -109,6 +114,7 @@ class SentenceKV(RowHolder, KVMethod):
     buckets: str = "sentences"
     offload: bool | None = False
     offload_chunk: int = 16
+    retain: str = "tokens"
 
     name = "sentencekv"
     summary = ("SentenceKV: prompt cut into sentence buckets, top r*budget tokens kept (on the device, or in host "
@@ -126,6 +132,7 @@ class SentenceKV(RowHolder, KVMethod):
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
         check_choice("query", self.query, ("mean", "current"))
         check_choice("buckets", self.buckets, ("sentences", "chunks"))
+        check_choice("retain", self.retain, ("tokens", "sentences"))
         if self.offload not in (None, True, False):
             raise SemkvError(f"offload={self.offload!r}; allowed: True, False, None (on when the device is a GPU)")
 
@@ -222,7 +229,15 @@ class SentenceKV(RowHolder, KVMethod):
         keys, values, positions = kv.gather(layer, kv.all_slots(layer))  # [kv_heads, n, D]
         probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
         importance = per_kv_head(probs.sum(1), keys.shape[0], "sum")[:, st.n_sink : n - recent]  # [kv_heads, mid]
-        retained = keep_top(importance, int(self.keep_factor * st.budget)) + st.n_sink  # [kv_heads, R] ascending
+        size = int(self.keep_factor * st.budget)
+        if self.retain == "sentences":  # each token scores its sentence's best; ties go to the earlier token
+            bucket = bucket_of(st.starts, torch.arange(st.n_sink, n - recent, device=keys.device))[None]  # [1, mid]
+            best = importance.new_full((importance.shape[0], len(st.starts)), float("-inf"))
+            best = best.scatter_reduce(1, bucket.expand_as(importance), importance, "amax")  # [kv_heads, buckets]
+            order = best.gather(1, bucket.expand_as(importance)).sort(dim=-1, descending=True, stable=True).indices
+            retained = order[:, :size].sort(dim=-1).values + st.n_sink  # [kv_heads, R] ascending
+        else:
+            retained = keep_top(importance, size) + st.n_sink  # [kv_heads, R] ascending
         heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
         self._rows.add(st.row, slice(layer, layer + 1), keys[heads, retained][None],
                        bucket_of(st.starts, retained)[None], at=0)
