@@ -20,13 +20,14 @@ def parse_budget(text: str | None) -> int | float | None:
         raise SemkvError(f"budget {text!r} is not a number; give tokens (512) or a fraction (0.1 or 10%)") from None
 
 
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """['window=64', 'pooling=max'] -> {'window': 64, 'pooling': 'max'}."""
+def parse_params(items: list[str] | None, source: str = "--param") -> dict[str, Any]:
+    """['window=64', 'pooling=max'] -> {'window': 64, 'pooling': 'max'}; an error names `source`, where the items
+    were written."""
     params: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SemkvError(f"--param {item!r} must look like name=value")
+            raise SemkvError(f"{source} {item!r} must look like name=value")
         try:
             params[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -70,13 +70,14 @@ def split_variant(entry: str) -> tuple[str, dict[str, Any]]:
     if not match or match.group(2) == "":
         raise SemkvError(f"method {entry!r} must be a method's name or a variant such as chunkkv[neighbours=2]")
     name, inner = match.groups()
+    return known_method(name), parse_params(inner.split(",") if inner else [], f"method {entry!r}:")
+
+
+def known_method(name: str) -> str:
+    """`name`, if it is a method of `semkv methods`."""
     if name not in METHODS:
         raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
-    items = inner.split(",") if inner else []
-    for item in items:
-        if "=" not in item:
-            raise SemkvError(f"method {entry!r}: {item!r} must look like param=value")
-    return name, parse_params(items)
+    return name
 
 
 HF = Arm("hf", None, {})  # HF transformers' `generate` (`run_hf`): the rows' method "hf", never built
@@ -120,9 +121,10 @@ def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | Perple
 
 
 def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
-    for name in [split_variant(entry)[0] for entry in methods] + list(method_params):
-        if name not in METHODS:
-            raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    for entry in methods:
+        split_variant(entry)  # an unknown method or a malformed variant fails here
+    for name in method_params:
+        known_method(name)
     for budget in budgets:
         validate_budget(budget)
     for value, what, low in [(samples, "samples", 1), (seed, "seed", 0)] + [(n, "length", 1) for n in lengths]:
