@@ -39,7 +39,7 @@ MATRIX: dict[str, dict] = {  # the hard configuration of each method
     "sentencekv": dict(keep_factor=1.0, query="current", buckets="chunks", offload=True, retain="sentences"),
     "dynsplit": dict(chunk_size=6, max_deviation=3, alpha=1.0, group_reduce="max", n_sink=2, n_recent=1,
                      offload=True, offload_chunk=1),
-    "tokenselect": dict(selection="hard_vote", scope="kv_head", theta=0.5, n_sink=1),
+    "tokenselect": dict(selection="hard_vote", scope="kv_head", theta=0.5, n_sink=1, prefill="full"),
     "chess": dict(block_size=16, chunk_pages=2, grid_chunks=2, recent_pages=1, preset="aggressive", mode="always"),
 }
 CASES = [(name, i, params) for name in METHODS if name != "full"

@@ -15,7 +15,7 @@ from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.kernels import reference
 from semkv.methods.tokenselect import reference as tokenselect_reference
-from semkv.methods import DecodeBatch, TokenSelect
+from semkv.methods import DecodeBatch, FullKV, TokenSelect
 from semkv.methods.tokenselect.reference import head_vote as vote
 
 PROMPT = "The passkey is 4821. Remember it. " + "Grass is green and the sky is blue. " * 14
@@ -292,6 +292,32 @@ def test_sparse_prefill_attends_to_sinks_top_k_and_recent_within_the_budget(chun
     chunked_llm.engine.release(seq)
 
 
+def test_full_prefill_equals_full_kv_prefill_at_a_small_budget(tiny_llm, chunked_llm):
+    """prefill="full": the prompt is attended in full at any budget (the logits of its last token are Full KV's),
+    and only decoding selects; the paper's sparse prefill at the same budget gives other logits."""
+    def last_logits(method):
+        method.bind(chunked_llm.config, chunked_llm.tokenizer, chunked_llm.engine.pool.page_size)
+        ids, _ = chunked_llm.encode(PROMPT, None, chat=False)
+        seq = Sequence(0, ids, SamplingParams(), SeqKV(chunked_llm.engine.pool))
+        seq.method_state = method.new_state(seq)
+        logits = chunked_llm.engine.prefill(seq, method)  # [vocab], of the prompt's last token
+        chunked_llm.engine.release(seq)
+        return logits
+
+    full = last_logits(FullKV())
+    dense = last_logits(TokenSelect(budget=24, n_sink=2, n_recent=4, prefill="full"))
+    sparse = last_logits(TokenSelect(budget=24, n_sink=2, n_recent=4))
+    torch.testing.assert_close(dense, full)
+    assert not torch.allclose(sparse, full, atol=1e-3)
+    method = RecordingTokenSelect(budget=24, n_sink=2, n_recent=4, prefill="full")
+    method.contexts = []
+    chunked_llm.engine.release(prefilled(chunked_llm, method))
+    assert len(method.contexts) > 2 and all(c is None for _, c in method.contexts)  # chunks of 16, all dense
+    out = chunked_llm.generate(PROMPT, method=TokenSelect(budget=24, n_sink=2, n_recent=4, prefill="full"),
+                               max_new_tokens=NEW, chat=False, ignore_eos=True)[0]
+    assert out.stats.kv_attended_max <= 24 and chunked_llm.engine.pool.in_use == 0  # decoding selects
+
+
 def test_extrapolation_with_a_covering_budget_equals_full_kv(tiny_llm):
     full = tiny_llm.generate(PROMPT, max_new_tokens=NEW, chat=False, ignore_eos=True)[0]
     out = tiny_llm.generate(PROMPT, method=TokenSelect(budget=1000, extrapolate=True), max_new_tokens=NEW,
@@ -319,6 +345,10 @@ def test_invalid_parameters_are_rejected(tiny_llm):
         TokenSelect(budget=64, theta=1.5)
     with pytest.raises(SemkvError, match="int budget"):
         TokenSelect(budget=0.5, extrapolate=True)
+    with pytest.raises(SemkvError, match="prefill='full'.*extrapolate"):
+        TokenSelect(budget=64, prefill="full", extrapolate=True)
+    with pytest.raises(SemkvError, match="prefill='dense'; allowed"):
+        TokenSelect(budget=64, prefill="dense")
     with pytest.raises(SemkvError, match="below the model's context"):
         tiny_llm.generate(PROMPT, method=TokenSelect(budget=5000, extrapolate=True), chat=False)
 

@@ -17,7 +17,9 @@ Readings of the paper (each a parameter where it matters):
 - Prefill runs in chunks of at most `chunk` tokens (the paper's 512; the engine's chunk when shorter): a chunk
   attends to itself causally plus `budget` earlier slots: initial, top-k by the chunk's mean query, and the recent
   tokens just before the chunk. While the budget covers every earlier token the chunk attends to all of them, so
-  prefill then equals Full KV exactly.
+  prefill then equals Full KV exactly. `prefill="full"` (opt-in, exact mode) prefills with full attention in the
+  engine's chunks and selects at decode only: the prompt's last token, whose logits give the first answer token,
+  then sees the whole prompt.
 - The Selection Cache (decode only, as Algorithm 1) keys on the query flattened over heads, per sequence and layer;
   a hit reuses the top-k slots and refreshes the initial and recent ones. Hit counts go to `stats.extra`. In exact
   mode (an int or a fractional budget) it lives on the device (`kernels.token_select`, one cache row per running
@@ -43,6 +45,8 @@ theta: Selection Cache threshold on the cosine similarity of consecutive queries
     the bound `semkv bench` measures the cache against).
 extrapolate: store keys before RoPE and rotate the attended ones by rank (the paper's length-extrapolation setting).
 chunk: the longest prefill chunk, 512 (paper Sec. 6.1); each chunk selects its own context.
+prefill: "sparse" (the paper: each chunk attends to its budget of earlier tokens) or "full" (full attention at
+    prefill, selection in decoding only; not with `extrapolate`).
 """
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ class TokenSelect(KVMethod):
     theta: float = 0.9
     extrapolate: bool = False
     chunk: int = 512
+    prefill: str = "sparse"
 
     kind = "selection"
     name = "tokenselect"
@@ -91,6 +96,10 @@ class TokenSelect(KVMethod):
         check_range("chunk", self.chunk, 1, None, int)
         check_choice("selection", self.selection, SELECTIONS)
         check_choice("scope", self.scope, ("layer", "kv_head"))
+        check_choice("prefill", self.prefill, ("sparse", "full"))
+        if self.extrapolate and self.prefill == "full":
+            raise SemkvError("prefill='full' cannot be used with extrapolate=True: a full prefill gives every prompt "
+                             "token its position, so the prompt must fit the model's context; use prefill='sparse'")
         if self.extrapolate and self.budget is not None and not isinstance(self.budget, int):
             raise SemkvError(f"budget={self.budget!r}: extrapolate=True needs an int budget (a fixed attended length)")
 
@@ -102,8 +111,8 @@ class TokenSelect(KVMethod):
     def rope_by_rank(self) -> bool:
         return self.extrapolate
 
-    def prefill_chunk(self) -> int:
-        return self.chunk
+    def prefill_chunk(self) -> int | None:
+        return self.chunk if self.prefill == "sparse" else None
 
     @property
     def graph_safe(self) -> bool:
@@ -150,7 +159,7 @@ class TokenSelect(KVMethod):
     # -- prefill --------------------------------------------------------------------------------------------------
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
         budget = resolve_budget(self.budget, seq.num_computed)
-        if budget >= start:
+        if self.prefill == "full" or budget >= start:
             return None
         sink, k, recent = self.split(budget)
         top = self.top_slots(layer, seq, q.mean(0), sink, start - recent, k)  # [S, k]

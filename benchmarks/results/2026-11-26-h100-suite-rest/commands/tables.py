@@ -1,0 +1,47 @@
+"""The results page's tables from the eval directories: per method and length the score of each task, their average,
+and the difference to Full KV's average over the same tasks (a row that misses a task is compared on the tasks it
+has; Full KV's rows have no budget and serve every budget). Usage:
+    python tables.py niah|other BUDGET DIR...
+niah: the eight RULER NIAH tasks; other: variable tracking, common and frequent words, QA on SQuAD and HotpotQA."""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                  "niah_multikey_3", "niah_multivalue", "niah_multiquery"],
+         "other": ["vt", "cwe", "fwe", "qa_1", "qa_2"]}
+ORDER = ["full", "chess", "chunkkv", "chunkkv[neighbours=1]", "sentencekv", "sentencekv[retain=sentences]",
+         "dynsplit", "dynsplit[group_reduce=max]", "tokenselect", "tokenselect[prefill=full]", "quest", "snapkv"]
+
+
+def main(group: str, budget: float, dirs: list[str]) -> None:
+    tasks = TASKS[group]
+    cells: dict[tuple, list[float]] = defaultdict(list)
+    for d in dirs:
+        for line in open(f"{d}/predictions.jsonl"):
+            r = json.loads(line)
+            task = r["task"].removeprefix("ruler_")
+            if task in tasks and r["budget"] in (None, budget) and r["method"] in ORDER:
+                cells[(r["length"], r["method"], task)].append(r["score"])
+    names = [t.removeprefix("niah_") for t in tasks]
+    print(f"| method @ {budget:.0%} | length | " + " | ".join(names) + " | avg | vs Full KV |")
+    print("|---" * (len(tasks) + 4) + "|")
+    for length in sorted({k[0] for k in cells}):
+        full = {t: sum(v) / len(v) for (n, m, t), v in cells.items() if n == length and m == "full"}
+        for method in [m for m in ORDER if any(k[:2] == (length, m) for k in cells)]:
+            means = {t: sum(v) / len(v) for (n, m, t), v in cells.items() if n == length and m == method}
+            shared = [t for t in tasks if t in means and t in full]
+            if method != "full" and not shared:
+                continue
+            avg = sum(means[t] for t in shared) / len(shared)
+            ref = sum(full[t] for t in shared) / len(shared)
+            note = "" if len(shared) == len(tasks) else f" ({len(shared)} tasks)"
+            delta = "" if method == "full" else f"{avg - ref:+.1f}{note}"
+            row = [f"{means[t]:.1f}" if t in means else "-" for t in tasks]
+            print(f"| {method} | {length} | " + " | ".join(row) + f" | {avg:.1f} | {delta} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3:])
