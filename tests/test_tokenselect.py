@@ -170,13 +170,17 @@ def test_batched_paged_dot_equals_row_by_row():
         torch.testing.assert_close(got[b], reference.paged_dot(queries[b], k_pool, tables[b], slots))
 
 
-def prefilled(llm, method, prompt=PROMPT):
+def prefill(llm, method, prompt=PROMPT):
+    """Prefill `prompt` under `method`: (the sequence, the logits of its last token [vocab])."""
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     ids, _ = llm.encode(prompt, None, chat=False)
     seq = Sequence(0, ids, SamplingParams(), SeqKV(llm.engine.pool))
     seq.method_state = method.new_state(seq)
-    llm.engine.prefill(seq, method)
-    return seq
+    return seq, llm.engine.prefill(seq, method)
+
+
+def prefilled(llm, method, prompt=PROMPT):
+    return prefill(llm, method, prompt)[0]
 
 
 @pytest.mark.parametrize("path", ["host", "device"])
@@ -292,15 +296,11 @@ def test_sparse_prefill_attends_to_sinks_top_k_and_recent_within_the_budget(chun
     chunked_llm.engine.release(seq)
 
 
-def test_full_prefill_equals_full_kv_prefill_at_a_small_budget(tiny_llm, chunked_llm):
+def test_full_prefill_equals_full_kv_prefill_at_a_small_budget(chunked_llm):
     """prefill="full": the prompt is attended in full at any budget (the logits of its last token are Full KV's),
     and only decoding selects; the paper's sparse prefill at the same budget gives other logits."""
     def last_logits(method):
-        method.bind(chunked_llm.config, chunked_llm.tokenizer, chunked_llm.engine.pool.page_size)
-        ids, _ = chunked_llm.encode(PROMPT, None, chat=False)
-        seq = Sequence(0, ids, SamplingParams(), SeqKV(chunked_llm.engine.pool))
-        seq.method_state = method.new_state(seq)
-        logits = chunked_llm.engine.prefill(seq, method)  # [vocab], of the prompt's last token
+        seq, logits = prefill(chunked_llm, method)
         chunked_llm.engine.release(seq)
         return logits
 
