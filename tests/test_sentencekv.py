@@ -13,6 +13,7 @@ from semkv.engine.kv_cache import SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError
 from semkv.methods import SentenceKV, get_method
+from semkv.methods.sentencekv.buckets import bucket_of
 from semkv.methods.sentencekv.sentences import SentenceRule, is_terminal, length_limit, segment
 from semkv.methods.sentencekv.vocab import token_texts, vocab_mask
 
@@ -156,14 +157,12 @@ def test_retain_sentences_keeps_whole_sentences(tiny_llm):
         seq.method_state = method.new_state(seq)
         llm.engine.prefill(seq, method)
         state = seq.method_state
-        starts = torch.tensor(state.starts)
-        sizes = torch.diff(starts)
+        sizes = torch.diff(torch.tensor(state.starts))
         cut[retain] = 0
         for layer in range(llm.config.num_layers):
             for head in state.store.pos[layer][:, : state.retained]:
-                bucket = torch.searchsorted(starts, head, right=True) - 1
-                ids_, counts = bucket.unique(return_counts=True)
-                cut[retain] += int((counts < sizes[ids_]).sum())
+                buckets, counts = bucket_of(state.starts, head).unique(return_counts=True)
+                cut[retain] += int((counts < sizes[buckets]).sum())
                 assert head.shape[0] == int(2.0 * budget)
         if retain == "sentences":
             per_head = llm.config.num_layers * llm.config.num_kv_heads

@@ -1,10 +1,11 @@
-"""Machinery several methods share: observation-window attention, GQA reduction, top-k with forced slots, sink and
-recent masks. The method interface itself is `semkv.engine.hooks`."""
+"""Machinery several methods share: observation-window attention, GQA reduction, the best score over neighbouring
+regions, top-k with forced slots, sink and recent masks. The method interface itself is `semkv.engine.hooks`."""
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 def window_attention(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None = None,
                      query_positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,6 +29,14 @@ def per_kv_head(scores: torch.Tensor, kv_heads: int, reduce: str = "mean") -> to
     """[heads, ...] -> [kv_heads, ...] by averaging (or summing) the query heads of each KV group (GQA)."""
     grouped = scores.view(kv_heads, scores.shape[0] // kv_heads, *scores.shape[1:])
     return grouped.mean(1) if reduce == "mean" else grouped.sum(1)
+
+
+def neighbour_max(scores: torch.Tensor, neighbours: int) -> torch.Tensor:
+    """Scores [S, n] of regions in order -> each region's best over itself and `neighbours` regions on either side
+    (CHESS's pages with anchor="queries", ChunkKV's chunks), so a region kept for its score brings its neighbours."""
+    if not neighbours:
+        return scores
+    return F.max_pool1d(scores[:, None], 2 * neighbours + 1, stride=1, padding=neighbours)[:, 0]
 
 
 def keep_top(scores: torch.Tensor, n_keep: int, forced: torch.Tensor | None = None) -> torch.Tensor:

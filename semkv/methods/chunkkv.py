@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_range
-from semkv.methods.base import per_kv_head, window_attention
+from semkv.methods.base import neighbour_max, per_kv_head, window_attention
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
 from semkv.models.parallel import TensorParallel, over_heads
@@ -64,8 +64,7 @@ def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, ch
     n_chunks = -(-prefix // chunk_size)
     padded = F.pad(token_scores, (0, n_chunks * chunk_size - prefix))
     chunk_scores = padded.view(padded.shape[0], n_chunks, chunk_size).sum(-1)  # [S, n_chunks]
-    if neighbours:
-        chunk_scores = F.max_pool1d(chunk_scores[:, None], 2 * neighbours + 1, stride=1, padding=neighbours)[:, 0]
+    chunk_scores = neighbour_max(chunk_scores, neighbours)
     sizes = torch.full((n_chunks,), chunk_size, device=probs.device)
     sizes[-1] = prefix - (n_chunks - 1) * chunk_size
     order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [S, n_chunks] best first

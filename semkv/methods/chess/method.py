@@ -71,7 +71,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budge
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
-from semkv.methods.base import window_attention
+from semkv.methods.base import neighbour_max, window_attention
 from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
@@ -396,8 +396,7 @@ class Chess(KVMethod):
         if self.anchor == "queries":
             masses = [seq.method_state.page_mass for seq in seqs]
             scores = reduce(self.tp, torch.stack([F.pad(m, (0, width - m.shape[0])) for m in masses]))  # [b, width]
-            size = 2 * self.neighbours + 1
-            return F.max_pool1d(scores[:, None], size, stride=1, padding=self.neighbours)[:, 0]
+            return neighbour_max(scores, self.neighbours)
         device = candidates.device
         window = (start[:, None] + torch.arange(self.recent_pages, device=device)).clamp(max=width - 1)
         anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None],
