@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -351,3 +352,19 @@ def test_embedded_model_full_budget_budgets_and_periodic_reselection(smol_llm, e
                             max_new_tokens=70, ignore_eos=True)[0]
     assert out.stats.kv_attended_max <= math.ceil(0.2 * (out.stats.prompt_tokens + 69))
     assert out.stats.extra["reselections"] == 2  # generated pages end at decode steps 32 and 64 (of 69)
+
+
+def test_a_budget_that_leaves_no_page_to_select_warns(tiny_llm):
+    """The recent window (2 pages) and the sink page come first: with pages of 16 tokens a selected page needs a
+    budget of 64 at least. Below it CHESS attends only the window and the sink, and says so; not where the budget
+    holds a page, nor where it covers the prompt."""
+    prompt = len(tiny_llm.tokenizer(TEXT)["input_ids"])
+    for budget in (48, 0.1):
+        with pytest.warns(UserWarning, match=f"budget={budget!r} leaves no page to select.*at least 64 tokens"):
+            tiny_llm.generate(TEXT, method=Chess(budget=budget, block_size=16), max_new_tokens=2, chat=False)
+    assert prompt * 0.1 < 64 < prompt
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for budget in (64, 0.5, prompt + 8):
+            tiny_llm.generate(TEXT, method=Chess(budget=budget, block_size=16), max_new_tokens=2, chat=False)
+        tiny_llm.generate(TEXT[:60], method=Chess(budget=48, block_size=16), max_new_tokens=2, chat=False)

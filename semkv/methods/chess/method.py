@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -280,11 +282,26 @@ class Chess(KVMethod):
         return None
 
     def finish_prefill(self, seq: Sequence) -> None:
+        self.warn_if_nothing_selected(seq.kv.num_slots[0])
         if self.anchor == "queries":  # the pages' scores are final: no page vectors
             return
         for layer in range(seq.kv.pool.num_layers):
             self.summaries.build(seq.kv, layer)
         seq.method_state.summarized = seq.kv.num_slots[0]
+
+    def warn_if_nothing_selected(self, prompt_tokens: int) -> None:
+        """Warn when the budget at this prompt cannot hold a selected page: the recent window (up to `recent_pages`
+        pages) and the sink page come first, so a page more needs (recent_pages + 2) * block_size tokens. Such a
+        request attends only the window and the sink, as StreamingLLM would (the paper's aggressive setting, 1%, is
+        82 tokens at 8k)."""
+        tokens, least = resolve_budget(self.budget, prompt_tokens + 1), (self.recent_pages + 2) * self.block_size
+        if tokens < least and tokens < prompt_tokens + 1:
+            budget = self.budget
+            where = f" at prompts under {math.ceil(least / budget)} tokens" if isinstance(budget, float) else ""
+            warnings.warn(f"chess: budget={budget!r} leaves no page to select{where}: the recent window (up to "
+                          f"{self.recent_pages * self.block_size} tokens) and the sink page ({self.block_size}) come "
+                          f"first, and one page more needs {least} tokens; such a request attends only the window "
+                          f"and the sink, as StreamingLLM. Give a budget of at least {least} tokens.", stacklevel=2)
 
     @staticmethod
     def stacked_tables(seqs: list[Sequence], kv_pages: int) -> torch.Tensor:

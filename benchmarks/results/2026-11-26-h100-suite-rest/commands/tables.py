@@ -1,7 +1,7 @@
 """The results page's tables from the eval directories: per method and length the score of each task, their average,
 and the difference to Full KV's average over the same tasks (a row that misses a task is compared on the tasks it
 has; Full KV's rows have no budget and serve every budget). Usage:
-    python tables.py niah|other BUDGET DIR...
+    python tables.py niah|other BUDGET DIR...      (BUDGET: a fraction such as 0.1, or tokens such as 2688)
 niah: the eight RULER NIAH tasks; other: variable tracking, common and frequent words, QA on SQuAD and HotpotQA."""
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from collections import defaultdict
 TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                   "niah_multikey_3", "niah_multivalue", "niah_multiquery"],
          "other": ["vt", "cwe", "fwe", "qa_1", "qa_2"]}
-ORDER = ["full", "chess", "chunkkv", "chunkkv[neighbours=1]", "sentencekv", "sentencekv[retain=sentences]",
-         "dynsplit", "dynsplit[group_reduce=max]", "tokenselect", "tokenselect[prefill=full]", "quest", "snapkv"]
+ORDER = ["full", "chess", "chess[preset=aggressive]", "chess[preset=moderate]", "chess[preset=conservative]", "chunkkv",
+         "chunkkv[neighbours=1]", "sentencekv", "sentencekv[retain=sentences]", "dynsplit", "dynsplit[group_reduce=max]",
+         "dynsplit[n_sink=4]", "dynsplit[n_sink=16,n_recent=64]", "tokenselect", "tokenselect[prefill=full]", "quest",
+         "snapkv"]
 
 
 def main(group: str, budget: float, dirs: list[str]) -> None:
@@ -26,7 +28,8 @@ def main(group: str, budget: float, dirs: list[str]) -> None:
             if task in tasks and r["budget"] in (None, budget) and r["method"] in ORDER:
                 cells[(r["length"], r["method"], task)].append(r["score"])
     names = [t.removeprefix("niah_") for t in tasks]
-    print(f"| method @ {budget:.0%} | length | " + " | ".join(names) + " | avg | vs Full KV |")
+    label = f"{budget:g} tokens" if budget >= 1 else f"{100 * budget:g}%"
+    print(f"| method @ {label} | length | " + " | ".join(names) + " | avg | vs Full KV |")
     print("|---" * (len(tasks) + 4) + "|")
     for length in sorted({k[0] for k in cells}):
         full = {t: sum(v) / len(v) for (n, m, t), v in cells.items() if n == length and m == "full"}

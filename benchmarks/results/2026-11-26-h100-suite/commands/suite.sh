@@ -3,29 +3,10 @@
 # Jobs run in order; each is resumable (semkv eval skips rows it has) and leaves a marker when done, so a call that
 # reaches its time limit is continued by the next call on the same machine (results kept in .gpu/suite while warm).
 # Usage: suite.sh SECONDS   (the call's time for jobs)
-set -uo pipefail
-out=${OUT:-/tmp/out}
-W=.gpu/suite
-mkdir -p $W
-deadline=$(( $(date +%s) + ${1:-560} ))
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a $W/device.txt
-if [ ! -f /tmp/qwen.gguf ]; then
-  cat .gpu/q/part_0* > /tmp/qwen.gguf && sha256sum /tmp/qwen.gguf | tee $W/sha.txt
-fi
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gw/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+W=.gpu/suite PARTS=".gpu/q/part_0*"
+source benchmarks/device_jobs.sh "$@"
 Q="--model /tmp/qwen.gguf --data-dir .gpu/data --samples 20 --batched"
 M8="full,chess,chunkkv,snapkv,quest,sentencekv,dynsplit"
-job() {  # job NAME COMMAND...: run unless done, within the deadline
-  local name=$1; shift
-  [ -f $W/$name.done ] && return 0
-  local left=$(( deadline - $(date +%s) ))
-  [ $left -lt 60 ] && { echo "skip $name: ${left}s left"; return 1; }
-  echo "== $name ($left s left) $(date -u +%T)" | tee -a $W/jobs.log
-  timeout $left "$@" >> $W/$name.log 2>&1 && touch $W/$name.done
-  echo "== $name rc=$? $(date -u +%T)" | tee -a $W/jobs.log
-}
-E="python -m semkv.cli.main eval"
 B="python -m semkv.cli.main bench"
 job q31 $E $Q --task ruler --lengths 31744 --methods $M8 --budgets 0.1 --param chess.anchor=queries --out $W/q31
 BQ="$B --model /tmp/qwen.gguf --budget 0.1 --param chess.anchor=queries --contexts 31744 --steps 24"

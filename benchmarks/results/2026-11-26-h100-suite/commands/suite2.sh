@@ -3,27 +3,8 @@
 # reach 1024), the evicting methods at their own largest batch, HF transformers in the eval run, and TokenSelect's
 # remaining 31k tasks. Same job/marker scheme as suite.sh (q31's rows and marker come along in .gpu/suite).
 # Usage: suite2.sh SECONDS
-set -uo pipefail
-out=${OUT:-/tmp/out}
-W=.gpu/suite
-mkdir -p $W
-deadline=$(( $(date +%s) + ${1:-560} ))
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a $W/device2.txt
-if [ ! -f /tmp/qwen.gguf ]; then
-  cat .gpu/q/part_0* > /tmp/qwen.gguf && sha256sum /tmp/qwen.gguf | tee $W/sha2.txt
-fi
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gw/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-job() {  # job NAME COMMAND...: run unless done, within the deadline
-  local name=$1; shift
-  [ -f $W/$name.done ] && return 0
-  local left=$(( deadline - $(date +%s) ))
-  [ $left -lt 60 ] && { echo "skip $name: ${left}s left"; return 1; }
-  echo "== $name ($left s left) $(date -u +%T)" | tee -a $W/jobs.log
-  timeout $left "$@" >> $W/$name.log 2>&1 && touch $W/$name.done
-  echo "== $name rc=$? $(date -u +%T)" | tee -a $W/jobs.log
-}
-E="python -m semkv.cli.main eval"
+W=.gpu/suite PARTS=".gpu/q/part_0*" TAG=2
+source benchmarks/device_jobs.sh "$@"
 B="python -m semkv.cli.main bench"
 Q="--model /tmp/qwen.gguf --data-dir .gpu/data --samples 20 --batched"
 BQ="$B --model /tmp/qwen.gguf --budget 0.1 --param chess.anchor=queries --contexts 31744 --steps 24"
