@@ -350,8 +350,11 @@ def write_report(results_dir: str | Path, html_samples: list[str] | None = None,
               "in one left-padded batch (`semkv eval --hf`).") if any(r["method"] == HF for r in runs) else ""
         text += ["\n## Speed of the batched runs\n", "Each method ran the samples of a task and length together "
                  "through continuous batching; tokens/s: tokens generated over the run's seconds (prefill included); "
-                 "x Full KV: against Full KV's runs at that length; score: the mean score over the tasks as a "
-                 f"percentage of Full KV's mean over the same tasks (the Pareto plots draw the two).{hf}\n",
+                 "TPOT: the mean over the requests of the time of the decode steps each took part in per token "
+                 "after the first, a CUDA graph's capture at a batch size first met and a method's first selection "
+                 "included (with answers of a few tokens, not the steady decode speed that `semkv bench` "
+                 "measures); x Full KV: against Full KV's runs at that length; score: the mean score over the tasks "
+                 f"as a percentage of Full KV's mean over the same tasks (the Pareto plots draw the two).{hf}\n",
                  speed_table(rows, runs)]
     if decode:
         text += ["\n## Decode speed (`semkv bench`) beside quality\n", "Decode throughput of `semkv bench` runs, "
