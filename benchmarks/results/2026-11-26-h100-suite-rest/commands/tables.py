@@ -13,9 +13,9 @@ TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multi
                   "niah_multikey_3", "niah_multivalue", "niah_multiquery"],
          "other": ["vt", "cwe", "fwe", "qa_1", "qa_2"]}
 ORDER = ["full", "chess", "chess[preset=aggressive]", "chess[preset=moderate]", "chess[preset=conservative]", "chunkkv",
-         "chunkkv[neighbours=1]", "sentencekv", "sentencekv[retain=sentences]", "dynsplit", "dynsplit[group_reduce=max]",
-         "dynsplit[n_sink=4]", "dynsplit[n_sink=16,n_recent=64]", "tokenselect", "tokenselect[prefill=full]", "quest",
-         "snapkv"]
+         "chunkkv[neighbours=1]", "sentencekv", "sentencekv[retain=sentences]", "dynsplit", "dynsplit[neighbours=1]",
+         "dynsplit[group_reduce=max]", "dynsplit[n_sink=4]", "dynsplit[n_sink=16,n_recent=64]", "tokenselect",
+         "tokenselect[neighbours=8]", "tokenselect[prefill=full]", "quest", "snapkv"]
 
 
 def main(group: str, budget: float, dirs: list[str]) -> None:
