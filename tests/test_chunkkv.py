@@ -161,7 +161,7 @@ def test_compare_inspect_sees_each_compressed_cache(llm):
     assert not torch.equal(seen[id(methods[0])][0], seen[id(methods[1])][0])
 
 
-@pytest.mark.parametrize("neighbours", [0, 1, 2])
+@pytest.mark.parametrize("neighbours", [0, 1, 3])
 def test_neighbours_keep_the_chunks_beside_the_best(neighbours):
     """One token takes most of the window's attention: the paper keeps its chunk and the next best chunks anywhere;
     `neighbours` keeps the chunks on either side of it."""

@@ -22,9 +22,10 @@ hybrid: False; True is the variant of section 4.6: ChunkKV in the lower half of 
 query_aware: the window contains the question (True, as in the paper) or only the context (False).
 neighbours: 0 (the paper); n > 0 scores a chunk by the best of itself and the n chunks on either side (CHESS's
     `neighbours` rule), so a kept chunk brings its neighbours. The window attends to a needle's key and the first
-    tokens of its value; the value's later tokens (digits and uuid pieces are a token or two each) fall in the next
+    tokens of its value; the value's later tokens (a digit or uuid character a token: a uuid is 36) fall in the next
     chunks and are dropped, and the model answers the value's start and invents the rest
-    (benchmarks/results/2026-11-26-h100-niah.md). Opt-in: it spends the budget on fewer, whole regions.
+    (benchmarks/results/2026-11-26-h100-niah.md). Opt-in: it spends the budget on fewer, whole regions; 3 brings RULER
+    NIAH at 10% within 5 points of Full KV at 8k-31k (benchmarks/results/2026-11-27-h100-baselines.md).
 
 Readings of the paper (where it is loose):
 - Scores are softmax attention probabilities of the window queries over every prompt key (causal inside the window),

@@ -13,9 +13,11 @@ TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multi
                   "niah_multikey_3", "niah_multivalue", "niah_multiquery"],
          "other": ["vt", "cwe", "fwe", "qa_1", "qa_2"]}
 ORDER = ["full", "chess", "chess[preset=aggressive]", "chess[preset=moderate]", "chess[preset=conservative]", "chunkkv",
-         "chunkkv[neighbours=1]", "sentencekv", "sentencekv[retain=sentences]", "dynsplit", "dynsplit[neighbours=1]",
+         "chunkkv[neighbours=1]", "chunkkv[neighbours=3]", "chunkkv[chunk_size=20,neighbours=1]", "sentencekv",
+         "sentencekv[retain=sentences]", "sentencekv[retain=sentences,keep_factor=8]", "dynsplit", "dynsplit[neighbours=1]",
          "dynsplit[group_reduce=max]", "dynsplit[n_sink=4]", "dynsplit[n_sink=16,n_recent=64]", "tokenselect",
-         "tokenselect[neighbours=8]", "tokenselect[prefill=full]", "quest", "snapkv"]
+         "tokenselect[neighbours=8]", "tokenselect[prefill=full]", "streaming_llm", "h2o", "snapkv", "pyramidkv",
+         "quest", "keydiff", "infllm"]
 
 
 def main(group: str, budget: float, dirs: list[str]) -> None:
