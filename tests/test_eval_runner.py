@@ -93,6 +93,26 @@ def test_variants_of_a_method_are_arms_of_one_run(clean_run, tiny_llm, tmp_path)
     assert f"| {variant} | 24 |" in path.read_text()
 
 
+def test_an_entry_with_its_own_budget_runs_at_that_budget_only(clean_run, tiny_llm, tmp_path):
+    """"quest@40" runs Quest at 40 tokens beside the run's budgets (a method's recommended setting in the same run):
+    its rows are method "quest" at budget 40, as a run with budgets [40] makes them, and the others keep the run's
+    budget (bad entries: `test_eval_bad_input`)."""
+    _, base = clean_run
+    rows = run(**(GRID | dict(methods=["full", "snapkv", "quest@40"])), out=str(tmp_path), llm=tiny_llm,
+               progress=False)
+    assert {(r["method"], r["budget"]) for r in rows} == {("full", None), ("snapkv", 24), ("quest", 40)}
+    alone = run(**(GRID | dict(methods=["quest"], budgets=[40])), out=str(tmp_path / "alone"), llm=tiny_llm,
+                progress=False)
+    at_40 = {r["sample_id"]: r["prediction"] for r in alone}
+    assert all(r["prediction"] == at_40[r["sample_id"]] for r in rows if r["method"] == "quest")
+    same = {(r["sample_id"], r["method"]): r["prediction"] for r in base}
+    assert all(r["prediction"] == same[r["sample_id"], "snapkv"] for r in rows if r["method"] == "snapkv")
+    assert set(ResultsDir(tmp_path).config()["resolved"]["methods"]) == {"full", "snapkv@24", "quest@40"}
+    only_own = run(**(GRID | dict(methods=["full", "quest@40"], budgets=[])), out=str(tmp_path), llm=tiny_llm,
+                   progress=False)  # every non-full entry names its budget: no run budgets needed
+    assert len(only_own) == len(rows)
+
+
 def test_second_run_skips_finished_rows_and_extends(clean_run, tiny_llm, tmp_path):
     out, rows = clean_run
     copy = tmp_path / "copy"
@@ -254,6 +274,9 @@ def test_perplexity_rows_score_the_teacher_forced_continuation(tiny_llm, tmp_pat
         (["--task", "passkey", "--methods", "snapkv[window]"], r"method 'snapkv\[window\]': 'window' must look like"),
         (["--task", "passkey", "--methods", "snapkv[nope=1]"], "unknown parameter"),
         (["--task", "passkey", "--methods", "snapkv["], "must be a method's name or a variant"),
+        (["--task", "passkey", "--methods", "snapkv@lots"], "method 'snapkv@lots': budget 'lots' is not a number"),
+        (["--task", "passkey", "--methods", "quest@1.5"], r"method 'quest@1.5': budget=1.5 as a fraction must be in"),
+        (["--task", "passkey", "--methods", "full@24"], "method 'full@24': Full KV attends to every token"),
         (["--task", "passkey", "--lengths", "2x"], "length '2x' is not a token count"),
         (["--task", "passkey", "--lengths", "0"], "length '0' must be a whole positive number"),
         (["--task", "passkey", "--budgets", "abc"], "budget 'abc' is not a number"),

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.bench.hf_baseline import hf_generate, hf_model, hf_warm_up
-from semkv.cli.args import parse_params
+from semkv.cli.args import parse_budget, parse_params
 from semkv.engine.hooks import validate_budget
 from semkv.engine.sequence import GenerationStats
 from semkv.errors import SemkvError
@@ -73,6 +73,23 @@ def split_variant(entry: str) -> tuple[str, dict[str, Any]]:
     return known_method(name), parse_params(inner.split(",") if inner else [], f"method {entry!r}:")
 
 
+def split_budget(entry: str) -> tuple[str, int | float | None]:
+    """A `methods` entry that names its own budget, "name[...]@BUDGET" (e.g. "chess[preset=moderate]@0.392": a
+    method's recommended setting beside the run's budgets), runs at that budget only -> (the entry without it, that
+    budget); an entry without "@" -> (entry, None): it runs at every one of the run's budgets."""
+    head, at, own = entry.rpartition("@")
+    if not at or "]" in own:
+        return entry, None
+    try:
+        budget = parse_budget(own)
+        validate_budget(budget)
+    except SemkvError as exc:
+        raise SemkvError(f"method {entry!r}: {exc}") from None
+    if split_variant(head)[0] == "full":
+        raise SemkvError(f"method {entry!r}: Full KV attends to every token and takes no budget; write 'full'")
+    return head, budget
+
+
 def known_method(name: str) -> str:
     """`name`, if it is a method of `semkv methods`."""
     if name not in METHODS:
@@ -87,11 +104,12 @@ def make_arms(methods: Seq[str], budgets: Seq[int | float], method_params: dict[
               query_aware: bool | None) -> list[Arm]:
     arms = []
     for entry in methods:
+        entry, own = split_budget(entry)
         name, variant = split_variant(entry)
         params = dict(method_params.get(name, {})) | variant
         if query_aware is not None and "query_aware" in METHODS[name].parameters():
             params["query_aware"] = query_aware
-        for budget in [None] if name == "full" else budgets:
+        for budget in [None] if name == "full" else budgets if own is None else [own]:
             arms.append(Arm(entry, budget, params))
             arms[-1].build()  # bad parameters fail here, before the model loads
     return arms
@@ -121,8 +139,11 @@ def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | Perple
 
 
 def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
+    needs_budgets = False
     for entry in methods:
-        split_variant(entry)  # an unknown method or a malformed variant fails here
+        entry, own = split_budget(entry)
+        name = split_variant(entry)[0]  # an unknown method or a malformed variant fails here
+        needs_budgets |= name != "full" and own is None
     for name in method_params:
         known_method(name)
     for budget in budgets:
@@ -130,7 +151,7 @@ def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
     for value, what, low in [(samples, "samples", 1), (seed, "seed", 0)] + [(n, "length", 1) for n in lengths]:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SemkvError(f"{what}={value!r} must be an int >= {low}")
-    if not methods or not lengths or (not budgets and set(methods) != {"full"}):
+    if not methods or not lengths or (not budgets and needs_budgets):
         raise SemkvError("give at least one task, method, length and budget")
 
 
