@@ -93,7 +93,10 @@ class DynSplitKV(RowHolder, KVMethod):
         after at least one token).
     alpha: DD-Select's balance of delimiter weight and closeness to C, 0.5 (the paper gives no value); 1.0 ignores
         closeness, which is our reading of the paper's "without length control" ablation.
-    split: "dynamic" (DD-Select) or "fixed" (chunks of exactly C: the "without delimiters" ablation).
+    split: "dynamic" (DD-Select) or "fixed" (chunks of exactly C: the "without delimiters" ablation). The min/max bound
+        grows with a chunk's length (Spearman 0.6 between length and bound over DD-Select's chunks on Qwen2.5-0.5B,
+        about 0 over fixed ones), so variable chunks are ranked by length as well as by the query, and a needle value
+        that a delimiter cuts into a short chunk ranks low (benchmarks/results/2026-11-27-h100-baselines.md).
     weights: "calibrated" (`semkv calibrate --method dynsplit` for this model, else the paper's Table 7), "table7",
         "uniform" (all delimiters equal: "without weights") or "reversed" (importance order reversed).
     delimiters: characters that make a token a delimiter candidate, ".!?;:,'\\"()[]{}" and newline (Table 7's set plus
