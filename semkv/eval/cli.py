@@ -53,8 +53,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", help="tasks or groups, comma-separated (passkey, niah, ruler, longbench, perplexity, ...)")
     p.add_argument("--methods", default=None,
                    help="methods, comma-separated (default: every one of `semkv methods`); a variant with its own "
-                        "parameters is name[param=value,...], e.g. full,chunkkv,chunkkv[neighbours=2]; an entry ending in "
-                        "@BUDGET runs at that budget only, e.g. chess[preset=moderate]@0.392,tokenselect@2688")
+                        "parameters is name[param=value,...], e.g. full,chunkkv,chunkkv[neighbours=2]; an entry "
+                        "ending in @BUDGET runs at that budget only, e.g. chess[preset=moderate]@0.392")
     p.add_argument("--budgets", default=None, help=f"tokens or fractions, comma-separated ({DEFAULTS['budgets']})")
     p.add_argument("--lengths", default=None, help=f"context lengths in tokens, k = 1024 ({DEFAULTS['lengths']})")
     p.add_argument("--samples", type=int, default=None, help=f"samples per task and length ({DEFAULTS['samples']})")
