@@ -85,8 +85,6 @@ def split_budget(entry: str) -> tuple[str, int | float | None]:
         validate_budget(budget)
     except SemkvError as exc:
         raise SemkvError(f"method {entry!r}: {exc}") from None
-    if split_variant(head)[0] == "full":
-        raise SemkvError(f"method {entry!r}: Full KV attends to every token and takes no budget; write 'full'")
     return head, budget
 
 
@@ -141,8 +139,10 @@ def make_task(name: str, data_dir: str | None, ppl_tokens: int) -> Task | Perple
 def _check(methods, budgets, lengths, samples, seed, method_params) -> None:
     needs_budgets = False
     for entry in methods:
-        entry, own = split_budget(entry)
-        name = split_variant(entry)[0]  # an unknown method or a malformed variant fails here
+        variant, own = split_budget(entry)
+        name = split_variant(variant)[0]  # an unknown method or a malformed entry fails here
+        if name == "full" and own is not None:
+            raise SemkvError(f"method {entry!r}: Full KV attends to every token and takes no budget; write 'full'")
         needs_budgets |= name != "full" and own is None
     for name in method_params:
         known_method(name)
