@@ -16,6 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 import semkv
 from semkv.eval.tasks import get_task
 from semkv.methods.dynsplit.split import delimiter_candidates, table7_weight, dd_select, DEFAULT_DELIMITERS
+from semkv.methods.dynsplit.v2f import block_scores, block_summaries
 
 llm = semkv.LLM("/tmp/qwen/qwen2.5-coder-0.5b-instruct.gguf", device="cpu")
 tok = llm.tokenizer
@@ -39,13 +40,10 @@ def spans(ends, n):
     starts = [0] + ends
     return [(a, b) for a, b in zip(starts, ends + [n]) if b > a]
 
-def bounds(q, k, chunks):  # q [H, D], k [KV, n, D] -> [KV, chunks]
-    out = []
-    for a, b in chunks:
-        kmax, kmin = k[:, a:b].amax(1), k[:, a:b].amin(1)  # [KV, D]
-        qg = q.view(KV, H // KV, D)
-        out.append(torch.maximum(qg * kmax[:, None], qg * kmin[:, None]).sum(-1).mean(1))
-    return torch.stack(out, 1)
+def bounds(q, k, sizes):  # q [H, D], k [KV, n, D], sizes [chunks] -> [KV, chunks]: DynSplit-KV's own V2F scores
+    labels = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # [n] chunk of each token
+    summaries = block_summaries(k, labels, len(sizes), "minmax")  # [2, KV, chunks, D]
+    return block_scores(q[None], summaries[None], "minmax", "mean")[0]
 
 def spearman(x, y):
     rx, ry = x.argsort().argsort().float(), y.argsort().argsort().float()
@@ -77,7 +75,7 @@ for s in samples:
             q = att.q_proj(h).view(1, -1, H, D).transpose(1, 2)
             k = att.k_proj(h).view(1, -1, KV, D).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            b = bounds(q[0, :, -1], k[0, :, :n], chunks)  # [KV, chunks]
+            b = bounds(q[0, :, -1], k[0, :, :n], sizes.long())  # [KV, chunks]
             for head in range(KV):
                 order = b[head].argsort(descending=True)
                 cum = sizes[order].cumsum(0) - sizes[order]
