@@ -19,8 +19,8 @@ from semkv.bench.device import measured_bandwidth
 from semkv.kernels import (cudnn_prefill, reference, triton_decode, triton_fused, triton_page_select,
                            triton_prefill)
 from semkv.methods.chess import reference as chess_reference, triton_summary_dot
-from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chunk_refresh, triton_chunk_slots,
-                                    triton_slot_stamps)
+from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chunk_best, triton_chunk_refresh,
+                                    triton_chunk_slots, triton_slot_stamps)
 from semkv.methods.h2o import reference as h2o_reference, triton_attention_scores
 from semkv.methods.infllm import reference as infllm_reference, triton_block_slots
 from semkv.methods.sentencekv import reference as sentencekv_reference, triton_sentence_slots
@@ -422,6 +422,31 @@ def check_chunk_refresh(gen, batch: int = 16, context: int = 32768) -> list[dict
                  reference_ms=do_bench(lambda: dynsplit_reference.chunk_refresh(*args, *want)))]
 
 
+def check_chunk_best(gen, bandwidth: float, batch: int = 16, context: int = 32768) -> list[dict]:
+    """DynSplit-KV's score="tokens" for one layer at 32k: each chunk's best group-mean query . key (chunks of 2-30
+    slots, the forced 16 recent slots out of range), keys read through the page tables. Float sums in another order:
+    relative error. Floor: the K bytes it must read."""
+    from triton.testing import do_bench
+
+    k_pool, _, tables = pool(context, batch, gen)
+    q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    lengths = torch.randint(2, 31, (batch, context // 2), device="cuda", generator=gen)
+    starts = F.pad(lengths.cumsum(1), (1, 0))[:, :-1]
+    chunks = int((starts < context).sum(1).max()) + 64
+    chunk_of = (torch.searchsorted(starts.contiguous(), torch.arange(context, device="cuda").expand(batch, -1)
+                                   .contiguous(), right=True) - 1).int()
+    lo, hi = torch.zeros(batch, dtype=torch.long, device="cuda"), torch.full((batch,), context - 16, device="cuda")
+    args = (q, k_pool, tables, chunk_of, lo, hi, chunks, "mean")
+    want, got = dynsplit_reference.chunk_best(*args), triton_chunk_best.chunk_best(*args)
+    finite = want.isfinite()
+    err = rel_err(got[finite], want[finite]) if torch.equal(finite, got.isfinite()) else float("inf")
+    key_bytes = batch * context * HK * D * 2
+    return [dict(kernel="chunk_best", batch=batch, context=context, chunks=chunks, err=err,
+                 triton_ms=do_bench(lambda: triton_chunk_best.chunk_best(*args)),
+                 reference_ms=do_bench(lambda: dynsplit_reference.chunk_best(*args)),
+                 floor_ms=1e3 * key_bytes / bandwidth)]
+
+
 def check_slot_stamps(gen, batch: int = 16, context: int = 32768) -> list[dict]:
     """DynSplit-KV's reuse counting for one layer at budget 2048: each row's 2048 attended slots per KV head (sorted,
     distinct, out of 32k) through page tables of a pool of 16 x 32k tokens. Integers: they must agree exactly."""
@@ -499,6 +524,7 @@ def main() -> int:
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
             + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
+            + check_chunk_best(gen, bandwidth)
             + check_plan_slots(gen) + check_working_set(gen)
             + check_token_select(gen, bandwidth) + check_soft_vote(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
@@ -536,6 +562,10 @@ def main() -> int:
                   f"{r['hit_ms']:.3f} | - | {r['moved_mb']:.1f} MiB from host at 10% missing |")
         elif r["kernel"] == "slot_stamps":
             print(exact_row("DynSplit-KV slot_stamps (one layer)", f"B={r['batch']} x 2048 slots per KV head", r))
+        elif r["kernel"] == "chunk_best":
+            print(f"| DynSplit-KV chunk_best (score=\"tokens\", one layer) | B={r['batch']} ctx={r['context']} "
+                  f"x {r['chunks']} chunks | {r['err']:.1e} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | "
+                  f"floor {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "chunk_refresh":
             print(exact_row("DynSplit-KV chunk_refresh (one layer)", f"B={r['batch']}, 2 chunks, 31 slots", r))
         elif r["kernel"] == "chunk_slots":

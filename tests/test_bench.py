@@ -96,6 +96,7 @@ def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path,
             "--steps", "2", "--out", str(out)]
     assert main(args) == 0
     results = json.loads((out / "results.json").read_text())
+    assert results["info"]["params"] == {"chess": {"block_size": 16}}
     rows = {(r["method"], r["batch"]): r for r in results["decode"]}
     assert set(rows) == {("full", 1), ("full", 2), ("chess", 1), ("chess", 2)}
     for (method, batch), row in rows.items():

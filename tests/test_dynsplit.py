@@ -211,6 +211,50 @@ def test_v2f_selection_equals_a_per_block_reference(seed):
     assert torch.equal(mask.sum(-1), k[:, None].expand(-1, 3))
 
 
+def test_token_scores_take_whole_chunks_by_their_best_token(llm):
+    """score="tokens": in every layer and KV head of a decode step the attended slots are the sinks, the recent
+    window and whole chunks ranked by the best (group-reduced) query . key of their other tokens, as the per-block
+    reference takes them."""
+    method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce="max")
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    engine, seen = llm.engine, {}
+    select = method.select
+
+    def recording(layer, batch, q):
+        seen[layer] = (q.clone(), select(layer, batch, q))
+        return seen[layer][1]
+
+    method.select = recording
+    seq = Sequence(0, llm.encode(TEXT, chat=False)[0][:200], SamplingParams(), SeqKV(engine.pool))
+    seq.method_state = state = method.new_state(seq)
+    seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+    for _ in range(3):  # the last step is checked
+        seq.output_ids.append(int(engine.decode_step([seq], method).argmax()))
+    n, k = len(state.ids), method._k(seq)
+    labels = state.labels[:n].clone()[None]  # [1, n]
+    forced = torch.zeros(1, n, dtype=torch.bool)
+    forced[0, :2], forced[0, n - method.n_recent:] = True, True
+    kv_heads = llm.config.num_kv_heads
+    for layer, (q, selection) in seen.items():
+        keys = seq.kv.gather(layer, seq.kv.all_slots(layer))[0].float()  # [kv_heads, n, D]
+        dots = torch.einsum("hgd,hnd->hgn", q[0].float().view(kv_heads, -1, q.shape[-1]), keys).amax(1)
+        dots = dots.masked_fill(forced, float("-inf"))
+        scores = torch.full((kv_heads, int(labels.max()) + 1), float("-inf")).scatter_reduce(
+            1, labels.expand(kv_heads, -1), dots, "amax")[None]
+        want = reference_selection(scores, labels, torch.tensor([k]), forced)
+        got = torch.zeros_like(want)
+        for h in range(kv_heads):
+            got[0, h, selection.slots[0, h, : selection.lengths[0, h]]] = True
+        assert torch.equal(got, want), layer
+    engine.release(seq)
+
+
+def test_token_scores_need_resident_keys():
+    for params in (dict(offload=True), dict(pooling="mean")):
+        with pytest.raises(semkv.SemkvError, match="score='tokens'"):
+            DynSplitKV(budget=40, score="tokens", **params)
+
+
 # -- KV reuse and offload ---------------------------------------------------------------------------------------------
 
 def test_offload_equals_device_resident_and_holds_only_the_budget_on_the_device(llm):

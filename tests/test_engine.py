@@ -143,6 +143,9 @@ GRAPH_SAFE = {
     "dynsplit-fraction": dict(budget=0.3, chunk_size=8, max_deviation=4, n_sink=2, group_reduce="max"),
     # the same over virtual slots: the tail on the device, the rest in host memory behind a working set
     "dynsplit-offload": dict(budget=40, chunk_size=6, max_deviation=3, n_sink=2, offload=True, offload_chunk=4),
+    # chunks and buckets scored by their best token: a paged dot product over the graph's widest row
+    "dynsplit-tokens": dict(budget=0.3, chunk_size=6, max_deviation=3, n_sink=2, score="tokens"),
+    "sentencekv-tokens": dict(budget=40, window=8, n_sink=4, n_recent=4, offload_chunk=4, score="tokens"),
 }
 # every registered method whose defaults are graph-safe joins at budget 40 unless configured above
 GRAPH_SAFE = {**{name: dict(budget=40) for name, cls in METHODS.items() if name != "full" and cls(budget=40).graph_safe},

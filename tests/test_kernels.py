@@ -527,6 +527,40 @@ def test_chunk_refresh_kernel_matches_reference():
     assert want[0][3].abs().sum() > 0 and want[0][7].abs().sum() > 0  # open chunks summarised
 
 
+@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+def test_chunk_best_kernel_matches_reference(group_reduce):
+    """DynSplit-KV's score="tokens": each chunk's best (group-reduced) query . key over the slots in [lo, hi) of its
+    row, keys read through the page tables; rows of different lengths and candidate ranges, a chunk wholly outside
+    the range (-inf) and one past a row's chunks (-inf). Checked against a per-chunk loop too."""
+    from semkv.methods.dynsplit.triton_chunk_best import chunk_best
+
+    gen = torch.Generator().manual_seed(5)
+    pages, page_size, heads, kv_heads, dim, width = 30, 4, 6, 2, 16, 40
+    k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
+    tables = torch.stack([torch.randperm(pages, generator=gen)[: width // page_size] for _ in range(3)])
+    q = torch.randn(3, heads, dim, generator=gen)
+    lengths = torch.randint(1, 7, (3, width), generator=gen)  # chunk lengths: chunk_of counts the starts passed
+    starts = lengths.cumsum(1) - lengths
+    chunk_of = torch.stack([torch.searchsorted(r, torch.arange(width), right=True) - 1 for r in starts]).int()
+    lo, hi = torch.tensor([2, 0, 9]), torch.tensor([38, 13, 40])
+    chunks = int(chunk_of.max()) + 2
+    want = dynsplit_reference.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
+    got = chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
+    assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), want.isinf())
+    keys = k_pool.view(-1, kv_heads, dim)
+    for b in range(3):
+        for c in range(chunks):
+            slots = [t for t in range(int(lo[b]), int(hi[b])) if chunk_of[b, t] == c]
+            for h in range(kv_heads):
+                if not slots:
+                    assert want[b, h, c] == float("-inf")
+                    continue
+                rows = tables[b, torch.tensor(slots) // page_size] * page_size + torch.tensor(slots) % page_size
+                dots = q[b, h * 3 : h * 3 + 3] @ keys[rows, h].T  # [group, slots]
+                best = (dots.mean(0) if group_reduce == "mean" else dots.amax(0)).max()
+                assert torch.allclose(want[b, h, c], best, atol=1e-5)
+
+
 def test_slot_stamps_kernel_matches_reference():
     """DynSplit-KV's reuse counting: slots attended at the previous step count as reused, the new token is not
     counted, a row at its first step reuses nothing, a padding row (counter row 0) writes only the scratch page; then

@@ -1,7 +1,8 @@
-"""The shared test matrix: every method, in an easy and a hard configuration, through the same invariants.
+"""The shared test matrix: every method, in an easy and hard configurations, through the same invariants.
 
-Every registered method joins with its defaults (its "easy" case); MATRIX adds a "hard" configuration where one is
-written. Invariants, on a tiny random Llama (3 layers, GQA 4/2):
+Every registered method joins with its defaults (its "easy" case); MATRIX adds "hard" configurations where they are
+written (an opt-in mode that another hard configuration cannot combine with gets its own). Invariants, on a tiny
+random Llama (3 layers, GQA 4/2):
 - with a budget at least the context, greedy output equals Full KV exactly (int and float budgets);
 - the budget binds as the method's kind says (attended / resident tokens), and eviction returns pages to the pool;
 - output is deterministic, a batch of prompts of different lengths equals one-by-one, and `LLM.compare` (methods
@@ -27,7 +28,7 @@ from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.step import DecodeStep, PrefillStep, StepInputs
 from semkv.methods import METHODS, KVMethod, get_method
 
-MATRIX: dict[str, dict] = {  # the hard configuration of each method
+MATRIX: dict[str, dict | list[dict]] = {  # the hard configuration(s) of each method
     "streaming_llm": dict(n_sink=1),
     "snapkv": dict(window=8, kernel_size=1, pooling="max", query_aware=False),
     "quest": dict(group_reduce="max"),
@@ -36,15 +37,18 @@ MATRIX: dict[str, dict] = {  # the hard configuration of each method
     "keydiff": dict(window=4, query_aware=False),
     "infllm": dict(n_sink=2, block_size=4, n_repr=2, per_head=True),
     "chunkkv": dict(window=8, chunk_size=3, reuse_layers=2, per_head=True, query_aware=False, neighbours=1),
-    "sentencekv": dict(keep_factor=1.0, query="current", buckets="chunks", offload=True, retain="sentences"),
-    "dynsplit": dict(chunk_size=6, max_deviation=3, alpha=1.0, group_reduce="max", n_sink=2, n_recent=1,
-                     offload=True, offload_chunk=1),
+    "sentencekv": [dict(keep_factor=1.0, query="current", buckets="chunks", offload=True, retain="sentences"),
+                   dict(keep_factor=1.5, score="tokens", retain="sentences")],
+    "dynsplit": [dict(chunk_size=6, max_deviation=3, alpha=1.0, group_reduce="max", n_sink=2, n_recent=1,
+                      offload=True, offload_chunk=1),
+                 dict(chunk_size=6, max_deviation=3, score="tokens", group_reduce="max", n_sink=2)],
     "tokenselect": dict(selection="hard_vote", scope="kv_head", theta=0.5, n_sink=1, prefill="full"),
     "chess": dict(block_size=16, chunk_pages=2, grid_chunks=2, recent_pages=1, preset="aggressive", mode="always"),
 }
+HARD = {name: hard if isinstance(hard, list) else [hard] for name, hard in MATRIX.items()}
 CASES = [(name, i, params) for name in METHODS if name != "full"
-         for i, params in enumerate([dict()] + ([MATRIX[name]] if name in MATRIX else []))]
-IDS = [f"{name}-{'easy' if i == 0 else 'hard'}" for name, i, _ in CASES]
+         for i, params in enumerate([dict()] + HARD.get(name, []))]
+IDS = [f"{name}-{'easy' if i == 0 else 'hard' if i == 1 else f'hard{i}'}" for name, i, _ in CASES]
 EVICTING = [(case, case_id) for case, case_id in zip(CASES, IDS)
             if METHODS[case[0]].kind in ("prefill_eviction", "decode_eviction")]  # selection keeps every token
 

@@ -171,6 +171,57 @@ def test_retain_sentences_keeps_whole_sentences(tiny_llm):
     assert cut["tokens"] > cut["sentences"]
 
 
+def test_token_scores_rank_sentences_by_their_best_retained_token(tiny_llm):
+    """score="tokens": each layer and KV head attends its sinks, its recent window and whole retained sentences in
+    the order of their best retained token's dot product with the query (the group's mean query), the last one cut
+    to its leading tokens; the sentence-vector ranking of the paper chooses differently (so the check can fail)."""
+    llm, budget = tiny_llm, 64
+    ids = llm.tokenizer(book_text(3000))["input_ids"][:600]
+    differ = 0
+    for score in ("tokens", "vector"):
+        method = SentenceKV(budget=budget, query="current", retain="sentences", score=score)
+        method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+        seen, select = {}, method.select
+
+        def recording(layer, batch, q):
+            seen[layer] = (q.clone(), select(layer, batch, q))
+            return seen[layer][1]
+
+        method.select = recording
+        seq = Sequence(0, ids, SamplingParams(max_new_tokens=8), SeqKV(llm.engine.pool))
+        seq.method_state = st = method.new_state(seq)
+        method.admit(seq)
+        seq.output_ids.append(int(llm.engine.prefill(seq, method).argmax()))
+        seq.output_ids.append(int(llm.engine.decode_step([seq], method).argmax()))
+        kv_heads, n = llm.config.num_kv_heads, seq.kv.num_slots[0]
+        for layer, (q, selection) in seen.items():
+            keys = seq.kv.gather(layer, seq.kv.all_slots(layer))[0][:, st.n_sink : st.n_sink + st.retained].float()
+            query = q[0].float().view(kv_heads, -1, q.shape[-1]).mean(1)  # [kv_heads, D]
+            dots = torch.einsum("hd,hnd->hn", query, keys)  # [kv_heads, retained]
+            bucket = method._rows.bucket[layer, st.row, :, : st.retained]
+            for h in range(kv_heads):
+                best = {}
+                for t, j in enumerate(bucket[h].tolist()):
+                    best[j] = max(best.get(j, float("-inf")), float(dots[h, t]))
+                chosen = []
+                for j in sorted(best, key=lambda j: (-best[j], j)):
+                    chosen += [t for t in range(st.retained) if bucket[h, t] == j]
+                want = (list(range(st.n_sink)) + sorted(st.n_sink + t for t in chosen[: st.capacity])
+                        + list(range(n - st.n_recent, n)))
+                got = selection.slots[0, h, : selection.lengths[0, h]].tolist()
+                if score == "tokens":
+                    assert got == want, (layer, h)
+                else:
+                    differ += got != want
+        llm.engine.release(seq)
+    assert differ
+
+
+def test_token_scores_need_resident_keys():
+    with pytest.raises(SemkvError, match="score='tokens'"):
+        SentenceKV(budget=40, score="tokens", offload=True)
+
+
 def test_offload_gives_the_same_tokens_as_resident_selection(tiny_llm):
     text = book_text(2500)
     runs = {}

@@ -206,6 +206,7 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     cfg = engine.config
     results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+    results["info"]["params"] = {name: dict(given) for name, given in params.items()}  # every --param, as given
     for name in methods:
         b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
         for context in contexts:

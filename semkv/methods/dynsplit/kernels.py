@@ -31,3 +31,12 @@ def slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first,
         return triton_slot_stamps.slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first, reuse,
                                               rows, scratch)
     return reference.slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first, reuse, rows, scratch)
+
+
+def chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce):
+    """See `reference.chunk_best`."""
+    if use_triton(q.device):
+        from semkv.methods.dynsplit import triton_chunk_best
+
+        return triton_chunk_best.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
+    return reference.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)

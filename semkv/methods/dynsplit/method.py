@@ -19,6 +19,9 @@ with `kernels.page_bound` (a chunk read as a page of one slot), ranks the chunks
 lists with `kernels.chunk_slots` (a walk over chunks, each taking its leading slots): the same selection as V2F's
 token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading tokens). Reuse is
 counted on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
+With score="tokens" (opt-in) a layer scores each chunk by its best token instead (`kernels.chunk_best`: the query's
+dot products with every key in the cache, read in place, a max per chunk; no summaries are kept), then the same sort
+and walk.
 
 Offload (the paper's CPU-GPU setting, min/max pooling): the same selection runs over virtual slots (every token in
 position order, as resident), and `WorkingSets.load` makes it device slots. On the device a sequence keeps its
@@ -52,7 +55,7 @@ from semkv.methods.state.working_set import WorkingSets, move_tail, record_traff
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
-           "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max")}
+           "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max"), "score": ("bound", "tokens")}
 
 
 @dataclass
@@ -105,7 +108,12 @@ class DynSplitKV(RowHolder, KVMethod):
     document_tokens: 0 (off); > 0 re-estimates the weights of the delimiters seen in the first `document_tokens` prompt
         tokens during prefill (the paper: weights differ across scenarios and converge within a few tokens).
     pooling: "minmax" (the paper's main setting) or "mean" (Appendix A.2: the score is q . mean key).
-    group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest).
+    score: "bound" (the paper: V2F's chunk summaries, min/max or mean as `pooling` says) or "tokens": a chunk scores
+        the best query . key of its tokens, read from the cache every step (the paged dot product TokenSelect uses),
+        so the chunk holding a needle's best-matching token is kept whole, whatever its length. Opt-in: it reads
+        every key each step (about half of Full KV's decode bytes) and keeps no summaries; K/V resident, min/max path.
+    group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest):
+        of the bounds, or with score="tokens" of the dot products.
     n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
         Quest page, so the open chunk's latest keys are never dropped); both count in the budget.
     offload: False keeps all K/V on the device; True keeps them in pinned host memory (the paper's CPU-GPU setting):
@@ -126,6 +134,7 @@ class DynSplitKV(RowHolder, KVMethod):
     drop_penalty: float = 1.0
     document_tokens: int = 0
     pooling: str = "minmax"
+    score: str = "bound"
     group_reduce: str = "mean"
     n_sink: int = 0
     n_recent: int = 16
@@ -152,10 +161,13 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("n_recent", self.n_recent, 0, None, int)
         check_range("offload", self.offload, types=bool)
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
-        if self.offload and self.pooling == "mean":
-            raise SemkvError("offload=True needs pooling='minmax' (the batched path); mean pooling keeps K/V resident")
         for field, allowed in CHOICES.items():
             check_choice(field, getattr(self, field), allowed)
+        if self.offload and self.pooling == "mean":
+            raise SemkvError("offload=True needs pooling='minmax' (the batched path); mean pooling keeps K/V resident")
+        if self.score == "tokens" and (self.offload or self.pooling == "mean"):
+            raise SemkvError(f"score='tokens' reads every key from the device each step: it needs offload=False and "
+                             f"pooling='minmax' (got offload={self.offload}, pooling={self.pooling!r})")
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
 
@@ -198,7 +210,7 @@ class DynSplitKV(RowHolder, KVMethod):
             self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         if self.batched and self._rows is None:
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
-                                      stamped=not self.offload)
+                                      stamped=not self.offload, summarised=self.score == "bound")
         state = DynSplitState(pool.num_layers, self.token_weights, pool.device)
         if self.offload:
             state.sinks, state.cache = self._device_layout(len(seq.prompt_ids), seq.params.max_new_tokens,
@@ -293,12 +305,13 @@ class DynSplitKV(RowHolder, KVMethod):
         seq.stats.d2h_bytes = state.store.d2h_bytes
 
     def _prefill_rows(self, seq: Sequence, state: DynSplitState) -> None:
-        """The prompt's chunk starts and every layer's chunk summaries into the sequence's device row."""
+        """The prompt's chunk starts and every layer's chunk summaries (score="bound") into the sequence's device
+        row."""
         kv, rows, n = seq.kv, self._rows, len(state.ids)
         chunks = len(state.ends) + 1
         self.ensure_rows((state.row + 1, chunks + 2), kv.pool)
         rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32, device=rows.device)
-        for layer in range(kv.pool.num_layers):
+        for layer in range(rows.summary_layers):
             blocks = block_summaries(kv.keys(layer), state.labels[:n], chunks, "minmax")  # [2, kv_heads, chunks, D]
             rows.kmin[layer, state.row, :chunks] = blocks[0].transpose(0, 1)
             rows.kmax[layer, state.row, :chunks] = blocks[1].transpose(0, 1)
@@ -394,13 +407,18 @@ class DynSplitKV(RowHolder, KVMethod):
         span = self.chunk_size + self.max_deviation + 1  # a chunk closes once that many slots follow its start
         if layer == 0:
             state.start.view(-1)[plan.targets[:, 1]] = plan.following.int()  # a chunk the token opened
-            self._ranges = self._chunk_ranges(plan, n)
-        kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
-        dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size, plan.dirty_start - shift,
-                                       plan.following - shift, stored, plan.targets, span, kmin, kmax)  # in the tail
-        table, lo, count = self._ranges
-        scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
-                                    self.group_reduce)  # [B, kv_heads, chunks]
+            self._ranges = self._chunk_ranges(plan, n, self._token_width(batch) if self.score == "tokens" else 0)
+        table, lo, count, _ = self._ranges
+        if self.score == "tokens":  # the best token of each chunk between the forced ones
+            scores = dynsplit_kernels.chunk_best(q, pool.k, batch.tables[:, layer], self._ranges[3], plan.n_sink,
+                                                 n - plan.n_recent, state.chunks, self.group_reduce)
+        else:
+            kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
+            dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size,
+                                           plan.dirty_start - shift, plan.following - shift, stored, plan.targets,
+                                           span, kmin, kmax)  # in the tail
+            scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
+                                        self.group_reduce)  # [B, kv_heads, chunks]
         before, _ = reference.bucket_ranks(scores, count[:, None].expand_as(scores))
         sinks, recent = plan.n_sink, plan.n_recent
         slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, plan.k - sinks - recent,
@@ -414,9 +432,15 @@ class DynSplitKV(RowHolder, KVMethod):
                                      plan.row, pool.scratch)  # reuse counts
         return Selection(slots, lengths)
 
-    def _chunk_ranges(self, plan: "ChunkPlan", n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @staticmethod
+    def _token_width(batch: DecodeBatch) -> int:
+        """score="tokens": the slots scored in every row, the most any row holds (within its page table)."""
+        return min(batch.max_slots, batch.tables.shape[-1] * batch.pool.page_size)
+
+    def _chunk_ranges(self, plan: "ChunkPlan", n: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
         """What every layer of the step shares: each chunk's summary row (`table` [B, chunks], a chunk read as a
-        page of one slot), its first slot between the forced ones and how many it has there (`lo`, `count`)."""
+        page of one slot), its first slot between the forced ones and how many it has there (`lo`, `count`); with
+        width > 0 (score="tokens") the chunk of each of the first `width` slots ([B, width]; else None)."""
         state, open_chunk = self._rows, plan.open_chunk[:, None]
         index = torch.arange(state.chunks, device=n.device)
         table = plan.row[:, None] * state.chunks + index
@@ -424,7 +448,12 @@ class DynSplitKV(RowHolder, KVMethod):
         end = torch.where(index < open_chunk, start.roll(-1, dims=1), n[:, None])
         lo, hi = torch.maximum(start, plan.n_sink[:, None]), torch.minimum(end, (n - plan.n_recent)[:, None])
         count = torch.where(index <= open_chunk, (hi - lo).clamp(min=0), 0)
-        return table, lo, count
+        if not width:
+            return table, lo, count, None
+        later = torch.where((index > 0) & (index <= open_chunk), start, width).clamp(max=width)  # [B, chunks]
+        marks = torch.zeros(n.shape[0], width + 1, dtype=torch.long, device=n.device)  # a 1 where a chunk starts
+        chunk_of = marks.scatter_add_(1, later, torch.ones_like(later))[:, :width].cumsum(1, dtype=torch.int32)
+        return table, lo, count, chunk_of
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Batched path: the rows' reuse counters into the sequences' statistics (one small read); with offload,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from semkv.kernels.reference import compact_chosen, physical_rows
+from semkv.kernels.reference import compact_chosen, paged_dot, physical_rows
 
 
 def chunk_slots(lo: torch.Tensor, count: torch.Tensor, before: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor,
@@ -57,3 +57,22 @@ def slot_stamps(stamps: torch.Tensor, tables: torch.Tensor, page_size: int, slot
     reused, counted = reused.sum((1, 2)), counted.sum((1, 2))
     reuse.index_put_((rows,), torch.stack([reused, counted - reused], 1), accumulate=True)
     stamps[flat, head] = step.int()[:, None, None].expand_as(flat)
+
+
+def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chunk_of: torch.Tensor, lo: torch.Tensor,
+               hi: torch.Tensor, chunks: int, group_reduce: str) -> torch.Tensor:
+    """Each chunk's best token for the current query (DynSplit-KV's score="tokens"): q [B, heads, D] against the keys
+    of slots [lo, hi) of each row (lo / hi [B], within the first `width` slots) of k_pool [pages, page_size,
+    kv_heads, D] through tables [B, max_pages] (one layer); the dot products reduced over each KV group's query heads
+    ("mean" or "max") and maximised over the slots of each chunk (chunk_of [B, width]: the chunk of each slot, below
+    `chunks`). Returns float32 [B, kv_heads, chunks], -inf for a chunk with no slot in range."""
+    width = chunk_of.shape[1]
+    slots = torch.arange(width, device=q.device)
+    dots = paged_dot(q, k_pool, tables, slots)  # [B, heads, width] float32
+    kv_heads = k_pool.shape[2]
+    dots = dots.view(dots.shape[0], kv_heads, -1, width)
+    dots = dots.mean(2) if group_reduce == "mean" else dots.amax(2)  # [B, kv_heads, width]
+    inside = (slots >= lo[:, None]) & (slots < hi[:, None])  # [B, width]
+    dots = dots.masked_fill(~inside[:, None], float("-inf"))
+    best = dots.new_full((dots.shape[0], kv_heads, chunks), float("-inf"))
+    return best.scatter_reduce(2, chunk_of.long()[:, None].expand_as(dots), dots, "amax")

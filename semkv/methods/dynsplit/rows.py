@@ -1,8 +1,8 @@
 """DynSplit-KV's device state for batched, graph-captured decoding (K/V resident, min/max pooling): for every sequence,
-one row each, the min / max key of every chunk per layer and KV head, each chunk's first position and the reuse
-counters; beside the KV pool, the step at which each slot was last attended (the reuse statistics). The
-split itself (DD-Select) stays on the host and reaches these tensors between steps. Used by
-`semkv.methods.dynsplit.method`.
+one row each, the min / max key of every chunk per layer and KV head (none when chunks are scored by their tokens),
+each chunk's first position and the reuse counters; beside the KV pool, the step at which each slot was last attended
+(the reuse statistics). The split itself (DD-Select) stays on the host and reaches these tensors between steps. Used
+by `semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ class DynSplitRows(DeviceRows):
     slack = (1, 64)
 
     def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device,
-                 stamped: bool = True):
+                 stamped: bool = True, summarised: bool = True):
         super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
-        self.kmin = torch.zeros(layers, 1, 1, kv_heads, dim, dtype=dtype, device=device)  # [L, rows, chunks, H, D]
+        self.summary_layers = layers if summarised else 0  # score="tokens" keeps no summaries
+        self.kmin = torch.zeros(self.summary_layers, 1, 1, kv_heads, dim, dtype=dtype,
+                                device=device)  # [L, rows, chunks, H, D]
         self.kmax = torch.zeros_like(self.kmin)
         self.start = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [rows, chunks] first position
         self.reuse = torch.zeros(1, 2, dtype=torch.long, device=device)  # [rows, 2] tokens reused / reloaded
@@ -42,7 +44,7 @@ class DynSplitRows(DeviceRows):
         return self.kmin.shape[1], self.chunks
 
     def shapes(self, rows: int, chunks: int) -> dict[str, tuple[int, ...]]:
-        summary = (self.layers, rows, chunks, self.kv_heads, self.dim)
+        summary = (self.summary_layers, rows, chunks, self.kv_heads, self.dim)
         return dict(kmin=summary, kmax=summary, start=(rows, chunks), reuse=(rows, 2))
 
     def ensure(self, needs: tuple[int, int], pool: KVPool) -> bool:

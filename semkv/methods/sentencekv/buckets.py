@@ -88,6 +88,13 @@ class SentenceRows(DeviceRows):
         scores = torch.matmul(self.vectors[layer], every[..., None])[..., 0][rows]  # [B, H, buckets]
         return reference.bucket_ranks(scores, self.count[layer, rows])
 
+    def rank_tokens(self, layer: int, rows: torch.Tensor, dots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buckets by descending best token: dots [B, kv_heads, tokens] (query . key of each retained token, -inf
+        past a row's retained ones), rows [B] -> `reference.bucket_ranks`."""
+        best = dots.new_full(self.count[layer, rows].shape, float("-inf"))  # [B, H, buckets]
+        best = best.scatter_reduce(2, self.bucket[layer, rows].long(), dots, "amax")
+        return reference.bucket_ranks(best, self.count[layer, rows])
+
     def row_bytes(self) -> int:
         """Device bytes of one row: sentence vectors, counts, token -> bucket map and query sum."""
         return self.held_bytes() // self.sizes()[0]

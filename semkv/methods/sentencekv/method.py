@@ -25,14 +25,15 @@ output equals Full KV exactly; the mean query of a GQA group is its query heads'
 new generated bucket starts (a sentence end or an over-long split). The authors' code keeps all K/V on the GPU and
 masks; here retained K/V really live in host memory (pinned on GPU runs) when `offload` is on.
 
-Decoding is batched (`buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every
-retained token and the running query sums of all sequences live in device tensors, one row per sequence; the step plan
-gives each row its state row and budget split, one sort ranks the buckets of every row and KV head, and
-`kernels.sentence_slots` turns the ranks into slot lists. With offload on, those slot lists name virtual slots (the
-resident layout) and `WorkingSets.load` makes them device slots, reading the chosen tokens the working set does not
-hold from pinned host memory in the same kernel. Either way a step reads nothing back and is captured in a CUDA
-graph; tokens that leave the recent window join their buckets between steps (host-decided, every `offload_chunk`
-tokens).
+Decoding is batched (`buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every retained
+token and the running query sums of all sequences live in device tensors, one row per sequence; the step plan gives
+each row its state row and budget split, one sort ranks the buckets of every row and KV head, and
+`kernels.sentence_slots` turns the ranks into slot lists (with score="tokens", opt-in, the buckets are ranked by
+their best retained token instead: `kernels.paged_dot` over the retained slots, a max per bucket). With offload on,
+those slot lists name virtual slots (the resident layout) and `WorkingSets.load` makes them device slots, reading the
+chosen tokens the working set does not hold from pinned host memory in the same kernel. Either way a step reads
+nothing back and is captured in a CUDA graph; tokens that leave the recent window join their buckets between steps
+(host-decided, every `offload_chunk` tokens).
 
 Parameters
 ----------
@@ -48,6 +49,10 @@ max_sentence: hard cap on a bucket's length, so text without punctuation is stil
     median sentences, which the paper puts at 25-30 tokens).
 query: "mean" (mean query of the current generated sentence, the paper) or "current" (the current token's query,
     the paper's ablation, section 6.2).
+score: "vector" (the paper: a bucket scores query . its sentence vector) or "tokens": a bucket scores the best
+    query . key of its retained tokens, read from the cache every step (the paged dot product TokenSelect uses). A
+    sentence vector averages a needle's few matching keys with the rest of its sentence; the best token does not.
+    Opt-in: it reads the retained keys each step (r x budget per KV head); K/V resident (offload=False).
 buckets: "sentences" (the paper) or "chunks" (as many equal-size chunks as there are sentences, the ablation of
     section 6.1; generated text is chunked the same way).
 offload: False (the default) keeps the retained K/V resident and selects in place: the same tokens as offloading,
@@ -70,6 +75,7 @@ from typing import Any
 
 import torch
 
+from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
@@ -115,6 +121,7 @@ class SentenceKV(RowHolder, KVMethod):
     offload: bool | None = False
     offload_chunk: int = 16
     retain: str = "tokens"
+    score: str = "vector"
 
     name = "sentencekv"
     summary = ("SentenceKV: prompt cut into sentence buckets, top r*budget tokens kept (on the device, or in host "
@@ -133,8 +140,12 @@ class SentenceKV(RowHolder, KVMethod):
         check_choice("query", self.query, ("mean", "current"))
         check_choice("buckets", self.buckets, ("sentences", "chunks"))
         check_choice("retain", self.retain, ("tokens", "sentences"))
+        check_choice("score", self.score, ("vector", "tokens"))
         if self.offload not in (None, True, False):
             raise SemkvError(f"offload={self.offload!r}; allowed: True, False, None (on when the device is a GPU)")
+        if self.score == "tokens" and self.offload is not False:
+            raise SemkvError(f"score='tokens' reads the retained keys from the device each step: it needs "
+                             f"offload=False (got offload={self.offload})")
 
     @property
     def graph_safe(self) -> bool:
@@ -296,7 +307,10 @@ class SentenceKV(RowHolder, KVMethod):
         kv_heads = batch.model.num_kv_heads
         query = self._rows.mean_query(layer, rows, q, plan.q_count) if self.query == "mean" else q.float()
         query = query.view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] the group's mean
-        before, first = self._rows.rank(layer, rows, query)  # [B, kv_heads, buckets]
+        if self.score == "tokens":
+            before, first = self._rank_tokens(layer, batch, query, plan)
+        else:
+            before, first = self._rows.rank(layer, rows, query)  # [B, kv_heads, buckets]
         n = batch.num_slots[:, layer] - plan.cache + plan.offloaded  # [B] virtual slots (the resident layout)
         tail = torch.minimum(plan.n_recent, n - n_sink - retained).clamp(min=1)  # [B] attended recent slots
         selection = Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n,
@@ -304,6 +318,19 @@ class SentenceKV(RowHolder, KVMethod):
         if self._sets is None:
             return selection
         return self._sets.load(layer, batch, selection, rows, n_sink, plan.offloaded, plan.cache)
+
+    def _rank_tokens(self, layer: int, batch: DecodeBatch, query: torch.Tensor,
+                     plan: SentencePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """score="tokens": buckets by their best retained token, query [B, kv_heads, D] (a group's query) ->
+        `reference.bucket_ranks`. Retained token t of a row is its slot n_sink + t (K/V resident)."""
+        tokens = self._rows.tokens
+        width = min(self.n_sink + tokens, batch.tables.shape[-1] * batch.pool.page_size)
+        dots = kernels.paged_dot(query, batch.pool.k, batch.tables[:, layer],
+                                 torch.arange(width, device=query.device))  # [B, kv_heads, width] float32
+        t = torch.arange(tokens, device=query.device)
+        at = (plan.n_sink[:, None] + t).clamp(max=width - 1)[:, None].expand(-1, dots.shape[1], -1)
+        dots = dots.gather(2, at).masked_fill((t >= plan.retained[:, None])[:, None], float("-inf"))
+        return self._rows.rank_tokens(layer, plan.row, dots)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the
