@@ -14,7 +14,8 @@ TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multi
          "other": ["vt", "cwe", "fwe", "qa_1", "qa_2"]}
 ORDER = ["full", "chess", "chess[preset=aggressive]", "chess[preset=moderate]", "chess[preset=conservative]", "chunkkv",
          "chunkkv[neighbours=1]", "chunkkv[neighbours=3]", "chunkkv[chunk_size=20,neighbours=1]", "sentencekv",
-         "sentencekv[retain=sentences]", "sentencekv[retain=sentences,keep_factor=8]", "dynsplit", "dynsplit[neighbours=1]",
+         "sentencekv[retain=sentences]", "sentencekv[retain=sentences,keep_factor=8]", "sentencekv[score=tokens]",
+         "sentencekv[retain=sentences,score=tokens]", "dynsplit", "dynsplit[score=tokens]", "dynsplit[neighbours=1]",
          "dynsplit[group_reduce=max]", "dynsplit[n_sink=4]", "dynsplit[n_sink=16,n_recent=64]", "tokenselect",
          "tokenselect[neighbours=8]", "tokenselect[prefill=full]", "streaming_llm", "h2o", "snapkv", "pyramidkv",
          "quest", "keydiff", "infllm"]
