@@ -211,11 +211,12 @@ def test_v2f_selection_equals_a_per_block_reference(seed):
     assert torch.equal(mask.sum(-1), k[:, None].expand(-1, 3))
 
 
-def test_token_scores_take_whole_chunks_by_their_best_token(llm):
+@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce):
     """score="tokens": in every layer and KV head of a decode step the attended slots are the sinks, the recent
     window and whole chunks ranked by the best (group-reduced) query . key of their other tokens, as the per-block
     reference takes them."""
-    method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce="max")
+    method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce=group_reduce)
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     engine, seen = llm.engine, {}
     select = method.select
@@ -237,7 +238,8 @@ def test_token_scores_take_whole_chunks_by_their_best_token(llm):
     kv_heads = llm.config.num_kv_heads
     for layer, (q, selection) in seen.items():
         keys = seq.kv.gather(layer, seq.kv.all_slots(layer))[0].float()  # [kv_heads, n, D]
-        dots = torch.einsum("hgd,hnd->hgn", q[0].float().view(kv_heads, -1, q.shape[-1]), keys).amax(1)
+        dots = torch.einsum("hgd,hnd->hgn", q[0].float().view(kv_heads, -1, q.shape[-1]), keys)
+        dots = dots.mean(1) if group_reduce == "mean" else dots.amax(1)
         dots = dots.masked_fill(forced, float("-inf"))
         scores = torch.full((kv_heads, int(labels.max()) + 1), float("-inf")).scatter_reduce(
             1, labels.expand(kv_heads, -1), dots, "amax")[None]

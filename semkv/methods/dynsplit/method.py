@@ -20,8 +20,8 @@ lists with `kernels.chunk_slots` (a walk over chunks, each taking its leading sl
 token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading tokens). Reuse is
 counted on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
 With score="tokens" (opt-in) a layer scores each chunk by its best token instead (`kernels.chunk_best`: the query's
-dot products with every key in the cache, read in place, a max per chunk; no summaries are kept), then the same sort
-and walk.
+dot products with every key between the sinks and the recent window, read in place, a max per chunk; no summaries
+are kept), then the same sort and walk.
 
 Offload (the paper's CPU-GPU setting, min/max pooling): the same selection runs over virtual slots (every token in
 position order, as resident), and `WorkingSets.load` makes it device slots. On the device a sequence keeps its
@@ -109,9 +109,9 @@ class DynSplitKV(RowHolder, KVMethod):
         tokens during prefill (the paper: weights differ across scenarios and converge within a few tokens).
     pooling: "minmax" (the paper's main setting) or "mean" (Appendix A.2: the score is q . mean key).
     score: "bound" (the paper: V2F's chunk summaries, min/max or mean as `pooling` says) or "tokens": a chunk scores
-        the best query . key of its tokens, read from the cache every step (the paged dot product TokenSelect uses),
-        so the chunk holding a needle's best-matching token is kept whole, whatever its length. Opt-in: it reads
-        every key each step (about half of Full KV's decode bytes) and keeps no summaries; K/V resident, min/max path.
+        the best query . key of its tokens, read from the cache every step, so it ranks by its best-matching token
+        whatever its length (and is taken from its start, as every chunk). Opt-in: it reads every key each step
+        (about half of Full KV's decode bytes) and keeps no summaries; K/V resident, min/max path.
     group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest):
         of the bounds, or with score="tokens" of the dot products.
     n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
@@ -434,7 +434,8 @@ class DynSplitKV(RowHolder, KVMethod):
 
     @staticmethod
     def _token_width(batch: DecodeBatch) -> int:
-        """score="tokens": the slots scored in every row, the most any row holds (within its page table)."""
+        """score="tokens": the slots scored in every row: `max_slots` (a graphed step: the graph's capacity; else the
+        longest row), within the page table."""
         return min(batch.max_slots, batch.tables.shape[-1] * batch.pool.page_size)
 
     def _chunk_ranges(self, plan: "ChunkPlan", n: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
@@ -451,8 +452,9 @@ class DynSplitKV(RowHolder, KVMethod):
         if not width:
             return table, lo, count, None
         later = torch.where((index > 0) & (index <= open_chunk), start, width).clamp(max=width)  # [B, chunks]
-        marks = torch.zeros(n.shape[0], width + 1, dtype=torch.long, device=n.device)  # a 1 where a chunk starts
-        chunk_of = marks.scatter_add_(1, later, torch.ones_like(later))[:, :width].cumsum(1, dtype=torch.int32)
+        marks = torch.zeros(n.shape[0], width + 1, dtype=torch.int32, device=n.device)  # a 1 where a chunk starts
+        chunk_of = marks.scatter_add_(1, later, torch.ones_like(later, dtype=torch.int32))[:, :width].cumsum(
+            1, dtype=torch.int32)
         return table, lo, count, chunk_of
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:

@@ -52,7 +52,8 @@ query: "mean" (mean query of the current generated sentence, the paper) or "curr
 score: "vector" (the paper: a bucket scores query . its sentence vector) or "tokens": a bucket scores the best
     query . key of its retained tokens, read from the cache every step (the paged dot product TokenSelect uses). A
     sentence vector averages a needle's few matching keys with the rest of its sentence; the best token does not.
-    Opt-in: it reads the retained keys each step (r x budget per KV head); K/V resident (offload=False).
+    Opt-in: it reads the retained keys each step (the widest row's, about r x budget per KV head, for every row);
+    K/V resident (offload=False).
 buckets: "sentences" (the paper) or "chunks" (as many equal-size chunks as there are sentences, the ablation of
     section 6.1; generated text is chunked the same way).
 offload: False (the default) keeps the retained K/V resident and selects in place: the same tokens as offloading,
