@@ -408,9 +408,9 @@ class DynSplitKV(RowHolder, KVMethod):
         if layer == 0:
             state.start.view(-1)[plan.targets[:, 1]] = plan.following.int()  # a chunk the token opened
             self._ranges = self._chunk_ranges(plan, n, self._token_width(batch) if self.score == "tokens" else 0)
-        table, lo, count, _ = self._ranges
+        table, lo, count, chunk_of = self._ranges
         if self.score == "tokens":  # the best token of each chunk between the forced ones
-            scores = dynsplit_kernels.chunk_best(q, pool.k, batch.tables[:, layer], self._ranges[3], plan.n_sink,
+            scores = dynsplit_kernels.chunk_best(q, pool.k, batch.tables[:, layer], chunk_of, plan.n_sink,
                                                  n - plan.n_recent, state.chunks, self.group_reduce)
         else:
             kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
