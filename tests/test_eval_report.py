@@ -118,3 +118,15 @@ def test_speed_table_and_pareto_plot_put_quality_beside_speed(tmp_path):
     assert "| 1024 | quest@0.1 | 800.0 | 4.00 | 5.00 | 12.0 | 100 | 80.8 |" in table
     assert table.index("| full |") < table.index("snapkv")
     assert_real_png(report._pareto_plot(1024, rows, runs, tmp_path / "pareto.png"))
+
+
+def test_depth_heatmap_bands_many_depths():
+    from semkv.eval.report import DEPTH_ROWS, depth_rows
+
+    few = [{"depth": d, "score": 100.0} for d in (10.0, 50.0, 90.0)]
+    assert depth_rows(few) == (few, {10.0: "10%", 50.0: "50%", 90.0: "90%"})  # a few fixed depths stay rows
+    drawn = [{"depth": d, "score": 0.0} for d in (0.4, 9.9, 10.0, 35.5, 99.0, 100.0)] + [
+        {"depth": 50.0 + i / 4, "score": 0.0} for i in range(DEPTH_ROWS)]  # one per sample, as RULER draws them
+    rows, labels = depth_rows(drawn)
+    assert [r["depth"] for r in rows[:6]] == [0, 0, 10, 30, 90, 90]
+    assert labels == {0: "0-10%", 10: "10-20%", 30: "30-40%", 50: "50-60%", 90: "90-100%"}

@@ -3,8 +3,8 @@ traced sample.
 
 Scores are the mean over samples (0..100); perplexity is exp(total NLL / total scored tokens). Plots: score (or
 perplexity) vs budget per task, one panel per method with a line per context length, Full KV dashed; depth x length
-heatmaps per method and budget for tasks whose samples have a needle depth; with batched runs (`runs.jsonl`), a
-Pareto plot per length: score as % of Full KV against throughput as x Full KV. Rows of method "hf" (`semkv eval
+heatmaps per method and budget for tasks whose samples have a needle depth (depths in bands of 10% when there are
+more than ten); with batched runs (`runs.jsonl`), a Pareto plot per length: score as % of Full KV against throughput as x Full KV. Rows of method "hf" (`semkv eval
 --hf`) are HF transformers' `generate`, shown as "HF transformers" after Full KV. Matplotlib is used through
 `Figure` (Agg), never pyplot, so no global backend is touched.
 """
@@ -280,10 +280,24 @@ def _budget_plot(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+DEPTH_ROWS = 10  # the most rows a depth heatmap has: more distinct depths fall into bands of 10%
+
+
+def depth_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[float, str]]:
+    """The rows keyed by their heatmap row, and each heatmap row's label: the depths themselves when there are at
+    most `DEPTH_ROWS`, else bands of 10% (RULER draws a depth per sample, so each depth holds one sample)."""
+    depths = sorted({r["depth"] for r in rows})
+    if len(depths) <= DEPTH_ROWS:
+        return rows, {d: f"{d:.0f}%" for d in depths}
+    banded = [{**r, "depth": min(int(r["depth"] // 10), 9) * 10} for r in rows]
+    return banded, {lo: f"{lo}-{lo + 10}%" for lo in sorted({r["depth"] for r in banded})}
+
+
 def _depth_heatmaps(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    depths = sorted({r["depth"] for r in rows})
+    rows, labels = depth_rows(rows)
+    depths = sorted(labels)
     lengths = sorted({r["length"] for r in rows})
     cells = _group(rows, "method", "budget", "depth", "length")
     arms = _arms(rows)
@@ -298,7 +312,7 @@ def _depth_heatmaps(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
             for j, value in enumerate(line):
                 ax.text(j, i, "" if math.isnan(value) else f"{value:.0f}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0f}%" for d in depths])
+        ax.set_yticks(range(len(depths)), [labels[d] for d in depths])
         ax.set_title(_label(method, budget), fontsize=9)
         ax.set_xlabel("context tokens")
         ax.set_ylabel("needle depth")
