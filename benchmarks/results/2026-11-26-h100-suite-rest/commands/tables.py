@@ -1,8 +1,10 @@
 """The results page's tables from the eval directories: per method and length the score of each task, their average,
-and the difference to Full KV's average over the same tasks (a row that misses a task is compared on the tasks it
+and the difference to Full KV's average over the same tasks, methods in ORDER and then any other arm (a row that misses a task is compared on the tasks it
 has; Full KV's rows have no budget and serve every budget). Usage:
-    python tables.py niah|other BUDGET DIR...      (BUDGET: a fraction such as 0.1, or tokens such as 2688)
-niah: the eight RULER NIAH tasks; other: variable tracking, common and frequent words, QA on SQuAD and HotpotQA."""
+    python tables.py niah|other|suite BUDGET DIR...      (BUDGET: a fraction such as 0.1, or tokens such as 2688)
+niah: the eight RULER NIAH tasks; other: variable tracking, common and frequent words, QA on SQuAD and HotpotQA;
+suite: the average of all thirteen per method and length, and its share of Full KV's (only where a method has all
+thirteen at that length)."""
 from __future__ import annotations
 
 import json
@@ -21,22 +23,56 @@ ORDER = ["full", "chess", "chess[preset=aggressive]", "chess[preset=moderate]", 
          "quest", "keydiff", "infllm"]
 
 
-def main(group: str, budget: float, dirs: list[str]) -> None:
-    tasks = TASKS[group]
+def read(tasks: list[str], budget: float, dirs: list[str]) -> dict[tuple, list[float]]:
+    """(length, method, task) -> the scores of its samples; Full KV's rows (no budget) serve every budget."""
     cells: dict[tuple, list[float]] = defaultdict(list)
     for d in dirs:
         for line in open(f"{d}/predictions.jsonl"):
             r = json.loads(line)
             task = r["task"].removeprefix("ruler_")
-            if task in tasks and r["budget"] in (None, budget) and r["method"] in ORDER:
+            if task in tasks and r["budget"] in (None, budget):
                 cells[(r["length"], r["method"], task)].append(r["score"])
+    return cells
+
+
+def ordered(methods: set[str]) -> list[str]:
+    return [m for m in ORDER if m in methods] + sorted(methods - set(ORDER))  # arms the list does not name go last
+
+
+def suite(budget: float, dirs: list[str]) -> None:
+    tasks = TASKS["niah"] + TASKS["other"]
+    cells = read(tasks, budget, dirs)
+    lengths = sorted({k[0] for k in cells})
+    means = {key: sum(v) / len(v) for key, v in cells.items()}
+    label = f"{budget:g} tokens" if budget >= 1 else f"{100 * budget:g}%"
+    print(f"| method @ {label} | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("|---" * (len(lengths) + 1) + "|")
+    for method in ordered({k[1] for k in cells}):
+        row = []
+        for length in lengths:
+            scores = [means.get((length, method, t)) for t in tasks]
+            full = [means.get((length, "full", t)) for t in tasks]
+            if None in scores or None in full:
+                row.append("-")
+                continue
+            avg, ref = sum(scores) / len(tasks), sum(full) / len(tasks)
+            row.append(f"{avg:.1f}" if method == "full" else f"{avg:.1f} ({100 * avg / ref:.1f}%)")
+        if any(c != "-" for c in row):
+            print(f"| {method} | " + " | ".join(row) + " |")
+
+
+def main(group: str, budget: float, dirs: list[str]) -> None:
+    if group == "suite":
+        return suite(budget, dirs)
+    tasks = TASKS[group]
+    cells = read(tasks, budget, dirs)
     names = [t.removeprefix("niah_") for t in tasks]
     label = f"{budget:g} tokens" if budget >= 1 else f"{100 * budget:g}%"
     print(f"| method @ {label} | length | " + " | ".join(names) + " | avg | vs Full KV |")
     print("|---" * (len(tasks) + 4) + "|")
     for length in sorted({k[0] for k in cells}):
         full = {t: sum(v) / len(v) for (n, m, t), v in cells.items() if n == length and m == "full"}
-        for method in [m for m in ORDER if any(k[:2] == (length, m) for k in cells)]:
+        for method in ordered({k[1] for k in cells if k[0] == length}):
             means = {t: sum(v) / len(v) for (n, m, t), v in cells.items() if n == length and m == method}
             shared = [t for t in tasks if t in means and t in full]
             if method != "full" and not shared:
