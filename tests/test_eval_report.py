@@ -120,13 +120,26 @@ def test_speed_table_and_pareto_plot_put_quality_beside_speed(tmp_path):
     assert_real_png(report._pareto_plot(1024, rows, runs, tmp_path / "pareto.png"))
 
 
-def test_depth_heatmap_bands_many_depths():
-    from semkv.eval.report import DEPTH_ROWS, depth_rows
 
-    few = [{"depth": d, "score": 100.0} for d in (10.0, 50.0, 90.0)]
-    assert depth_rows(few) == (few, {10.0: "10%", 50.0: "50%", 90.0: "90%"})  # a few fixed depths stay rows
-    drawn = [{"depth": d, "score": 0.0} for d in (0.4, 9.9, 10.0, 35.5, 99.0, 100.0)] + [
-        {"depth": 50.0 + i / 4, "score": 0.0} for i in range(DEPTH_ROWS)]  # one per sample, as RULER draws them
-    rows, labels = depth_rows(drawn)
-    assert [r["depth"] for r in rows[:6]] == [0, 0, 10, 30, 90, 90]
-    assert labels == {0: "0-10%", 10: "10-20%", 30: "30-40%", 50: "50-60%", 90: "90-100%"}
+def test_depth_heatmap_bands_depths_that_differ_between_lengths(results, tmp_path):
+    from semkv.eval.report import _depth_bands, write_report
+
+    grid = [{"length": n, "depth": float(d)} for n in (168, 240) for d in range(0, 101, 10)]  # 11 shared depths
+    assert _depth_bands(grid) == (grid, {float(d): f"{d}%" for d in range(0, 101, 10)})
+    drawn = [{"length": 168, "depth": d} for d in (0.0, 9.9, 35.5)] + [{"length": 240, "depth": d}
+                                                                         for d in (10.0, 99.0, 100.0)]
+    rows, labels = _depth_bands(drawn)
+    assert [r["depth"] for r in rows] == [0, 0, 30, 10, 90, 90]
+    assert labels == {0.0: "0-10%", 10.0: "10-20%", 30.0: "30-40%", 90.0: "90-100%"}
+    # RULER's way: every sample of every length at a depth of its own -> ten rows, not one per sample
+    ruler = [{**row, "depth": 2.5 * i + (1.0 if row["length"] == 240 else 0.0), "sample_id": f"{row['sample_id']}-{i}"}
+             for row in ResultsDir(results).rows() for i in range(20)]
+    store = ResultsDir(tmp_path)
+    for row in ruler:
+        store.append(row)
+    write_report(tmp_path)
+    rows_drawn = imread(tmp_path / "plots" / "passkey_depth_heatmap.png").shape[0]
+    (tmp_path / "predictions.jsonl").write_text("".join(
+        json.dumps({**row, "depth": 5.0 * (i % 20)}) + "\n" for i, row in enumerate(ruler)))  # a 20-depth grid
+    write_report(tmp_path)
+    assert rows_drawn < 0.7 * imread(tmp_path / "plots" / "passkey_depth_heatmap.png").shape[0]

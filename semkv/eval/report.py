@@ -3,9 +3,10 @@ traced sample.
 
 Scores are the mean over samples (0..100); perplexity is exp(total NLL / total scored tokens). Plots: score (or
 perplexity) vs budget per task, one panel per method with a line per context length, Full KV dashed; depth x length
-heatmaps per method and budget for tasks whose samples have a needle depth (depths in bands of 10% when there are
-more than ten); with batched runs (`runs.jsonl`), a Pareto plot per length: score as % of Full KV against throughput as x Full KV. Rows of method "hf" (`semkv eval
---hf`) are HF transformers' `generate`, shown as "HF transformers" after Full KV. Matplotlib is used through
+heatmaps per method and budget for tasks whose samples have a needle depth (in bands of 10% where the depths
+differ between lengths); with batched runs (`runs.jsonl`), a Pareto plot per length: score as % of Full KV against
+throughput as x Full KV. Rows of method "hf" (`semkv eval --hf`) are HF transformers' `generate`, shown as "HF
+transformers" after Full KV. Matplotlib is used through
 `Figure` (Agg), never pyplot, so no global backend is touched.
 """
 from __future__ import annotations
@@ -280,23 +281,25 @@ def _budget_plot(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-DEPTH_ROWS = 10  # the most rows a depth heatmap has: more distinct depths fall into bands of 10%
+BAND = 10  # percent of depth per heatmap row when the depths differ between lengths
 
 
-def depth_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[float, str]]:
-    """The rows keyed by their heatmap row, and each heatmap row's label: the depths themselves when there are at
-    most `DEPTH_ROWS`, else bands of 10% (RULER draws a depth per sample, so each depth holds one sample)."""
-    depths = sorted({r["depth"] for r in rows})
-    if len(depths) <= DEPTH_ROWS:
-        return rows, {d: f"{d:.0f}%" for d in depths}
-    banded = [{**r, "depth": min(int(r["depth"] // 10), 9) * 10} for r in rows]
-    return banded, {lo: f"{lo}-{lo + 10}%" for lo in sorted({r["depth"] for r in banded})}
+def _depth_bands(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[float, str]]:
+    """The rows with the depth their heatmap row is keyed by, and each heatmap row's label: the depths themselves
+    when every length has the same ones (a grid), else bands of `BAND` percent (RULER measures where each sample's
+    needle landed, so a depth holds one sample of one length and the other lengths' cells stay empty)."""
+    grids = {frozenset(r["depth"] for r in rows if r["length"] == n) for n in {r["length"] for r in rows}}
+    if len(grids) == 1:
+        return rows, {d: f"{d:.0f}%" for d in sorted(next(iter(grids)))}
+    top = 100 - BAND  # the last band holds 100%
+    banded = [{**r, "depth": float(min(r["depth"] // BAND * BAND, top))} for r in rows]
+    return banded, {lo: f"{lo:.0f}-{lo + BAND:.0f}%" for lo in sorted({r["depth"] for r in banded})}
 
 
 def _depth_heatmaps(task: str, rows: list[dict[str, Any]], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    rows, labels = depth_rows(rows)
+    rows, labels = _depth_bands(rows)
     depths = sorted(labels)
     lengths = sorted({r["length"] for r in rows})
     cells = _group(rows, "method", "budget", "depth", "length")

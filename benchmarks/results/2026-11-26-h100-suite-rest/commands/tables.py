@@ -1,6 +1,6 @@
 """The results page's tables from the eval directories: per method and length the score of each task, their average,
-and the difference to Full KV's average over the same tasks, methods in ORDER and then any other arm (a row that misses a task is compared on the tasks it
-has; Full KV's rows have no budget and serve every budget). Usage:
+and the difference to Full KV's average over the same tasks (a row that misses a task is compared on the tasks it
+has; Full KV's rows have no budget and serve every budget), the methods in ORDER first, then any other arm. Usage:
     python tables.py niah|other|suite BUDGET DIR...      (BUDGET: a fraction such as 0.1, or tokens such as 2688)
 niah: the eight RULER NIAH tasks; other: variable tracking, common and frequent words, QA on SQuAD and HotpotQA;
 suite: the average of all thirteen per method and length, and its share of Full KV's (only where a method has all
@@ -17,8 +17,10 @@ TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multi
 ORDER = ["full", "chess", "chess[preset=aggressive]", "chess[preset=moderate]", "chess[preset=conservative]", "chunkkv",
          "chunkkv[neighbours=1]", "chunkkv[neighbours=3]", "chunkkv[chunk_size=20,neighbours=1]", "sentencekv",
          "sentencekv[retain=sentences]", "sentencekv[retain=sentences,keep_factor=8]", "sentencekv[score=tokens]",
-         "sentencekv[retain=sentences,score=tokens]", "dynsplit", "dynsplit[score=tokens]", "dynsplit[neighbours=1]",
-         "dynsplit[group_reduce=max]", "dynsplit[n_sink=4]", "dynsplit[n_sink=16,n_recent=64]", "tokenselect",
+         "sentencekv[retain=sentences,score=tokens]", "sentencekv[retain=sentences,score=tokens,keep_factor=4]",
+         "sentencekv[retain=sentences,score=tokens,keep_factor=10]", "dynsplit", "dynsplit[score=tokens]",
+         "dynsplit[neighbours=1]", "dynsplit[group_reduce=max]", "dynsplit[n_sink=4]",
+         "dynsplit[n_sink=16,n_recent=64]", "tokenselect",
          "tokenselect[neighbours=8]", "tokenselect[prefill=full]", "streaming_llm", "h2o", "snapkv", "pyramidkv",
          "quest", "keydiff", "infllm"]
 
@@ -30,7 +32,7 @@ def read(tasks: list[str], budget: float, dirs: list[str]) -> dict[tuple, list[f
         for line in open(f"{d}/predictions.jsonl"):
             r = json.loads(line)
             task = r["task"].removeprefix("ruler_")
-            if task in tasks and r["budget"] in (None, budget):
+            if task in tasks and (r["budget"] == budget or r["method"] == "full"):
                 cells[(r["length"], r["method"], task)].append(r["score"])
     return cells
 
@@ -63,7 +65,8 @@ def suite(budget: float, dirs: list[str]) -> None:
 
 def main(group: str, budget: float, dirs: list[str]) -> None:
     if group == "suite":
-        return suite(budget, dirs)
+        suite(budget, dirs)
+        return
     tasks = TASKS[group]
     cells = read(tasks, budget, dirs)
     names = [t.removeprefix("niah_") for t in tasks]
