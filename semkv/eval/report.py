@@ -6,8 +6,8 @@ perplexity) vs budget per task, one panel per method with a line per context len
 heatmaps per method and budget for tasks whose samples have a needle depth (in bands of 10% where the depths
 differ between lengths); with batched runs (`runs.jsonl`), a Pareto plot per length: score as % of Full KV against
 throughput as x Full KV. Rows of method "hf" (`semkv eval --hf`) are HF transformers' `generate`, shown as "HF
-transformers" after Full KV. Matplotlib is used through
-`Figure` (Agg), never pyplot, so no global backend is touched.
+transformers" after Full KV. Matplotlib is used through `Figure` (Agg), never pyplot, so no global backend is
+touched.
 """
 from __future__ import annotations
 

@@ -37,6 +37,10 @@ def read(tasks: list[str], budget: float, dirs: list[str]) -> dict[tuple, list[f
     return cells
 
 
+def budget_label(budget: float) -> str:
+    return f"{budget:g} tokens" if budget >= 1 else f"{100 * budget:g}%"
+
+
 def ordered(methods: set[str]) -> list[str]:
     return [m for m in ORDER if m in methods] + sorted(methods - set(ORDER))  # arms the list does not name go last
 
@@ -46,8 +50,7 @@ def suite(budget: float, dirs: list[str]) -> None:
     cells = read(tasks, budget, dirs)
     lengths = sorted({k[0] for k in cells})
     means = {key: sum(v) / len(v) for key, v in cells.items()}
-    label = f"{budget:g} tokens" if budget >= 1 else f"{100 * budget:g}%"
-    print(f"| method @ {label} | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print(f"| method @ {budget_label(budget)} | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
     print("|---" * (len(lengths) + 1) + "|")
     for method in ordered({k[1] for k in cells}):
         row = []
@@ -70,8 +73,7 @@ def main(group: str, budget: float, dirs: list[str]) -> None:
     tasks = TASKS[group]
     cells = read(tasks, budget, dirs)
     names = [t.removeprefix("niah_") for t in tasks]
-    label = f"{budget:g} tokens" if budget >= 1 else f"{100 * budget:g}%"
-    print(f"| method @ {label} | length | " + " | ".join(names) + " | avg | vs Full KV |")
+    print(f"| method @ {budget_label(budget)} | length | " + " | ".join(names) + " | avg | vs Full KV |")
     print("|---" * (len(tasks) + 4) + "|")
     for length in sorted({k[0] for k in cells}):
         full = {t: sum(v) / len(v) for (n, m, t), v in cells.items() if n == length and m == "full"}
