@@ -3,7 +3,10 @@
 # kept while the machine is warm) and may set PARTS (the model's parts, default .gpu/q2/part_*) and TAG (a suffix of
 # the device and checksum logs). Arguments: SECONDS [JOB...]: the call's time for jobs, and the only jobs to run
 # (default all). It sets out ($OUT or /tmp/out), E (semkv eval), NIAH (the eight RULER NIAH tasks) and `job NAME
-# COMMAND...`: run unless done or not asked for, within the deadline. A finished job leaves NAME.done in W, so a call
+# COMMAND...`: run unless done or not asked for, within the deadline. The quality pages' shared settings: M (the eval
+# flags of the Qwen suite: the carried model, 20 samples, batched, CHESS anchored on the queries), OTHER (the five
+# non-NIAH RULER tasks), BASE (the seven baselines), PAPER (the five paper methods as published) and OPT (their opt-in
+# modes that retrieve). A finished job leaves NAME.done in W, so a call
 # that reaches its time limit is continued by the next call on the same machine.
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -19,6 +22,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 E="python -m semkv.cli.main eval"
 NIAH=ruler_niah_single_1,ruler_niah_single_2,ruler_niah_single_3,ruler_niah_multikey_1,ruler_niah_multikey_2
 NIAH=$NIAH,ruler_niah_multikey_3,ruler_niah_multivalue,ruler_niah_multiquery
+OTHER=ruler_vt,ruler_qa_1,ruler_qa_2,ruler_fwe,ruler_cwe
+M="--model /tmp/qwen.gguf --data-dir .gpu/data --samples 20 --batched --param chess.anchor=queries"
+BASE="streaming_llm,h2o,snapkv,pyramidkv,quest,keydiff,infllm"
+PAPER="chess,chunkkv,sentencekv,dynsplit,tokenselect"
+OPT="chunkkv[neighbours=3],sentencekv[retain=sentences,score=tokens],dynsplit[score=tokens],tokenselect[prefill=full]"
 job() {
   local name=$1; shift
   [ -f $W/$name.done ] && return 0

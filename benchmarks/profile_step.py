@@ -20,9 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from semkv.bench.cli import build_engine, load_tokenizer, method_params, parse_sizes
-from semkv.bench.run import WARMUP_STEPS, TextContexts, largest_full_batch, never_stop, prefilled_batch, sync
+from semkv.bench.run import (WARMUP_STEPS, TextContexts, bound_method, largest_batch, never_stop, prefilled_batch,
+                             sync)
 from semkv.cli.args import parse_budget
 from semkv.methods import get_method
+from semkv.models.loader import resolve_device
 
 
 def labelled(owner, names: tuple[str, ...], prefix: str) -> None:
@@ -58,9 +60,9 @@ def main() -> None:
                         help="share of GPU memory for the KV pool (lower it for methods with large device state)")
     parser.add_argument("--out", type=Path, default=Path("profile"))
     args = parser.parse_args()
-    engine_args = argparse.Namespace(device="auto", dtype="auto", model=args.model, shape=args.shape, page_size=16,
+    engine_args = argparse.Namespace(dtype="auto", model=args.model, shape=args.shape, page_size=16, prefill_chunk=None,
                                      no_graphs=False, gpu_memory_utilization=args.gpu_memory_utilization)
-    engine, label, tokenizer = build_engine(engine_args)
+    engine, label, tokenizer = build_engine(engine_args, resolve_device("auto"))
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
     text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
     params = method_params(args.param).get(args.method, {})
@@ -68,7 +70,9 @@ def main() -> None:
     method = get_method(args.method, budget, **params)
     method.bind(engine.config, tokenizer, engine.pool.page_size)
     context = parse_sizes(args.context, "context")[0]
-    args.batch = largest_full_batch(engine, context, args.steps, args.warmup) if args.batch == "max" else int(args.batch)
+    if args.batch == "max":
+        args.batch = largest_batch(engine, bound_method(engine, "full", None), context, args.steps, args.warmup)
+    args.batch = int(args.batch)
     with torch.inference_mode():
         seqs = prefilled_batch(engine, method, args.batch, context, args.warmup + args.steps + 8, text)
         graphs = engine.graph_runner(method, seqs)
