@@ -38,7 +38,8 @@ MATRIX: dict[str, dict | list[dict]] = {  # the hard configuration(s) of each me
     "infllm": dict(n_sink=2, block_size=4, n_repr=2, per_head=True),
     "chunkkv": dict(window=8, chunk_size=3, reuse_layers=2, per_head=True, query_aware=False, neighbours=1),
     "sentencekv": [dict(keep_factor=1.0, query="current", buckets="chunks", offload=True, retain="sentences"),
-                   dict(keep_factor=1.5, score="tokens", retain="sentences")],
+                   dict(keep_factor=1.5, score="tokens", retain="sentences"),
+                   dict(keep_factor=1.0, query="current", score="tokens", retain="sentences")],  # for lookups
     "dynsplit": [dict(chunk_size=6, max_deviation=3, alpha=1.0, group_reduce="max", n_sink=2, n_recent=1,
                       offload=True, offload_chunk=1),
                  dict(chunk_size=6, max_deviation=3, score="tokens", group_reduce="max", n_sink=2)],

@@ -1,7 +1,8 @@
 """Merge eval directories that grew from copies of one directory on separate GPUs (run.sh) back into it: the rows of
 each other directory whose key (`semkv.eval.store.row_key`) the main one lacks, its speed records (`runs.jsonl`) that
 the main one lacks, and the union of their settings (`semkv.eval.runner._merge`; the arms' resolved parameters
-joined). The main directory's rows stay first and unchanged, so it grows as a resumed run would.
+joined, the rest of `resolved` from the other directory's run, as a resumed run records its own). The main
+directory's rows stay first and unchanged, so it grows as a resumed run would.
     python merge.py MAIN OTHER...
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ def merge(main: ResultsDir, other: ResultsDir) -> tuple[int, int]:
     for record in runs:
         main.append_run(record)
     mine, theirs = main.config(), other.config()
-    resolved = dict(mine["resolved"])
+    resolved = dict(theirs["resolved"])  # the later run's commit, command and versions, as a resumed run keeps
     resolved["methods"] = mine["resolved"]["methods"] | theirs["resolved"]["methods"]
     main.write_config({"run": _merge(mine["run"], theirs["run"]), "resolved": resolved})
     return len(rows), len(runs)
