@@ -42,6 +42,10 @@ VARIANTS = {
     "tokenselect@2688": ("tokenselect", 2688, {}),
     "tokenselect+full_prefill": ("tokenselect", None, {"chunk": 1 << 20}),
     "tokenselect+no_cache": ("tokenselect", None, {"theta": 1.0}),
+    "tokenselect+prefill_full": ("tokenselect", None, {"prefill": "full"}),
+    "dynsplit+tokens": ("dynsplit", None, {"score": "tokens"}),
+    "sentencekv+lookup": ("sentencekv", None, {"retain": "sentences", "score": "tokens", "query": "current",
+                                               "keep_factor": 1.0}),
     "h2o": ("h2o", None, {}),
     "infllm": ("infllm", None, {}),
 }
@@ -60,6 +64,8 @@ def run(args) -> list[dict]:
     for length, task_name in itertools.product(args.lengths, parse_names(args.tasks)):
         task = runner.make_task(task_name, args.data_dir, 64)
         for sample in task.samples(llm.tokenizer, length, args.samples, 0):
+            if args.only and sample.sample_id not in args.only:
+                continue
             pending = [n for n in names if (task_name, sample.sample_id, n) not in done]
             if not pending:
                 continue
@@ -131,6 +137,8 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.1, help="budget of every variant that names none")
     p.add_argument("--tasks", default="ruler_niah_single_2,passkey")
     p.add_argument("--samples", type=int, default=5, help="samples per task (needle depths spread over the context)")
+    p.add_argument("--only", type=lambda s: set(s.split(",")), default=None,
+                   help="sample ids to study (comma-separated, of the first --samples of each task and length)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--data-dir", default=None, help="data root (default: the packaged data)")
     p.add_argument("--out", required=True, help="JSON-lines file (appended to; done rows are skipped)")

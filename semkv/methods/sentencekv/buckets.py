@@ -16,6 +16,7 @@ import torch
 
 from semkv.engine.offload import HostKVStore
 from semkv.kernels import reference
+from semkv.methods.sentencekv.sentences import SentenceScan
 from semkv.methods.state.rows import DeviceRows
 
 
@@ -117,6 +118,7 @@ class SentenceState:
     retained: int  # tokens retained per layer and KV head so far
     store: HostKVStore | None
     cache: int = 0  # offload: working-set slots (`capacity`, rounded so that the recent window starts a page)
+    scan: SentenceScan | None = None  # the sentence rule over the open generated bucket (buckets="sentences")
     q_count: int = 0  # earlier queries of the current sentence
     h2d_step_max: int = 0
     device_peak: int = 0

@@ -343,12 +343,17 @@ class SentenceKV(RowHolder, KVMethod):
             st: SentenceState = seq.method_state
             if st.dense:
                 continue
-            n_prompt, next_pos = len(seq.prompt_ids), seq.num_computed
-            window = seq.output_ids[st.starts[-1] - n_prompt :] + [token]  # open bucket + next token
-            ended = (self.buckets == "sentences" and self.rule.may_end_before_last(window)
-                     and bool(self.rule.ends(torch.tensor(window))[-2]))
+            next_pos = seq.num_computed
+            ended = False
+            if self.buckets == "sentences":  # does the token before `token` end a sentence of the open bucket
+                if st.scan is None:
+                    st.scan = self.rule.scan()
+                for t in seq.output_ids[st.starts[-1] - len(seq.prompt_ids) + st.scan.length:]:
+                    st.scan.push(t)  # the open bucket's tokens not pushed yet (its first)
+                ended = st.scan.push(token)
             if ended or next_pos - st.starts[-1] >= st.limit:
                 st.starts.append(next_pos)
+                st.scan = None  # the new bucket starts with `token`, pushed at the next step
                 st.q_count = 0
             else:
                 st.q_count += 1

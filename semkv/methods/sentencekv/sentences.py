@@ -60,20 +60,22 @@ PREDICATES = (is_terminal, is_cjk_terminal, is_whitespace, is_closers, starts_wi
               ends_with_newline, ends_with_blank_line)
 
 
-def _ids(mask: torch.Tensor) -> frozenset[int]:
-    return frozenset(mask.nonzero().flatten().tolist())
+# bits of `SentenceRule.flags`: one per predicate of a token's text, and special tokens
+(WHITESPACE, CLOSER, ENDS_SPACE, STARTS_SPACE, TERMINAL, CJK_TERMINAL, NEWLINE, BLANK_LINE,
+ SPECIAL) = (1 << b for b in range(9))
+_FLAG_MASKS = (("is_whitespace", WHITESPACE), ("is_closers", CLOSER), ("ends_with_space", ENDS_SPACE),
+               ("starts_with_space", STARTS_SPACE), ("is_terminal", TERMINAL), ("is_cjk_terminal", CJK_TERMINAL),
+               ("ends_with_newline", NEWLINE), ("ends_with_blank_line", BLANK_LINE))
 
 
 @dataclass(frozen=True)
 class SentenceRule:
-    """Bool masks over one tokenizer's vocabulary, one per predicate, plus its special tokens."""
+    """Bool masks over one tokenizer's vocabulary, one per predicate, plus its special tokens; `flags` holds the
+    same per token id as bits, for the token-by-token `SentenceScan`."""
 
     masks: dict[str, torch.Tensor]
     special: torch.Tensor
-    terminal_ids: frozenset[int]  # terminal or CJK terminal
-    newline_ids: frozenset[int]  # ends with a newline
-    blank_ids: frozenset[int]  # ends with a blank line
-    special_ids: frozenset[int]
+    flags: tuple[int, ...]
 
     @classmethod
     @functools.lru_cache(maxsize=4)  # one rule per tokenizer, made once (a scan of the vocabulary)
@@ -81,16 +83,12 @@ class SentenceRule:
         masks = {p.__name__: vocab_mask(tokenizer, p) for p in PREDICATES}
         special = torch.zeros_like(masks["is_terminal"])
         special[[i for i in tokenizer.all_special_ids if i < special.shape[0]]] = True
-        return cls(masks, special, _ids(masks["is_terminal"] | masks["is_cjk_terminal"]),
-                   _ids(masks["ends_with_newline"]), _ids(masks["ends_with_blank_line"]), _ids(special))
+        flags = sum(masks[name].long() * bit for name, bit in _FLAG_MASKS) + special.long() * SPECIAL
+        return cls(masks, special, tuple(flags.tolist()))
 
-    def may_end_before_last(self, ids: list[int]) -> bool:
-        """False when `ends(ids)[-2]` is surely False, from set lookups alone (for one decode step, where `ends` on a
-        few tokens costs a hundred small tensor operations): a sentence ends only after a terminal or a CJK terminal,
-        after two newlines, or right before a special token."""
-        before = ids[:-1]
-        return (ids[-1] in self.special_ids or not self.terminal_ids.isdisjoint(before)
-                or not self.blank_ids.isdisjoint(before) or sum(i in self.newline_ids for i in before) >= 2)
+    def scan(self) -> "SentenceScan":
+        """The rule over a text that grows a token at a time (a bucket of generated text), from its first token."""
+        return SentenceScan(self.flags)
 
     def ends(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> bool [n]: token i ends a sentence (the last token always does)."""
@@ -117,6 +115,40 @@ class SentenceRule:
         if n:
             ends[-1] = True
         return ends
+
+
+class SentenceScan:
+    """`SentenceRule.ends` over a window that grows a token at a time, in constant time a token: `push(t)` says
+    whether the token before t ends a sentence, `ends(window + [t])[-2]`, where the window holds the tokens pushed
+    since the scan began. It keeps what `ends` looks back to: the last content token (not whitespace, not a closer
+    right after a word) and the newlines since it."""
+
+    __slots__ = ("flags", "length", "last", "content", "newlines")
+
+    def __init__(self, flags: tuple[int, ...]):
+        self.flags = flags
+        self.length = 0  # tokens pushed
+        self.last = 0  # flags of the last token pushed
+        self.content = None  # flags of the last content token, None before the first
+        self.newlines = 0  # trailing newlines (a blank line counts two) from the last content token on
+
+    def push(self, token: int) -> bool:
+        f = self.flags[token] if token < len(self.flags) else 0  # ids past the vocabulary match nothing
+        last, content = self.last, self.content
+        # whitespace, and closers right after a word, continue the sentence their last content token ended (or not);
+        # the first token of the window counts as after a space
+        cont = bool(f & WHITESPACE) or (bool(f & CLOSER) and self.length > 0 and not last & ENDS_SPACE)
+        ended = self.length > 0 and (bool(f & SPECIAL) or not cont and (
+            content is not None and (content & TERMINAL and (last & ENDS_SPACE or f & STARTS_SPACE)
+                                     or content & CJK_TERMINAL) or self.newlines >= 2))
+        newlines = bool(f & NEWLINE) + bool(f & BLANK_LINE)
+        if cont:
+            self.newlines += newlines
+        else:
+            self.content, self.newlines = f, newlines
+        self.last = f
+        self.length += 1
+        return bool(ended)
 
 
 def length_limit(starts: torch.Tensor, n: int, split_std: float, max_sentence: int) -> int:
