@@ -3,11 +3,11 @@
 # kept while the machine is warm) and may set PARTS (the model's parts, default .gpu/q2/part_*) and TAG (a suffix of
 # the device and checksum logs). Arguments: SECONDS [JOB...]: the call's time for jobs, and the only jobs to run
 # (default all). It sets out ($OUT or /tmp/out), E (semkv eval), NIAH (the eight RULER NIAH tasks) and `job NAME
-# COMMAND...`: run unless done or not asked for, within the deadline. The quality pages' shared settings: M (the eval
-# flags of the Qwen suite: the carried model, 20 samples, batched, CHESS anchored on the queries), OTHER (the five
-# non-NIAH RULER tasks), BASE (the seven baselines), PAPER (the five paper methods as published) and OPT (their opt-in
-# modes that retrieve). A finished job leaves NAME.done in W, so a call
-# that reaches its time limit is continued by the next call on the same machine.
+# COMMAND...`: run unless done or not asked for, within the deadline. A finished job leaves NAME.done in W, so a call
+# that reaches its time limit is continued by the next call on the same machine. The quality pages' shared settings:
+# M (the eval flags of the Qwen suite: the carried model, 20 samples, batched, CHESS anchored on the queries), OTHER
+# (the five non-NIAH RULER tasks), BASE (the seven baselines), PAPER (the five paper methods as published) and OPT
+# (their opt-in modes that retrieve).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p $W

@@ -120,7 +120,6 @@ def test_speed_table_and_pareto_plot_put_quality_beside_speed(tmp_path):
     assert_real_png(report._pareto_plot(1024, rows, runs, tmp_path / "pareto.png"))
 
 
-
 def test_depth_heatmap_bands_depths_that_differ_between_lengths(results, tmp_path):
     from semkv.eval.report import _depth_bands, write_report
 
