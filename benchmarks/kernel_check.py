@@ -515,6 +515,37 @@ def check_soft_vote(gen) -> list[dict]:
                                        return_mode="median"))]
 
 
+def check_prefill_context(gen) -> list[dict]:
+    """TokenSelect's sparse-prefill selection at the paper's Figure-7 shape (28 heads, 4 KV heads, a chunk's mean
+    query over 1M earlier tokens, budget 2688: 128 initial + 2048 picked + 512 recent): the fused path against the
+    same steps on their own kernels (paged dot product, soft vote, top-k, sort, concatenation). Integers: they must
+    agree exactly."""
+    from triton.testing import do_bench
+
+    from semkv.kernels import triton_paged_dot
+    from semkv.methods.tokenselect import reference as tokenselect_reference
+    from semkv.methods.tokenselect import triton_soft_vote
+
+    heads, kv_heads, n, sink, k, recent = 28, 4, 2**20, 128, 2048, 512
+    pages = n // PAGE
+    k_pool = torch.randn(pages, PAGE, kv_heads, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    table = torch.randperm(pages, device="cuda", generator=gen).int()
+    q = torch.randn(heads, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    hi = n - recent
+
+    def steps():
+        scores = triton_paged_dot.paged_dot(q, k_pool, table, torch.arange(sink, hi, device="cuda"))
+        top = triton_soft_vote.soft_vote(scores).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return tokenselect_reference.around(top + sink, sink, hi, n)
+
+    def fused():
+        return triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, n, k)
+
+    exact = torch.equal(fused(), steps())
+    return [dict(kernel="prefill_context", err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(fused, return_mode="median"), reference_ms=do_bench(steps, return_mode="median"))]
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -526,7 +557,7 @@ def main() -> int:
             + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
             + check_chunk_best(gen, bandwidth)
             + check_plan_slots(gen) + check_working_set(gen)
-            + check_token_select(gen, bandwidth) + check_soft_vote(gen))
+            + check_token_select(gen, bandwidth) + check_soft_vote(gen) + check_prefill_context(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -581,6 +612,10 @@ def main() -> int:
         elif r["kernel"] == "soft_vote":
             print(f"| TokenSelect soft_vote (prefill) | 28 heads x 1M candidates | {r['err']:.1e} (top-2048 "
                   f"{'equal' if r['same_top'] else 'DIFFERS'}) | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | - |")
+        elif r["kernel"] == "prefill_context":
+            print(f"| TokenSelect prefill_context (fused) | 28 heads x 1M candidates, 2688 slots | "
+                  f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | "
+                  "reference: the same steps on their own kernels |")
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:

@@ -11,6 +11,11 @@ One layer's paged cache holds `kv_len` earlier tokens (random keys/values, shuff
   Reported as selection, attention and total; speedups = full_paged / tokenselect total (against our kernel) and
   full_sdpa / tokenselect total.
 
+Two timings of each: a single call between CUDA events, then waiting for it (`*_ms`: a call of ~20 kernels then
+includes the host's launch gaps, which the GPU waits through), and a stream of calls issued back to back, as a prefill
+issues one layer's attention after the last one's without waiting (`*_stream_ms`: GPU time per call; `host_ms`: the
+host's time to issue one call, which bounds it from below when larger). Speedups are given for both.
+
     python benchmarks/tokenselect_attention.py --out tokenselect_attention.json      # CUDA, 8k..1M
     python benchmarks/tokenselect_attention.py --smoke                               # CPU, tiny sizes
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +43,24 @@ def or_oom(fn):
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
+
+
+def stream_ms(fn, repeats: int, rounds: int = 5) -> tuple[float, float]:
+    """(GPU ms per call, host ms to issue one call) over `repeats` calls issued back to back, the median of `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        issued = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        host.append((time.perf_counter() - issued) * 1000 / repeats)
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / repeats)
+    return sorted(gpu)[rounds // 2], sorted(host)[rounds // 2]
 
 
 def paged_sequence(kv_len: int, chunk: int, page_size: int, device: str, dtype: torch.dtype) -> Sequence:
@@ -109,13 +133,22 @@ def main() -> None:
         attending = time_ms(lambda: kernels.prefill_attention(q, pool.k, pool.v, table, kv_len, context, scale),
                             device, args.repeats)
         total = selecting + attending
-        rows.append(dict(kv_len=kv_len, full_sdpa_ms=full, sdpa_gqa=gqa, full_paged_ms=paged, select_ms=selecting,
-                         attend_ms=attending, tokenselect_ms=total, attended=context.shape[1] + args.chunk,
-                         speedup_vs_sdpa=full / total, speedup_vs_paged=None if paged is None else paged / total))
+        row = dict(kv_len=kv_len, full_sdpa_ms=full, sdpa_gqa=gqa, full_paged_ms=paged, select_ms=selecting,
+                   attend_ms=attending, tokenselect_ms=total, attended=context.shape[1] + args.chunk,
+                   speedup_vs_sdpa=full / total, speedup_vs_paged=None if paged is None else paged / total)
         paged_text = "-" if paged is None else f"{paged:.2f}"
         vs_paged = "-" if paged is None else f"{paged / total:.2f}x"
         print(f"{kv_len:>8} {full:>10.2f} {paged_text:>11} {selecting:>8.2f} {attending:>8.2f} {total:>9.2f} "
               f"{full / total:>7.2f}x {vs_paged:>8}")
+        if device == "cuda":
+            sdpa_stream, sdpa_host = stream_ms(full_sdpa, args.repeats)
+            chunk_stream, chunk_host = stream_ms(lambda: kernels.prefill_attention(q, pool.k, pool.v, table, kv_len,
+                                                                                   select(), scale), args.repeats)
+            row.update(full_sdpa_stream_ms=sdpa_stream, sdpa_host_ms=sdpa_host, tokenselect_stream_ms=chunk_stream,
+                       tokenselect_host_ms=chunk_host, speedup_vs_sdpa_stream=sdpa_stream / chunk_stream)
+            print(f"{'':>8} stream: sdpa {sdpa_stream:.2f} ms, tokenselect {chunk_stream:.3f} ms (host issues it in "
+                  f"{chunk_host:.3f} ms): {sdpa_stream / chunk_stream:.2f}x")
+        rows.append(row)
         del seq, pool, table, k_all, v_all
         if device == "cuda":
             torch.cuda.empty_cache()

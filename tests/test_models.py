@@ -72,3 +72,25 @@ def test_the_conversion_cache_keeps_weights_in_16_bits_only_where_exact():
     for weights, dtype in cases:
         kept = smallest_exact(weights)
         assert kept.dtype == dtype and torch.equal(kept.to(weights.dtype), weights)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_long_chunk_runs_the_mlp_in_slices_with_the_same_output(monkeypatch, bias):
+    """Past `MLP_SLICE` tokens the MLP runs slice by slice into one output (its intermediate activations bound a
+    long chunk's memory): the same values as one pass over every token, with and without biases."""
+    from semkv.models import llama
+    from semkv.models.config import ModelConfig
+
+    config = ModelConfig("llama", 100, 32, 88, 1, 4, 2, 8, 1e-5, 4096, False, False, False, bias, False)
+    torch.manual_seed(0)
+    mlp = llama.MLP(config)
+    if bias:
+        for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            torch.nn.init.normal_(linear.bias)
+    mlp.fuse()
+    x = torch.randn(50, 32)
+    with torch.inference_mode():
+        whole = mlp(x)
+        monkeypatch.setattr(llama, "MLP_SLICE", 16)  # 16 + 16 + 16 + 2 tokens
+        sliced = mlp(x)
+    assert sliced.shape == (50, 32) and torch.allclose(sliced, whole, rtol=1e-5, atol=1e-6)

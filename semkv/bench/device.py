@@ -31,7 +31,8 @@ def measured_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10
 def measured_gemm_tflops(device: torch.device, m: int = 8192, k: int = 4096, n: int = 14336,
                          repeats: int = 20) -> float:
     """bf16 matrix-multiply TFLOP/s of the card (a Llama-8B MLP-shaped GEMM through cuBLAS): the rate the prefill
-    FLOP floor divides by."""
+    FLOP floor divides by. 20 repeats (about 50 ms on an H100) give its rate from cool; about 1000 (2.5 s) the rate
+    it holds through a long prefill, about 12% lower on an H100 (its clocks come down under sustained load)."""
     if device.type != "cuda":
         return 0.0
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -73,6 +74,7 @@ def device_info(device: torch.device) -> dict:
             info["driver"] = None
         info["hbm_bandwidth_gbs"] = round(measured_bandwidth(device) / 1e9, 1)
         info["gemm_tflops"] = round(measured_gemm_tflops(device), 1)
+        info["gemm_tflops_sustained"] = round(measured_gemm_tflops(device, repeats=1000), 1)
     else:
         info.update(name=platform.processor() or "cpu", threads=torch.get_num_threads())
     return info

@@ -48,6 +48,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (1..256)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens per prefill step (default: 16384 on a GPU, 512 on the CPU)")
+                   help="prompt tokens per prefill step (default: 32768 on a GPU, 512 on the CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N GPUs of this host (one process each)")

@@ -28,10 +28,12 @@ from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
 
 # prefill chunk by "on CUDA": long chunks keep the GEMMs and the attention at full speed (Llama-3.1-8B shape on an
-# H100, 32k Full-KV prefill: 2.12 s at 512, 1.24 s at 8192, 1.21 s at 16384; benchmarks/results/
-# 2026-11-26-h100-prefill.md); their activations (about 2.4 GB at 16384 for that shape) come out of the memory
-# `gpu_memory_utilization` leaves beside the pool. On the CPU the reference attention's mask grows with the chunk.
-DEFAULT_CHUNK = {True: 16384, False: 512}
+# H100, 32k Full-KV prefill: 2.12 s at 512, 1.24 s at 8192 and 16384, 1.23 s at 32768, where a 32k prompt is one
+# causal attention call with nothing to merge; benchmarks/results/2026-11-27-h100-prefill-floor.md). The MLP takes
+# at most `MLP_SLICE` tokens at a time, so a chunk's activations (about 3.5 GB at 32768 for that shape) come out of
+# the memory `gpu_memory_utilization` leaves beside the pool. On the CPU the reference attention's mask grows with
+# the chunk.
+DEFAULT_CHUNK = {True: 32768, False: 512}
 WARM_UP_MAX_LEN = 131072  # the longest context `warm_up` prepares the prefill for
 WARM_UP_PROMPT = 300  # tokens of its short prefill: long enough for the kernels' prefill-sized variants
 ACTIVATION_RESERVE = 2 * 2**30  # device bytes kept free for activations and captured graphs beside the KV pool
@@ -50,7 +52,7 @@ class Engine:
         `1 - gpu_memory_utilization` of the card and `ACTIVATION_RESERVE` for activations free) on CUDA, and lets
         it grow on demand on the CPU. state_memory: bytes a method's state beside the pool may take (SentenceKV's
         and DynSplit-KV's device rows); None: on CUDA whatever is free when a request is admitted, less the
-        activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per prefill chunk; None: 16384 on CUDA,
+        activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per prefill chunk; None: 32768 on CUDA,
         512 on the CPU (`DEFAULT_CHUNK`). warm_up: on CUDA, compile the kernels and build the
         prefill attention's plans now (`warm_up`), so that the first request runs at the speed of the next."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype

@@ -54,11 +54,12 @@ def turn_off(error: Exception) -> None:
                   "prefill instead", RuntimeWarning, stacklevel=3)
 
 
-def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [1, heads, C, D], k/v [1, kv_heads, n, D] -> out [1, heads, C, D], natural-log lse [1, heads, C] float32."""
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                  scale=scale)[:2]
-    return out, lse.view(q.shape[:3])
+def _attend(q, k, v, causal: bool, scale: float, lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [1, heads, C, D], k/v [1, kv_heads, n, D] -> out [1, heads, C, D], natural-log lse [1, heads, C] float32
+    (None with lse=False: cuDNN then runs a faster plan, about 8% on a causal 16k chunk on an H100)."""
+    out, total = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, 0.0, causal, False,
+                                                                    scale=scale)[:2]
+    return out, total.view(q.shape[:3]) if lse else None
 
 
 @triton.jit
@@ -113,11 +114,12 @@ def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
     qt, own_k, own_v = q.transpose(0, 1)[None], k[:, :, start:], v[:, :, start:]  # [1, heads or KH, C, D] views
     if pad:
         qt, own_k, own_v = (F.pad(x, (0, 0, 0, pad)) for x in (qt, own_k, own_v))  # [.., C + pad, D]
-    out, total = _attend(qt, own_k, own_v, True, scale)
+    out, total = _attend(qt, own_k, own_v, True, scale, lse=lse or start > 0)
     if start:
         out, total = merged(*_attend(qt, k[:, :, :start], v[:, :, :start], False, scale), out, total, chunk)
-    else:
-        out, total = out[0, :, :chunk].transpose(0, 1), total[0, :, :chunk].transpose(0, 1)
+    else:  # the chunk is the whole context: one call, no merge
+        out = out[0, :, :chunk].transpose(0, 1)
+        total = None if total is None else total[0, :, :chunk].transpose(0, 1)
     return (out, total) if lse else out
 
 
@@ -130,5 +132,6 @@ def warm_up(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) 
     if not usable(q, None):
         return
     for start in range(0, max(max_len - chunk, 0) + 1, chunk):
-        if attend(q, k_pool, v_pool, table, start, scale, lse=True) is None:
-            return
+        for lse in (True, False) if start == 0 else (True,):  # a first chunk asked for no lse runs its own plan
+            if attend(q, k_pool, v_pool, table, start, scale, lse=lse) is None:
+                return

@@ -81,6 +81,12 @@ class Attention(nn.Module):
         return reduce(self.tp, self.o_proj(out.reshape(tokens, -1)))  # every rank's heads added
 
 
+# tokens the MLP takes at a time: its intermediate activations (3 x intermediate_size values a token) bound a long
+# prefill chunk's peak memory, while the attention takes the whole chunk in one call (one causal pass over a prompt
+# is faster than a chunked one: no log-sum-exps to merge)
+MLP_SLICE = 16384
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -94,7 +100,18 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce(self.tp, self.down_proj(kernels.silu_mul(self.gate_up_proj(x))))
+        """x [T, hidden] -> [T, hidden], at most `MLP_SLICE` tokens at a time (each written in place, no copy)."""
+        if x.shape[0] <= MLP_SLICE:
+            return reduce(self.tp, self.down_proj(kernels.silu_mul(self.gate_up_proj(x))))
+        down = self.down_proj
+        out = torch.empty(x.shape[0], down.out_features, dtype=x.dtype, device=x.device)
+        for a in range(0, x.shape[0], MLP_SLICE):
+            h = kernels.silu_mul(self.gate_up_proj(x[a : a + MLP_SLICE]))  # [S, intermediate]
+            if down.bias is None:
+                torch.mm(h, down.weight.t(), out=out[a : a + MLP_SLICE])
+            else:
+                torch.addmm(down.bias, h, down.weight.t(), out=out[a : a + MLP_SLICE])
+        return reduce(self.tp, out)
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,8 @@
   that reads the keys through the page table and never holds the [heads, C, L] probabilities: each query's
   log-sum-exp comes from the prefill attention kernel (`kernels.prefill_attention(lse=True)`), and
   `_prompt_column_sums` gives each program a block of keys of one KV head, recomputes the logits of every query of the
-  group that sees them and sums `exp(logit - lse)`. Torch reference: `reference.prompt_attention_sums`.
+  group that sees them and sums `exp(logit - lse)` into a [queries, keys] tile, reduced over the queries once at the
+  end; only the query blocks on the causal diagonal and the chunk's last one compute a mask. Torch reference: `reference.prompt_attention_sums`.
 """
 from __future__ import annotations
 
@@ -83,6 +84,23 @@ def _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE: tl.c
 
 
 @triton.jit
+def _column_block(Q, LSE, k, j, valid, acc, m0, head, start, chunk, scale_log2, stride_qm, stride_qh, stride_lm,
+                  d, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] plus the probabilities queries [m0, m0 + BLOCK_M) of `head` give the keys j (by the
+    query's log-sum-exp); MASKED: the block holds queries past the chunk or keys after a query (else every query
+    sees every key: no mask to compute)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    in_chunk = rows < chunk
+    q = tl.load(Q + rows[:, None] * stride_qm + head * stride_qh + d[None, :], mask=in_chunk[:, None], other=0.0)
+    lse = tl.load(LSE + rows * stride_lm + head, mask=in_chunk, other=0.0) * 1.4426950408889634
+    s = tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        seen = in_chunk[:, None] & valid[None, :] & (j[None, :] <= start + rows[:, None])
+        return acc + tl.where(seen, tl.exp2(s), 0.0)
+    return acc + tl.exp2(s)
+
+
+@triton.jit
 def _prompt_column_sums(Q, K, TABLE, LSE, OUT, stride_qm, stride_qh, stride_kr, stride_kh, stride_lm, start, chunk,
                         scale_log2, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
@@ -93,26 +111,32 @@ def _prompt_column_sums(Q, K, TABLE, LSE, OUT, stride_qm, stride_qh, stride_kr, 
     valid = j < n_keys
     d = tl.arange(0, D)
     k = _paged_keys(K, TABLE, j, valid, kv_head, d, stride_kr, stride_kh, PAGE)
-    received = tl.zeros([BLOCK_N], tl.float32)
-    first = tl.maximum(block * BLOCK_N - start, 0) // BLOCK_M * BLOCK_M  # earlier queries see none of these keys
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # summed over the query axis once, at the end
+    # query blocks [first, full) hold queries that see only part of these keys (the diagonal); from `full` on every
+    # query of a block sees all of them, unmasked up to the last whole block of the chunk
+    first = tl.maximum(block * BLOCK_N - start, 0) // BLOCK_M * BLOCK_M
+    full = tl.cdiv(tl.maximum(block * BLOCK_N + BLOCK_N - 1 - start, 0), BLOCK_M) * BLOCK_M
+    whole = chunk // BLOCK_M * BLOCK_M
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        for m0 in range(first, chunk, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            in_chunk = rows < chunk
-            q = tl.load(Q + rows[:, None] * stride_qm + head * stride_qh + d[None, :], mask=in_chunk[:, None],
-                        other=0.0)
-            lse = tl.load(LSE + rows * stride_lm + head, mask=in_chunk, other=0.0) * 1.4426950408889634
-            s = tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]  # [BLOCK_M, BLOCK_N], log2 units
-            seen = in_chunk[:, None] & valid[None, :] & (j[None, :] <= start + rows[:, None])
-            received += tl.sum(tl.where(seen, tl.exp2(s), 0.0), 0)
-    tl.store(OUT + kv_head * n_keys + j, received, mask=valid)
+        for m0 in range(first, tl.minimum(full, chunk), BLOCK_M):
+            acc = _column_block(Q, LSE, k, j, valid, acc, m0, head, start, chunk, scale_log2, stride_qm, stride_qh,
+                                stride_lm, d, True, BLOCK_M)
+        for m0 in range(full, whole, BLOCK_M):
+            acc = _column_block(Q, LSE, k, j, valid, acc, m0, head, start, chunk, scale_log2, stride_qm, stride_qh,
+                                stride_lm, d, False, BLOCK_M)
+        for m0 in range(tl.maximum(full, whole), chunk, BLOCK_M):  # the chunk's last, partial block
+            acc = _column_block(Q, LSE, k, j, valid, acc, m0, head, start, chunk, scale_log2, stride_qm, stride_qh,
+                                stride_lm, d, True, BLOCK_M)
+    tl.store(OUT + kv_head * n_keys + j, tl.sum(acc, 0), mask=valid)
 
 
 def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, start: int, scale: float,
-                          lse: torch.Tensor, block_m: int = 64, block_n: int = 128, num_warps: int = 8
-                          ) -> torch.Tensor:
-    """See `reference.prompt_attention_sums` (same arguments): float32 [kv_heads, start + C]."""
+                          lse: torch.Tensor, block_m: int = 64, block_n: int = 128, num_warps: int = 4,
+                          num_stages: int = 3) -> torch.Tensor:
+    """See `reference.prompt_attention_sums` (same arguments): float32 [kv_heads, start + C]. The default tile is
+    the fastest of 15 on an H100 at two of three prefill shapes of the Llama-3.1-8B shape (438-476 TFLOP/s of q . k
+    products, 337-341 with 8 warps; benchmarks/results/2026-11-27-h100-prefill-floor.md)."""
     chunk, n_heads, dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     k_flat = k_pool.view(-1, kv_heads, dim)
@@ -121,5 +145,6 @@ def prompt_attention_sums(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Te
     _prompt_column_sums[(triton.cdiv(start + chunk, block_n), kv_heads)](
         q, k_flat, table, lse, out, q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), lse.stride(0),
         start, chunk, scale * 1.4426950408889634,
-        GROUP=n_heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, num_warps=num_warps)
+        GROUP=n_heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, num_warps=num_warps,
+        num_stages=num_stages)
     return out

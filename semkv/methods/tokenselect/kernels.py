@@ -1,6 +1,9 @@
 """tokenselect's kernels: Triton on CUDA, the torch reference (`reference.py` beside this file) elsewhere."""
 from __future__ import annotations
 
+import torch
+
+from semkv import kernels
 from semkv.kernels import use_triton
 from semkv.methods.tokenselect import reference
 
@@ -26,3 +29,14 @@ def head_vote(scores, k, selection, kv_heads, tp=None):
 
         return triton_soft_vote.soft_vote(scores).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
     return reference.head_vote(scores, k, selection, kv_heads, tp)
+
+
+def prefill_context(q, k_pool, table, sink, hi, start, k, selection, kv_heads, tp=None):
+    """See `reference.prefill_context`; the soft vote over all heads on one GPU runs `triton_soft_vote`'s fused
+    path, the rest the reference's steps (the paged dot product and the vote on their own kernels)."""
+    if use_triton(q.device) and selection == "soft_vote" and kv_heads is None and tp is None:
+        from semkv.methods.tokenselect import triton_soft_vote
+
+        return triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, start, k)
+    scores = kernels.paged_dot(q, k_pool, table, torch.arange(sink, hi, device=q.device))  # [heads, hi - sink]
+    return reference.around(head_vote(scores, k, selection, kv_heads, tp) + sink, sink, hi, start)

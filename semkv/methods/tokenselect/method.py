@@ -162,9 +162,9 @@ class TokenSelect(KVMethod):
         if self.prefill == "full" or budget >= start:
             return None
         sink, k, recent = self.split(budget)
-        top = self.top_slots(layer, seq, q.mean(0), sink, start - recent, k)  # [S, k]
-        fixed = torch.cat([torch.arange(sink), torch.arange(start - recent, start)]).to(q.device)
-        return torch.cat([top, fixed[None].expand(top.shape[0], -1)], dim=1).sort(dim=1).values
+        kv_heads = seq.kv.pool.num_kv_heads if self.scope == "kv_head" else None
+        return tokenselect_kernels.prefill_context(q.mean(0), seq.kv.pool.k, seq.kv.table[layer], sink,
+                                                   start - recent, start, k, self.selection, kv_heads, self.tp)
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:

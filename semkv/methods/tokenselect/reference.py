@@ -43,6 +43,22 @@ def head_vote(scores: torch.Tensor, k: int, selection: str, kv_heads: int | None
     return vote_totals(scores, k, selection, kv_heads, tp).topk(k, dim=-1).indices.sort(dim=-1).values
 
 
+def prefill_context(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, sink: int, hi: int, start: int,
+                    k: int, selection: str = "soft_vote", kv_heads: int | None = None,
+                    tp: TensorParallel | None = None) -> torch.Tensor:
+    """A sparse prefill chunk's attended slots below `start`: the initial [0, sink), the k candidates of [sink, hi)
+    that `head_vote` picks for the chunk's mean query q [heads, D], the recent [hi, start); [S, sink + k + start - hi]
+    ascending (the picked slots lie between the two fixed ranges)."""
+    scores = paged_dot(q, k_pool, table, torch.arange(sink, hi, device=q.device))  # [heads, hi - sink]
+    return around(head_vote(scores, k, selection, kv_heads, tp) + sink, sink, hi, start)
+
+
+def around(top: torch.Tensor, sink: int, hi: int, start: int) -> torch.Tensor:
+    """Slots [0, sink), then top [S, k] (ascending, within [sink, hi)), then [hi, start): [S, sink + k + start - hi]."""
+    lead, tail = (torch.arange(a, b, device=top.device).expand(top.shape[0], -1) for a, b in ((0, sink), (hi, start)))
+    return torch.cat([lead, top, tail], dim=1)
+
+
 def row_top(totals: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
     """Each row's k[b] <= width highest totals [B, S, n] -> [B, S, width], ascending, then 0 (a top-`width` pass,
     not a sort of the n totals)."""
