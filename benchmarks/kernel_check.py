@@ -340,6 +340,7 @@ def check_working_set(gen, batch: int = 16, cache: int = 3200, offloaded: int = 
     args = (rows, full(n_sink), full(offloaded), full(cache))
     state = [torch.zeros(batch + 1, HK, cache, dtype=torch.int32, device=device),
              torch.zeros(batch + 1, HK, offloaded, dtype=torch.int32, device=device),
+             torch.zeros(batch + 1, HK, dtype=torch.int32, device=device),
              torch.zeros(batch + 1, 2, dtype=torch.long, device=device)]
     ours = [t.clone() for t in state] + [k_pool.clone(), k_pool.clone(), pos_pool.clone()]
     theirs = [t.clone() for t in state] + [k_pool.clone(), k_pool.clone(), pos_pool.clone()]
@@ -352,22 +353,23 @@ def check_working_set(gen, batch: int = 16, cache: int = 3200, offloaded: int = 
                            (n_sink + offloaded + torch.arange(tail, device=device)).expand(batch, HK, -1)], -1)
         lengths = torch.full((batch, HK), slots.shape[-1], device=device)
         got, want = slots.clone(), slots.clone()
-        held, where, traffic, kp, vp, pp = theirs
-        reference.working_set(want, lengths, *args, held, where, stores, table, kp, vp, pp, traffic, layer)
-        held, where, traffic, kp, vp, pp = ours
+        held, where, hand, traffic, kp, vp, pp = theirs
+        reference.working_set(want, lengths, *args, held, where, hand, stores, table, kp, vp, pp, traffic, layer)
+        held, where, hand, traffic, kp, vp, pp = ours
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        triton_working_set.working_set(got, lengths, *args, held, where, host, table, kp, vp, pp, traffic, layer)
+        triton_working_set.working_set(got, lengths, *args, held, where, hand, host, table, kp, vp, pp, traffic,
+                                       layer)
         end.record()
         end.synchronize()
         if step == 1:
             miss_ms = start.elapsed_time(end)
         exact = exact and torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    held, where, traffic, kp, vp, pp = ours
+    held, where, hand, traffic, kp, vp, pp = ours
 
     def all_found():
-        triton_working_set.working_set(slots.clone(), lengths, *args, held, where, host, table, kp, vp, pp, traffic,
-                                       layer)
+        triton_working_set.working_set(slots.clone(), lengths, *args, held, where, hand, host, table, kp, vp, pp,
+                                       traffic, layer)
 
     moved = batch * HK * (cache // 10) * (2 * D * 2 + 4)
     return [dict(kernel="working_set", batch=batch, cache=cache, err=0.0 if exact else float("inf"),

@@ -47,3 +47,23 @@ def test_offloaded_methods_give_the_resident_tokens(smol_llm, essay_text, name, 
         assert on.stats.h2d_bytes > 0 and on.stats.extra["kv_reused"] > 0
         assert on.stats.kv_resident_tokens < off.stats.kv_resident_tokens
     assert smol_llm.engine.memory().held == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("name, params", [
+    ("sentencekv", dict(budget=256)),
+    ("dynsplit", dict(budget=256, offload_chunk=8)),
+])
+def test_a_larger_working_set_reads_less_from_the_host(smol_llm, essay_text, name, params):
+    """With twice the working-set slots a step selects, tokens that left the selection stay on the device until
+    their slot is needed: on real weights the same tokens, fewer offloaded tokens read from the host, more found."""
+    from semkv.methods import get_method
+
+    kw = dict(questions=["Summarise the text in one sentence."], max_new_tokens=24, ignore_eos=True)
+    runs = [smol_llm.generate(essay_text[:9000], method=get_method(name, **params, offload=True, cache_factor=f),
+                              **kw)[0] for f in (1.0, 2.0)]
+    assert runs[0].token_ids == runs[1].token_ids
+    (one, two) = (r.stats for r in runs)
+    assert two.extra["kv_reloaded"] < one.extra["kv_reloaded"] and two.h2d_bytes < one.h2d_bytes
+    assert two.extra["kv_reused"] > one.extra["kv_reused"]
+    assert two.kv_resident_tokens > one.kv_resident_tokens
+    assert smol_llm.engine.memory().held == (0, 0, 0, 0)

@@ -386,11 +386,13 @@ def test_sentence_slots_kernel_matches_reference():
 
 
 def test_working_set_kernel_matches_reference_over_steps():
-    """The offloaded working set over five steps of changing selections: rows 2 and 1 offload (row 1 with a working
-    set larger than what it selects), a row that offloads nothing is left as it is, padding past each list's length
-    is untouched. After each step the kernel and the reference agree on the device slots, the maps, the pool and the
-    traffic; every selected offloaded token is on the device at its slot (the host's key, value and position), a
-    token selected at the previous step is not loaded again, and sinks and tail map to their own device slots."""
+    """The offloaded working set over eight steps of changing selections: rows 2 and 1 offload (row 1 with a working
+    set larger than what it selects, so tokens that left the selection stay until the clock hand reaches them), a
+    row that offloads nothing is left as it is, padding past each list's length is untouched. After each step the
+    kernel and the reference agree on the device slots, the maps, the clock hands, the pool and the traffic; every
+    selected offloaded token is on the device at its slot (the host's key, value and position); exactly the selected
+    tokens the working set held before the step are found (a token selected at the previous step among them), the
+    rest loaded; sinks and tail map to their own device slots."""
     from semkv.engine.offload import HostKVStore
     from semkv.kernels.triton_working_set import working_set
 
@@ -411,18 +413,18 @@ def test_working_set_kernel_matches_reference_over_steps():
     k_pool, v_pool, _ = random_pool(pages=60, page=page, kv_heads=heads, dim=dim)
     pos_pool = torch.zeros(60, page, heads, dtype=torch.int32)
     state = [torch.zeros(4, heads, 12, dtype=torch.int32), torch.zeros(4, heads, 48, dtype=torch.int32),
-             torch.zeros(4, 2, dtype=torch.long)]
+             torch.zeros(4, heads, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.long)]
     ours = [t.clone() for t in state] + [k_pool.clone(), v_pool.clone(), pos_pool.clone()]
     theirs = [t.clone() for t in state] + [k_pool.clone(), v_pool.clone(), pos_pool.clone()]
-    width, previous, found_before, loaded_before = 3 + 12 + 30, None, 0, 0
-    for step in range(5):
+    width, previous, found_before, loaded_before, reselected = 3 + 12 + 30, None, 0, 0, 0
+    for step in range(8):
         slots = torch.zeros(3, heads, width, dtype=torch.long)
         lengths = torch.zeros(3, heads, dtype=torch.long)
         chosen = {}
         for b in range(3):
             for h in range(heads):
                 sinks = list(range(int(n_sink[b])))
-                pick = int(min(cache[b], 7 + step)) if offloaded[b] else 0
+                pick = int(min(cache[b] - b, 6 + step % 4)) if offloaded[b] else 0  # row 1 selects at most 11
                 middle = sorted((torch.randperm(int(offloaded[b]), generator=gen)[:pick] + int(n_sink[b])).tolist())
                 chosen[b, h] = [v - int(n_sink[b]) for v in middle]
                 start = int(n_sink[b] + offloaded[b])
@@ -430,21 +432,23 @@ def test_working_set_kernel_matches_reference_over_steps():
                 slots[b, h, : len(entries)] = torch.tensor(entries)
                 lengths[b, h] = len(entries)
         virtual = slots.clone()
+        resident = {(b, h): set((theirs[1][rows[b], h] > 0).nonzero()[:, 0].tolist()) for b in range(3)
+                    for h in range(heads)}  # the tokens each working set held before the step
         for out, run in ((ours, working_set), (theirs, None)):
-            held, where, traffic, kp, vp, pp = out
+            held, where, hand, traffic, kp, vp, pp = out
             got = slots.clone()
             if run is None:
-                reference.working_set(got, lengths, rows, n_sink, offloaded, cache, held, where, stores, table, kp, vp,
-                                      pp, traffic, layer)
+                reference.working_set(got, lengths, rows, n_sink, offloaded, cache, held, where, hand, stores, table,
+                                      kp, vp, pp, traffic, layer)
             else:
-                run(got, lengths, rows, n_sink, offloaded, cache, held, where, host, table, kp, vp, pp, traffic,
+                run(got, lengths, rows, n_sink, offloaded, cache, held, where, hand, host, table, kp, vp, pp, traffic,
                     layer, span=8, block=4)
             out.append(got)
         got, want = ours.pop(), theirs.pop()
         assert torch.equal(got, want)
         for a, b_ in zip(ours, theirs):
             assert torch.equal(a, b_)
-        held, where, traffic, kp, vp, pp = theirs
+        held, where, hand, traffic, kp, vp, pp = theirs
         device_rows = reference.physical_rows(table, want.flatten(1), page).view_as(want)
         for b in range(3):
             for h in range(heads):
@@ -465,12 +469,15 @@ def test_working_set_kernel_matches_reference_over_steps():
                 assert torch.equal(vp.view(-1, heads, dim)[at, h], store.v[layer, h, tokens])
                 assert torch.equal(pp.view(-1, heads)[at, h], store.pos[layer, h, tokens])
         loads = sum(len(c) for (b, _), c in chosen.items())
-        if previous is not None:  # tokens kept from the last step are found, not loaded
-            kept = sum(len(set(c) & set(previous[key])) for key, c in chosen.items())
-            assert int(traffic[:, 0].sum()) - found_before == kept
-            assert int(traffic[:, 1].sum()) - loaded_before == loads - kept
+        found = sum(len(set(c) & resident[key]) for key, c in chosen.items())
+        assert int(traffic[:, 0].sum()) - found_before == found
+        assert int(traffic[:, 1].sum()) - loaded_before == loads - found
+        if previous is not None:  # a token selected at the last step is still there
+            assert all(set(c) & set(previous[key]) <= resident[key] for key, c in chosen.items())
+            reselected += sum(len((set(c) & resident[key]) - set(previous[key])) for key, c in chosen.items())
         previous, found_before, loaded_before = chosen, int(traffic[:, 0].sum()), int(traffic[:, 1].sum())
     assert int(traffic[3].sum()) == 0  # the resident row moved nothing
+    assert reselected > 0  # row 1 found tokens it had dropped before the last step
 
 
 def test_chunk_slots_kernel_matches_reference():

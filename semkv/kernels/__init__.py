@@ -107,14 +107,14 @@ def page_slots(top, budget, num_slots, page_size):
 
 
 
-def working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, host, stores, table, k_pool, v_pool,
-                pos_pool, traffic, layer):
+def working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, hand, host, stores, table, k_pool,
+                v_pool, pos_pool, traffic, layer):
     """See `reference.working_set`; host [rows, 4] is every row's store as `HostKVStore.pointers` gives it (what
     the Triton kernel reads), stores the same stores by row (what the reference reads)."""
     if use_triton(slots.device):
         from semkv.kernels import triton_working_set
 
-        return triton_working_set.working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, host,
-                                              table, k_pool, v_pool, pos_pool, traffic, layer)
-    return reference.working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, stores, table, k_pool,
-                                 v_pool, pos_pool, traffic, layer)
+        return triton_working_set.working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, hand,
+                                              host, table, k_pool, v_pool, pos_pool, traffic, layer)
+    return reference.working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, hand, stores, table,
+                                 k_pool, v_pool, pos_pool, traffic, layer)

@@ -127,21 +127,24 @@ def compact_slots(slots: torch.Tensor, valid: torch.Tensor, width: int) -> tuple
 
 def working_set(slots: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, n_sink: torch.Tensor,
                 offloaded: torch.Tensor, cache: torch.Tensor, held: torch.Tensor, where: torch.Tensor,
-                stores: dict, table: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                hand: torch.Tensor, stores: dict, table: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 pos_pool: torch.Tensor, traffic: torch.Tensor, layer: int) -> None:
     """An offloaded working set: a selection over virtual slots becomes device slots, loading what is missing.
 
     A row's virtual slots are its sinks [0, n_sink), its offloaded tokens (virtual slot n_sink + t: token t of its
     host store) and its tail; on the device the sinks stay, `cache` working-set slots follow (device slot n_sink + s)
     and the tail comes after them (virtual slot x >= n_sink + offloaded is device slot x - offloaded + cache).
-    Working-set slots that no selected token holds are freed (in slot order); each selected offloaded token not on
-    the device takes the next free slot (in selection order) and its key, value and position are copied there from
-    the host store. Modified in place: slots [B, S, width] (virtual -> device slots, order kept; S = kv heads),
-    held [rows, S, capacity] (token + 1 in each working-set slot, 0: empty) and where [rows, S, tokens] (slot + 1 of
-    each token, 0: on the host only) of this layer, the pool's K/V/positions at the new slots, and traffic [rows, 2]
-    (selected offloaded tokens found on the device, loaded). lengths [B, S]; rows / n_sink / offloaded / cache [B];
-    stores: row -> store (`HostKVStore`: k, v [layers, S, capacity, D], pos [layers, S, capacity]); table
-    [B, pages] this layer's page tables."""
+    Working-set slots that no selected token holds are listed round the working set from the row's clock hand on;
+    each selected offloaded token not on the device takes the next listed slot (in selection order; the slot's token,
+    which no one selected, is then on the host only), its key, value and position are copied there from the host
+    store, and the hand moves past the last slot taken. A token that leaves the selection thus stays on the device
+    until its slot is needed: with more working-set slots than a row selects, re-selected tokens are found, not
+    loaded. Modified in place: slots [B, S, width] (virtual -> device slots, order kept; S = kv heads), held
+    [rows, S, capacity] (token + 1 in each working-set slot, 0: empty), where [rows, S, tokens] (slot + 1 of each
+    token, 0: on the host only) and hand [rows, S] (the clock hand) of this layer, the pool's K/V/positions at the
+    new slots, and traffic [rows, 2] (selected offloaded tokens found on the device, loaded). lengths [B, S];
+    rows / n_sink / offloaded / cache [B]; stores: row -> store (`HostKVStore`: k, v [layers, S, capacity, D], pos
+    [layers, S, capacity]); table [B, pages] this layer's page tables."""
     batch, heads, width = slots.shape
     capacity, tokens = held.shape[-1], where.shape[-1]
     ns, off, cache = n_sink[:, None, None], offloaded[:, None, None], cache[:, None, None]
@@ -149,19 +152,24 @@ def working_set(slots: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, 
     middle = valid & (slots >= ns) & (slots < ns + off)
     t = torch.where(middle, slots - ns, 0)  # [B, S, width]
     held_rows, where_rows = held[rows].long(), where[rows].long()  # [B, S, capacity], [B, S, tokens]
+    hands = hand[rows].long()[..., None]  # [B, S, 1]
     w = torch.where(middle, where_rows.gather(2, t), 0)
     hit = w > 0
     kept = torch.zeros(batch, heads, capacity + 1, dtype=torch.bool, device=slots.device)
     kept = kept.scatter(2, torch.where(hit, w - 1, capacity), True)[..., :capacity]
-    gone = (held_rows > 0) & ~kept
-    where_rows = F.pad(where_rows, (0, 1)).scatter(2, torch.where(gone, held_rows - 1, tokens), 0)[..., :tokens]
-    held_rows = torch.where(kept, held_rows, 0)
-    free = torch.sort(kept.to(torch.int8), dim=2, stable=True).indices  # [B, S, capacity]: free slots first
+    s = torch.arange(capacity, device=slots.device)
+    turn = torch.where(s < cache, (s - hands) % cache.clamp(min=1), capacity)  # [B, S, capacity] from the hand on
+    free = torch.sort(turn + kept * 2 * capacity, dim=2, stable=True).indices  # listed slots first, round from hand
     miss = middle & ~hit
+    missed = miss.sum(2, keepdim=True)  # [B, S, 1]
     rank = (miss.cumsum(2) - 1).clamp(min=0)
     slot = torch.where(miss, free.gather(2, rank), w - 1)  # [B, S, width]
+    before = torch.where(miss, held_rows.gather(2, slot.clamp(min=0)), 0)  # the token a taken slot held, + 1
+    where_rows = F.pad(where_rows, (0, 1)).scatter(2, torch.where(before > 0, before - 1, tokens), 0)[..., :tokens]
     where_rows = F.pad(where_rows, (0, 1)).scatter(2, torch.where(miss, t, tokens), slot + 1)[..., :tokens]
     held_rows = F.pad(held_rows, (0, 1)).scatter(2, torch.where(miss, slot, capacity), t + 1)[..., :capacity]
+    last = free.gather(2, (missed - 1).clamp(min=0))  # [B, S, 1]
+    hands = torch.where(missed > 0, (last + 1) % cache.clamp(min=1), hands)
     kf, vf, pf = (x.view(-1, heads, *x.shape[3:]) for x in (k_pool, v_pool, pos_pool))
     device_rows = physical_rows(table, torch.where(miss, ns + slot, 0).flatten(1), k_pool.shape[1]).view_as(slot)
     for b, row in enumerate(rows.tolist()):
@@ -171,7 +179,7 @@ def working_set(slots: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, 
             kf[at, head] = store.k[layer, head.cpu(), token.cpu()].to(kf.device)
             vf[at, head] = store.v[layer, head.cpu(), token.cpu()].to(vf.device)
             pf[at, head] = store.pos[layer, head.cpu(), token.cpu()].to(pf.device)
-    held[rows], where[rows] = held_rows.int(), where_rows.int()
+    held[rows], where[rows], hand[rows] = held_rows.int(), where_rows.int(), hands[..., 0].int()
     traffic.index_add_(0, rows, torch.stack([(middle & hit).sum((1, 2)), miss.sum((1, 2))], 1))
     tail = torch.where(valid & (slots >= ns + off), slots - off + cache, slots)
     slots.copy_(torch.where(middle, ns + slot, tail))

@@ -2,12 +2,14 @@
 becomes device slots, and the selected offloaded tokens that are not on the device yet are read from pinned host
 memory in place (a host address is a device address under unified virtual addressing) into working-set slots that
 no selected token holds. One program per row and KV head, in four passes separated by block barriers: mark the
-working-set slots of selected tokens, free the others (in slot order), give each missing token the next free slot
-(listing where it comes from and goes to) and write every entry's device slot, then copy the listed keys, values and
-positions, a dense tile of missing tokens at a time. Nothing is read back to the host, so
-the step is captured in a CUDA graph; the traffic is counted on the device. (A version that copied inside pass 3,
-masked by the block's misses, wrote other tokens' keys on an H100 while Triton's CPU interpreter agreed with the
-reference: `benchmarks/kernel_check.py` checks this kernel on the GPU.)"""
+working-set slots of selected tokens, list the others from the row's clock hand on (a token that left the selection
+stays on the device until its slot is taken, so a working set larger than the selection keeps the recently dropped
+tokens), give each missing token the next listed slot (its previous token goes back to the host only), listing
+where it comes from and goes to, and write every entry's device slot, then copy the listed keys, values and
+positions, a dense tile of missing tokens at a time. Nothing is read back to the host, so the step is captured in a
+CUDA graph; the traffic is counted on the device. (A version that copied inside pass 3, masked by the block's
+misses, wrote other tokens' keys on an H100 while Triton's CPU interpreter agreed with the reference:
+`benchmarks/kernel_check.py` checks this kernel on the GPU.)"""
 from __future__ import annotations
 
 import torch
@@ -18,8 +20,8 @@ KEEP = tl.constexpr(1 << 30)  # added to a working-set entry while a selected to
 
 
 @triton.jit
-def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, FREE, SRC, DST, HOST, TABLE, K, V, POS,
-                 TRAFFIC, layer, heads, width, cache_width, tokens, table_width, page_size,
+def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, HAND, FREE, SRC, DST, HOST, TABLE, K, V,
+                 POS, TRAFFIC, layer, heads, width, cache_width, tokens, table_width, page_size,
                  DIM: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     out_row = b * heads + h
@@ -31,6 +33,7 @@ def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, FR
     row = tl.load(ROWS + b).to(tl.int64)
     HELD += (row * heads + h) * cache_width
     WHERE += (row * heads + h) * tokens
+    HAND += row * heads + h
     n = tl.load(LENGTHS + out_row)
     n_sink, offloaded, cache = tl.load(N_SINK + b), tl.load(OFFLOADED + b), tl.load(CACHE + b)
     span = tl.arange(0, SPAN)
@@ -43,22 +46,24 @@ def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, FR
         w = tl.load(WHERE + t, mask=middle, other=0)
         tl.store(HELD + w - 1, (t + 1 + KEEP).to(tl.int32), mask=middle & (w > 0))
     tl.debug_barrier()
-    # 2. the others are freed, listed in slot order
+    # 2. the others are listed from the clock hand on, round the working set (the longest-filled first); their tokens
+    # stay on the device until pass 3 takes the slot
+    hand = tl.load(HAND)
     free = 0
     for start in range(0, cache, SPAN):
-        s = start + span
-        inside = s < cache
+        r = start + span
+        inside = r < cache
+        s = (hand + r) % tl.maximum(cache, 1)
         held = tl.load(HELD + s, mask=inside, other=KEEP)
         keep = held >= KEEP
-        gone = inside & ~keep
-        tl.store(WHERE + held - 1, tl.zeros_like(held), mask=gone & (held > 0))
-        tl.store(HELD + s, tl.where(keep, held - KEEP, 0), mask=inside)
-        place = free + tl.cumsum(gone.to(tl.int32), 0) - 1
-        tl.store(FREE + place, s, mask=gone)
-        free += tl.sum(gone.to(tl.int32), 0)
+        listed = inside & ~keep
+        tl.store(HELD + s, held - KEEP, mask=inside & keep)
+        place = free + tl.cumsum(listed.to(tl.int32), 0) - 1
+        tl.store(FREE + place, s, mask=listed)
+        free += tl.sum(listed.to(tl.int32), 0)
     tl.debug_barrier()
-    # 3. missing tokens take free slots (in selection order), listed with their store row and pool row; device
-    # slots out
+    # 3. missing tokens take the listed slots (in selection order; the slot's token, selected by no one, is then on
+    # the host only), listed with their store row and pool row; device slots out
     first = (layer * heads + h) * tl.load(HOST + row * 4 + 3)  # the head's first token in the store
     missed, found = 0, 0
     for start in range(0, n, SPAN):
@@ -71,6 +76,8 @@ def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, FR
         miss = middle & (w == 0)
         rank = missed + tl.cumsum(miss.to(tl.int32), 0) - 1
         slot = tl.where(miss, tl.load(FREE + rank, mask=miss, other=0), w - 1)
+        before = tl.load(HELD + slot, mask=miss, other=0)
+        tl.store(WHERE + before - 1, tl.zeros_like(before), mask=miss & (before > 0))
         tl.store(WHERE + t, (slot + 1).to(tl.int32), mask=miss)
         tl.store(HELD + slot, (t + 1).to(tl.int32), mask=miss)
         device_slot = n_sink + slot
@@ -81,6 +88,8 @@ def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, FR
         found += tl.sum((middle & ~miss).to(tl.int32), 0)
         out = tl.where(middle, n_sink + slot, tl.where(v < n_sink, v, v - offloaded + cache))
         tl.store(SLOTS + i, out.to(tl.int64), mask=inside)
+    if missed > 0:  # the hand moves past the last slot taken
+        tl.store(HAND, (tl.load(FREE + missed - 1) + 1) % cache)
     tl.atomic_add(TRAFFIC + row * 2, found.to(tl.int64))
     tl.atomic_add(TRAFFIC + row * 2 + 1, missed.to(tl.int64))
     tl.debug_barrier()
@@ -103,15 +112,15 @@ def _working_set(SLOTS, LENGTHS, ROWS, N_SINK, OFFLOADED, CACHE, HELD, WHERE, FR
         tl.store(POS + dst, tl.load(host_pos + src, mask=listed), mask=listed)
 
 
-def working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, host, table, k_pool, v_pool, pos_pool,
-                traffic, layer, span: int = 512, block: int = 32) -> None:
+def working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, hand, host, table, k_pool, v_pool,
+                pos_pool, traffic, layer, span: int = 512, block: int = 32) -> None:
     """Same arguments and effect as `reference.working_set` (`stores` is not needed: the kernel reads `host`)."""
     batch, heads, width = slots.shape
     cache_width, tokens = held.shape[-1], where.shape[-1]
     free = torch.empty(batch, heads, cache_width, dtype=torch.int32, device=slots.device)
     src, dst = (torch.empty(batch, heads, cache_width, dtype=torch.long, device=slots.device) for _ in range(2))
     _working_set[(batch, heads)](slots, lengths.contiguous(), rows.contiguous(), n_sink.contiguous(),
-                                 offloaded.contiguous(), cache.contiguous(), held, where, free, src, dst, host,
+                                 offloaded.contiguous(), cache.contiguous(), held, where, hand, free, src, dst, host,
                                  table.contiguous(), k_pool, v_pool, pos_pool, traffic, layer, heads, width,
                                  cache_width, tokens, table.shape[1], k_pool.shape[1], DIM=k_pool.shape[-1],
                                  SPAN=span, BLOCK=block)

@@ -121,6 +121,10 @@ class DynSplitKV(RowHolder, KVMethod):
         footprint is about its budget, not its context; same tokens as False (min/max pooling only).
     offload_chunk: with offload, tokens leaving the device's tail go to the host, in whole KV pages, once this many
         wait; 16.
+    cache_factor: with offload, the device's working set holds this many times the tokens a step selects (>= 1;
+        1.0): a token that leaves the selection stays there until its slot is needed (clock order), so a re-selected
+        token is found on the device instead of read from host memory again. More device memory, fewer bytes over
+        PCIe; the same tokens.
     """
 
     chunk_size: int = 16
@@ -140,6 +144,7 @@ class DynSplitKV(RowHolder, KVMethod):
     n_recent: int = 16
     offload: bool = False
     offload_chunk: int = 16
+    cache_factor: float = 1.0
 
     kind = "selection"
     name = "dynsplit"
@@ -161,6 +166,7 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("n_recent", self.n_recent, 0, None, int)
         check_range("offload", self.offload, types=bool)
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
+        check_range("cache_factor", self.cache_factor, 1.0, 64.0)
         for field, allowed in CHOICES.items():
             check_choice(field, getattr(self, field), allowed)
         if self.offload and self.pooling == "mean":
@@ -218,11 +224,13 @@ class DynSplitKV(RowHolder, KVMethod):
         return state
 
     def _device_layout(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
-        """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, up to a
-        page boundary)."""
+        """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, times
+        `cache_factor` up to what can be offloaded, up to a page boundary)."""
         tokens = prompt_tokens + max_new_tokens
         sinks = min(self.n_sink, prompt_tokens)
-        return sinks, working_set_slots(sinks, min(resolve_budget(self.budget, tokens), tokens), page_size)
+        most = tokens - sinks - self._tail() - -(-self.offload_chunk // page_size) * page_size  # what can offload
+        return sinks, working_set_slots(sinks, min(resolve_budget(self.budget, tokens), tokens), page_size,
+                                        self.cache_factor, most)
 
     def takes_row(self, seq: Sequence) -> bool:
         return self.batched and not seq.method_state.row

@@ -10,7 +10,8 @@
   log-sum-exp comes from the prefill attention kernel (`kernels.prefill_attention(lse=True)`), and
   `_prompt_column_sums` gives each program a block of keys of one KV head, recomputes the logits of every query of the
   group that sees them and sums `exp(logit - lse)` into a [queries, keys] tile, reduced over the queries once at the
-  end; only the query blocks on the causal diagonal and the chunk's last one compute a mask. Torch reference: `reference.prompt_attention_sums`.
+  end; only the query blocks on the causal diagonal and the chunk's last one compute a mask. Torch reference:
+  `reference.prompt_attention_sums`.
 """
 from __future__ import annotations
 

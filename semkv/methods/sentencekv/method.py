@@ -68,6 +68,10 @@ retain: "tokens" (the paper: the top floor(r * budget) tokens per KV head) or "s
     (benchmarks/results/2026-11-26-h100-niah.md). Opt-in: fewer, whole sentences.
 offload_chunk: tokens leaving the recent window join their buckets (with offload: go to the host, in whole KV
     pages) this many at a time; 16 (with offload a multiple of the KV page size).
+cache_factor: with offload, the device's working set holds this many times the tokens a step selects (>= 1; 1.0):
+    a token that leaves the selection stays there until its slot is needed (clock order), so a re-selected token is
+    found on the device instead of read from host memory again. More device memory, fewer bytes over PCIe; the same
+    tokens.
 """
 from __future__ import annotations
 
@@ -121,6 +125,7 @@ class SentenceKV(RowHolder, KVMethod):
     buckets: str = "sentences"
     offload: bool | None = False
     offload_chunk: int = 16
+    cache_factor: float = 1.0
     retain: str = "tokens"
     score: str = "vector"
 
@@ -138,6 +143,7 @@ class SentenceKV(RowHolder, KVMethod):
         check_range("split_std", self.split_std, 0.0, None)
         check_range("max_sentence", self.max_sentence, 1, None, int)
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
+        check_range("cache_factor", self.cache_factor, 1.0, 64.0)
         check_choice("query", self.query, ("mean", "current"))
         check_choice("buckets", self.buckets, ("sentences", "chunks"))
         check_choice("retain", self.retain, ("tokens", "sentences"))
@@ -191,7 +197,8 @@ class SentenceKV(RowHolder, KVMethod):
         st = SentenceState(dense=dense, budget=budget, n_sink=n_sink, n_recent=n_recent, capacity=capacity,
                            offload=offload, starts=starts + [n], limit=limit, row=0,
                            retained=0 if dense else min(int(self.keep_factor * budget), middle), store=None,
-                           cache=working_set_slots(n_sink, capacity, pool.page_size) if offload else 0)
+                           cache=self._cache(n_sink, capacity, n + seq.params.max_new_tokens - n_sink - n_recent,
+                                             pool.page_size) if offload else 0)
         if self._rows is None:  # also when every row keeps everything: a graphed step still reads row 0
             self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
                                       pool.device)
@@ -225,8 +232,14 @@ class SentenceKV(RowHolder, KVMethod):
             return None
         if not self.offload:
             return min(prompt_tokens + max_new_tokens, budget + int(self.keep_factor * budget) + max_new_tokens)
-        cache = working_set_slots(n_sink, budget - n_sink - n_recent, page_size)
+        cache = self._cache(n_sink, budget - n_sink - n_recent, prompt_tokens + max_new_tokens - n_sink - n_recent,
+                            page_size)
         return min(prompt_tokens + max_new_tokens, n_sink + cache + n_recent + self.offload_chunk)
+
+    def _cache(self, n_sink: int, capacity: int, middle: int, page_size: int) -> int:
+        """Working-set slots for a selection of `capacity` offloaded tokens (`cache_factor` times as many, at most
+        the `middle` tokens between a request's sinks and recent window less one `offload_chunk`)."""
+        return working_set_slots(n_sink, capacity, page_size, self.cache_factor, middle - self.offload_chunk)
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> torch.Tensor | None:

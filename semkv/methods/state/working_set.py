@@ -11,6 +11,8 @@ so a step is batched and captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from semkv import kernels
@@ -22,10 +24,15 @@ from semkv.kernels import reference
 from semkv.methods.state.rows import DeviceRows
 
 
-def working_set_slots(n_sink: int, needed: int, page_size: int) -> int:
+def working_set_slots(n_sink: int, needed: int, page_size: int, factor: float = 1.0, most: int = 0) -> int:
     """Working-set slots for `needed` selected offloaded tokens behind `n_sink` sinks: rounded up so that the tail
-    after them starts a KV page (tokens leave the tail a page at a time, without a copy: `SeqKV.drop_pages`)."""
-    return -(-(n_sink + needed) // page_size) * page_size - n_sink
+    after them starts a KV page (tokens leave the tail a page at a time, without a copy: `SeqKV.drop_pages`). With
+    factor > 1, `factor` times as many in whole pages, but no more than `most` (what the request can offload, so the
+    device never holds more slots than the request has tokens)."""
+    slots = -(-(n_sink + needed) // page_size) * page_size - n_sink
+    if factor > 1:
+        slots = max(slots, (min(math.ceil(factor * needed), most) + n_sink) // page_size * page_size - n_sink)
+    return slots
 
 
 class WorkingSets(DeviceRows):
@@ -40,6 +47,7 @@ class WorkingSets(DeviceRows):
         with torch.inference_mode(False):  # normal tensors: written between steps, outside inference mode too
             self.held = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, capacity]
             self.where = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, tokens]
+            self.hand = torch.zeros(layers, 1, kv_heads, dtype=torch.int32, device=device)  # [L, rows, H] clock hand
             self.host = torch.zeros(1, 4, dtype=torch.long, device=device)  # [rows, 4] `HostKVStore.pointers`
             self.traffic = torch.zeros(1, 2, dtype=torch.long, device=device)  # [rows, 2] tokens found / loaded
         self.stores: dict[int, HostKVStore] = {}  # by row, what the torch reference reads
@@ -49,11 +57,11 @@ class WorkingSets(DeviceRows):
 
     def shapes(self, rows: int, capacity: int, tokens: int) -> dict[str, tuple[int, ...]]:
         return dict(held=(self.layers, rows, self.kv_heads, capacity), where=(self.layers, rows, self.kv_heads, tokens),
-                    host=(rows, 4), traffic=(rows, 2))
+                    hand=(self.layers, rows, self.kv_heads), host=(rows, 4), traffic=(rows, 2))
 
     def attach(self, row: int, store: HostKVStore) -> None:
         """Give an emptied row its sequence's store."""
-        for t in (self.held, self.where):
+        for t in (self.held, self.where, self.hand):
             t[:, row] = 0
         self.traffic[row] = 0
         self.host[row] = torch.tensor(store.pointers(), device=self.device)
@@ -76,8 +84,8 @@ class WorkingSets(DeviceRows):
         rows / n_sink / offloaded / cache [B] (a row that offloads nothing: 0 offloaded and 0 cache)."""
         pool = batch.pool
         kernels.working_set(selection.slots, selection.lengths, rows, n_sink, offloaded, cache, self.held[layer],
-                            self.where[layer], self.host, self.stores, batch.tables[:, layer], pool.k, pool.v,
-                            pool.pos, self.traffic, layer)
+                            self.where[layer], self.hand[layer], self.host, self.stores, batch.tables[:, layer],
+                            pool.k, pool.v, pool.pos, self.traffic, layer)
         return selection
 
     def counts(self, rows: list[int]) -> list[tuple[int, int]]:
