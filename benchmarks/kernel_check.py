@@ -524,7 +524,7 @@ def check_prefill_context(gen) -> list[dict]:
     agree exactly."""
     from triton.testing import do_bench
 
-    from semkv.kernels import triton_paged_dot
+    from semkv.methods.tokenselect import kernels as tokenselect_kernels
     from semkv.methods.tokenselect import reference as tokenselect_reference
     from semkv.methods.tokenselect import triton_soft_vote
 
@@ -536,9 +536,8 @@ def check_prefill_context(gen) -> list[dict]:
     hi = n - recent
 
     def steps():
-        scores = triton_paged_dot.paged_dot(q, k_pool, table, torch.arange(sink, hi, device="cuda"))
-        top = triton_soft_vote.soft_vote(scores).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        return tokenselect_reference.around(top + sink, sink, hi, n)
+        top = tokenselect_kernels.top_slots(q, k_pool, table, sink, hi, k, "soft_vote", None)
+        return tokenselect_reference.around(top, sink, hi, n)
 
     def fused():
         return triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, n, k)

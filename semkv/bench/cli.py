@@ -168,7 +168,7 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     import torch
 
     from semkv.bench import report
-    from semkv.bench.device import device_info
+    from semkv.bench.device import device_info, measured_gemm_tflops
     from semkv.bench.run import (TextContexts, bench_decode, bench_long_generation, bench_ttft, bound_method,
                                  largest_batch, prefill_flops)
 
@@ -199,6 +199,8 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
                                              contexts="random K/V" if text is None else
                                              f"real prefill of {', '.join(args.text_file)} ({len(text.ids)} tokens)")
     info["tensor_parallel_size"] = 1 if tp is None else tp.size
+    if args.ttft and engine.device.type == "cuda":  # the floor a long prefill can reach (2.5 s: TTFT runs only)
+        info["gemm_tflops_sustained"] = round(measured_gemm_tflops(engine.device, repeats=1000), 1)
     say(json.dumps(info))
     results: dict = dict(info=info, decode=[], ttft=[], hf_ttft=hf_ttft, long_generation={}, hf=[],
                          method_max_batch={})

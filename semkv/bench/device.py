@@ -74,7 +74,6 @@ def device_info(device: torch.device) -> dict:
             info["driver"] = None
         info["hbm_bandwidth_gbs"] = round(measured_bandwidth(device) / 1e9, 1)
         info["gemm_tflops"] = round(measured_gemm_tflops(device), 1)
-        info["gemm_tflops_sustained"] = round(measured_gemm_tflops(device, repeats=1000), 1)
     else:
         info.update(name=platform.processor() or "cpu", threads=torch.get_num_threads())
     return info

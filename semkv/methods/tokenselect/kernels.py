@@ -31,12 +31,18 @@ def head_vote(scores, k, selection, kv_heads, tp=None):
     return reference.head_vote(scores, k, selection, kv_heads, tp)
 
 
+def top_slots(q, k_pool, table, lo, hi, k, selection, kv_heads, tp=None):
+    """The k voted slots among candidates [lo, hi) for the query q [heads, D], read through the page table: [S, k]
+    ascending (the paged dot product, then `head_vote`)."""
+    scores = kernels.paged_dot(q, k_pool, table, torch.arange(lo, hi, device=q.device))  # [heads, hi - lo]
+    return head_vote(scores, k, selection, kv_heads, tp) + lo
+
+
 def prefill_context(q, k_pool, table, sink, hi, start, k, selection, kv_heads, tp=None):
     """See `reference.prefill_context`; the soft vote over all heads on one GPU runs `triton_soft_vote`'s fused
-    path, the rest the reference's steps (the paged dot product and the vote on their own kernels)."""
+    path, the rest `top_slots` (the paged dot product and the vote on their own kernels)."""
     if use_triton(q.device) and selection == "soft_vote" and kv_heads is None and tp is None:
         from semkv.methods.tokenselect import triton_soft_vote
 
         return triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, start, k)
-    scores = kernels.paged_dot(q, k_pool, table, torch.arange(sink, hi, device=q.device))  # [heads, hi - sink]
-    return reference.around(head_vote(scores, k, selection, kv_heads, tp) + sink, sink, hi, start)
+    return reference.around(top_slots(q, k_pool, table, sink, hi, k, selection, kv_heads, tp), sink, hi, start)

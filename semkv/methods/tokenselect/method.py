@@ -54,7 +54,6 @@ from dataclasses import dataclass
 
 import torch
 
-from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
@@ -151,10 +150,9 @@ class TokenSelect(KVMethod):
     def top_slots(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
         """The k voted slots among candidates [lo, hi) for the query q [heads, D]: [S, k]."""
         kv = seq.kv
-        candidates = torch.arange(lo, hi, device=q.device)
-        scores = kernels.paged_dot(q, kv.pool.k, kv.table[layer], candidates)  # [heads, hi - lo]
         kv_heads = kv.pool.num_kv_heads if self.scope == "kv_head" else None
-        return tokenselect_kernels.head_vote(scores, k, self.selection, kv_heads, self.tp) + lo
+        return tokenselect_kernels.top_slots(q, kv.pool.k, kv.table[layer], lo, hi, k, self.selection, kv_heads,
+                                             self.tp)
 
     # -- prefill --------------------------------------------------------------------------------------------------
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
