@@ -70,6 +70,23 @@ def test_an_evicting_method_is_counted_at_what_it_keeps(tiny_llm, name):
     assert bound_method(engine, name, 32, dict(query_aware=False)).device_tokens(context, 8, 16) is None
 
 
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_synthetic_kv_is_evicted_layer_by_layer_as_one_prefill_chunk_is(tiny_llm, chunk):
+    """The benchmark's random K/V reach an evicting method as a real prefill's do: a prompt of one chunk one layer at
+    a time (the pool's peak is the earlier layers' kept pages and one layer's prompt), a prompt of several chunks in
+    every layer before the last chunk evicts (the peak holds every layer's prompt)."""
+    model, cfg = tiny_llm.engine.model, tiny_llm.config
+    engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400, prefill_chunk=chunk)
+    context, page = 320, engine.pool.page_size
+    row = bench_decode(engine, "snapkv", 32, 1, context, steps=2)
+    prompt, kept = context // page, -(-(32 + 4 + 2 + 2 + 8) // page)  # a layer's prompt; what a layer keeps at most
+    if chunk is None:
+        assert row.kv_pages_peak <= prompt + (cfg.num_layers - 1) * kept < cfg.num_layers * prompt
+    else:
+        assert row.kv_pages_peak == cfg.num_layers * prompt
+    assert engine.pool.in_use == 0
+
+
 @pytest.mark.parametrize("name", ["quest", "infllm"])
 def test_a_table_over_the_pool_counts_once_whatever_the_batch(tiny_llm, name):
     """Quest's page summaries and InfLLM's block scores are tables over the pool's pages (`pool_state`): `--batches

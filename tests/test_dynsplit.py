@@ -282,6 +282,22 @@ def test_offload_equals_device_resident_and_holds_only_the_budget_on_the_device(
     assert s.d2h_bytes == (s.prompt_tokens - tail + left) * layers * heads * 2 * dim * 4
 
 
+def test_an_offloaded_prefill_holds_one_layer_of_the_prompt_at_a_time(tiny_model_dir):
+    """With the split known before the prompt is read, each layer's summaries and offload happen as soon as the
+    layer is computed: a prompt of one chunk never has more than one layer's whole prompt on the device (the others
+    hold their bound), and the tokens are the resident ones."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=512)  # TEXT's 456 tokens in one chunk
+    resident = generate(llm, DynSplitKV(budget=40), new=20)
+    llm.engine.pool.peak_in_use = 0
+    method = DynSplitKV(budget=40, offload=True, offload_chunk=16)
+    offload = generate(llm, method, new=20)
+    assert offload.token_ids == resident.token_ids
+    page, layers, n = llm.engine.pool.page_size, llm.config.num_layers, offload.stats.prompt_tokens
+    bound = method.device_tokens(n, 20, page)
+    assert llm.engine.pool.peak_in_use <= -(-n // page) + (layers - 1) * -(-bound // page) < layers * -(-n // page)
+    assert llm.engine.pool.in_use == 0
+
+
 def test_mean_pooling_selects_sequence_by_sequence(llm):
     """Mean pooling (Appendix A.2) takes the per-sequence path: a budget covering the context gives Full KV's tokens,
     a small one attends the budget."""

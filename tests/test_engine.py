@@ -219,6 +219,28 @@ def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=4).generate(PROMPTS[0], chat=False)
 
 
+def test_a_prompt_of_one_chunk_is_admitted_at_one_layer_of_it(tiny_model_dir):
+    """An evicting method's prompt of one prefill chunk fills and evicts one layer at a time, so admission counts one
+    layer's whole prompt and the others' bound: a pool smaller than every layer's prompt runs it (its peak within
+    that count), and the same pool refuses it when the prompt needs several chunks (every layer holds it then)."""
+    prompt = PROMPTS[0] * 3  # about 360 tokens: 23 pages a layer
+    for chunk in (512, 64):
+        llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=chunk, num_pages=36)
+        method = get_method("snapkv", 32)
+        ids = llm.encode(prompt, chat=False)[0]
+        seq = Sequence(0, ids, SamplingParams(max_new_tokens=8), SeqKV(llm.engine.pool))
+        need = llm.engine.pages_needed(seq, method.bound(llm.config, llm.tokenizer, 16), prefill=True)
+        assert 3 * -(-len(ids) // 16) > llm.engine.pool.num_pages - 1
+        if chunk >= len(ids):
+            assert need < llm.engine.pool.num_pages
+            out = llm.generate(prompt, method=method, max_new_tokens=8, ignore_eos=True, chat=False)
+            assert len(out[0].token_ids) == 8 and llm.engine.pool.peak_in_use <= need
+            assert llm.engine.pool.in_use == 0
+        else:
+            with pytest.raises(MemoryError, match="needs .* KV pages"):
+                llm.generate(prompt, method=method, max_new_tokens=8, chat=False)
+
+
 def test_requests_that_end_at_their_first_token(tiny_llm):
     """One new token each: every request finishes at its prefill and the scheduler stops without a decode step."""
     outs = tiny_llm.generate(PROMPTS[:3], max_new_tokens=1, ignore_eos=True, chat=False)

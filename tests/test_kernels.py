@@ -442,7 +442,7 @@ def test_working_set_kernel_matches_reference_over_steps():
                                       kp, vp, pp, traffic, layer)
             else:
                 run(got, lengths, rows, n_sink, offloaded, cache, held, where, hand, host, table, kp, vp, pp, traffic,
-                    layer, span=8, block=4)
+                    layer, span=8, block=4, loaders=2 if step % 2 else 1024)  # a program loops or takes one tile
             out.append(got)
         got, want = ours.pop(), theirs.pop()
         assert torch.equal(got, want)
@@ -480,6 +480,30 @@ def test_working_set_kernel_matches_reference_over_steps():
     assert reselected > 0  # row 1 found tokens it had dropped before the last step
 
 
+def test_put_host_kernel_writes_the_store_like_the_reference():
+    """Tokens written into a host store through its addresses (how the device offloads without waiting): one layer
+    of a store that already holds tokens, then every layer, from gathered (non-contiguous) keys and values; each
+    entry lands where the reference puts it and nothing else changes."""
+    from semkv.engine.offload import HostKVStore
+    from semkv.kernels.triton_working_set import put_host
+
+    gen = torch.Generator().manual_seed(2)
+    stores = [HostKVStore(3, 2, 16, 40, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for store in stores:
+        for t in (store.k, store.v, store.pos):
+            t.zero_()
+    for first, layers, n, m in ((1, 1, 0, 7), (0, 3, 7, 21)):
+        k = torch.randn(layers, 21, 2, 16, generator=gen).transpose(1, 2)[:, :, :m]  # [L', H, m, D], strided
+        v = torch.randn(layers, 2, m, 16, generator=gen)
+        pos = torch.randint(0, 999, (layers, 2, m), generator=gen, dtype=torch.int32)
+        reference.put_host(k, v, pos, stores[0].k, stores[0].v, stores[0].pos, first, n)
+        put_host(k, v, pos, stores[1].k, stores[1].v, stores[1].pos, first, n, block=4)
+        for want, got in zip((stores[0].k, stores[0].v, stores[0].pos), (stores[1].k, stores[1].v, stores[1].pos)):
+            assert torch.equal(got, want)
+        assert torch.equal(stores[1].k[first : first + layers, :, n : n + m], k)
+    assert stores[1].k[:, :, 28:].abs().sum() == 0  # past the entries written
+
+
 def test_chunk_slots_kernel_matches_reference():
     """DynSplit-KV's slot lists: contiguous chunks ranked per KV head take the capacity in rank order (the last one
     its leading slots); a chunk cut by the sinks, chunks cut or emptied by a shorter context and the recent window,
@@ -495,7 +519,7 @@ def test_chunk_slots_kernel_matches_reference():
     hi = torch.minimum(ends[1:][None], (n - tail)[:, None])
     count = (hi - lo).clamp(min=0)  # [B, chunks] slots between the forced ones
     scores = torch.randn(3, heads, len(ends) - 1, generator=gen)
-    before, _ = reference.bucket_ranks(scores, count[:, None].expand(-1, heads, -1))
+    before = reference.ranked_before(scores, count[:, None].expand(-1, heads, -1))
     capacity = torch.tensor([20, 13, 100])
     args = (lo, count, before, n, n_sink, capacity, tail, 4, 64, 11)
     want_slots, want_lengths = dynsplit_reference.chunk_slots(*args)

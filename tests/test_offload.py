@@ -59,8 +59,10 @@ def test_offloading_requests_are_admitted_by_their_device_footprint(tiny_model_d
     n = len(big.tokenizer(prompts[0])["input_ids"])
     layers, page = big.config.num_layers, big.engine.pool.page_size
     bound = SentenceKV(**params).device_tokens(n, 8, page)
-    assert bound == 4 + 44 + 4 + 16  # sinks, the working set up to a page boundary, recent window, a page leaving
-    pages = layers * (-(-n // page) + 4 * -(-bound // page))  # one prompt in its prefill, four at their bound
+    # sinks, the working set (1.5 x the 40 selected, in whole pages), recent window, a page leaving
+    assert bound == 4 + 60 + 4 + 16
+    # four at their bound, but the last one's prefill (one chunk) holds one layer's whole prompt instead of its bound
+    pages = 4 * layers * -(-bound // page) - -(-bound // page) + -(-n // page)
     assert pages < 2 * layers * -(-(n + 8) // page)  # the Full-KV bound would not admit two
     small = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=pages + 1)
     kw = dict(max_new_tokens=8, ignore_eos=True, chat=False)

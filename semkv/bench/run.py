@@ -1,18 +1,19 @@
-"""`semkv bench`: decode speed of methods over a batch x context grid, TTFT, peak memory, a per-step time breakdown
-and TPOT over a long generation, on a model of a real shape with random weights (or a local model).
+"""`semkv bench`: decode speed of methods over a batch x context grid, TTFT, peak memory, a per-step time breakdown and
+TPOT over a long generation, on a model of a real shape with random weights (or a local model).
 
-Decode measurements start from a cache filled with random K/V (`fill_random`: speed does not depend on the values),
-to which each method's prefill-time work is applied (eviction with random window queries, summaries); TTFT runs a
-real prefill. With a local model and texts (`TextContexts`) every sequence is instead prefilled for real with a window
-of the texts, so the decode steps see the model's real queries: what a method whose work depends on them (TokenSelect's
-Selection Cache, CHESS's re-selection trigger) does on real text. Methods that read token text (sentences,
-delimiters) take a tokenizer (`--tokenizer`, by default a local model's own) whose vocabulary interprets the
-benchmark's token ids. Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up).
-"""
+Decode measurements start from a cache filled with random K/V (`random_layers`: speed does not depend on the values), to
+which each method's prefill-time work is applied (eviction with random window queries, summaries), layer after layer as
+a real prefill of one chunk does (so peak memory holds one layer's whole prompt, not every layer's); TTFT runs a real
+prefill. With a local model and texts (`TextContexts`) every sequence is instead prefilled for real with a window of the
+texts, so the decode steps see the model's real queries: what a method whose work depends on them (TokenSelect's
+Selection Cache, CHESS's re-selection trigger) does on real text. Methods that read token text (sentences, delimiters)
+take a tokenizer (`--tokenizer`, by default a local model's own) whose vocabulary interprets the benchmark's token ids.
+Steps are timed with CUDA events after warm-up (CUDA-graph capture included in the warm-up)."""
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,11 +51,13 @@ class DecodeResult:
     h2d_mb_per_step: float = 0.0  # offloaded K/V read from host memory per timed step, all sequences (PCIe)
 
 
-def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> None:
-    """Store `context` tokens of random K/V (unit-variance keys and values) in every layer of `seq`."""
+def random_layers(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> Callable[[int], None]:
+    """`fill(layer)`: stores `context` tokens of random K/V (unit-variance keys and values) and 64 random window
+    queries in that layer of `seq`; layers are filled in order."""
     gen = torch.Generator(device=engine.device).manual_seed(seed)
     cfg, kv = engine.config, seq.kv
-    for layer in range(cfg.num_layers):
+
+    def fill(layer: int) -> None:
         kv.ensure_slots(layer, context)
         for start in range(0, context, 8192):
             n = min(8192, context - start)
@@ -66,7 +69,9 @@ def fill_random(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> N
         kv.num_slots[layer] = context
         seq.window_queries[layer] = torch.randn(64, cfg.num_heads, cfg.head_dim, generator=gen,
                                                 device=engine.device).to(engine.dtype)
+
     seq.num_computed = context
+    return fill
 
 
 @dataclass
@@ -106,19 +111,20 @@ def synthetic_ids(engine: Engine, index: int, context: int) -> list[int]:
 def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
     """The largest batch of `context`-token sequences a `bench_decode` run of `steps` steps keeps: its KV pages in
     the engine's fixed pool (each sequence at the method's `device_tokens` bound, or every token: Full KV, while the
-    last one prefills its whole context), its state beside the pool and its offloaded K/V in host memory."""
+    last one prefills: `Engine.pages_needed`), its state beside the pool and its offloaded K/V in host memory."""
     if engine.pool.max_pages is None:
         raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
     new = warmup + steps + 8  # the generation `bench_decode` allows
     layers, page = engine.config.num_layers, engine.pool.page_size
-    bound = method.device_tokens(context, new, page)
-    prefill = layers * -(-(context + warmup + steps + 2) // page)  # Full KV: the warm-up, timed and 2 breakdown steps
-    per_seq = prefill if bound is None else layers * -(-bound // page)
+    seq = Sequence(0, synthetic_ids(engine, 0, context), SamplingParams(max_new_tokens=new), SeqKV(engine.pool))
+    if method.device_tokens(context, new, page) is None:  # Full KV: the warm-up, timed and 2 breakdown steps
+        prefill = per_seq = layers * -(-(context + warmup + steps + 2) // page)
+    else:
+        prefill, per_seq = engine.pages_needed(seq, method, prefill=True), engine.pages_needed(seq, method)
     free = len(engine.pool.free)
     if free < prefill:
         raise SemkvError(f"one sequence of {context} tokens needs {prefill} KV pages; the pool has {free} free")
     batch = (free - prefill) // per_seq + 1
-    seq = Sequence(0, synthetic_ids(engine, 0, context), SamplingParams(max_new_tokens=new), SeqKV(engine.pool))
     seq.method_state = method.new_state(seq)  # a request like the benchmark's, not admitted
     host, room = method.admission_host_bytes(seq), engine.state_room(method)
     if host:
@@ -151,8 +157,12 @@ def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, 
                 seq.method_state = method.new_state(seq)
                 seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
                 continue
-            fill_random(engine, seq, context, seed=i)
-            engine.apply_prefill(seq, method)
+            fill = random_layers(engine, seq, context, seed=i)
+            if context > engine.chunk_of(method):  # a prefill of several chunks holds every layer's prompt at once
+                for layer in range(engine.config.num_layers):
+                    fill(layer)
+                fill = None
+            engine.apply_prefill(seq, method, fill)  # else one layer's, as one chunk does
             seq.output_ids.append(ids[-1])
     except (MemoryError, torch.OutOfMemoryError):  # the pool or the device cannot hold the batch: give back what
         engine.end(seqs, method)                    # was filled

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -126,7 +127,7 @@ class Engine:
         split = seq.question_start if method.uses_question_split() and seq.question_start else n
         phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
         window = max(method.window_size(), record_window)
-        chunk = min(method.prefill_chunk() or self.prefill_chunk, self.prefill_chunk)
+        chunk = self.chunk_of(method)
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases
                  for a, b in plan_chunks(lo, hi, chunk, window if evict else 0)]
         ids = torch.tensor(seq.prompt_ids, device=self.device)
@@ -143,6 +144,10 @@ class Engine:
         self._prefill_done(seq)
         seq.stats.prefill_s = time.perf_counter() - started
         return logits[0]
+
+    def chunk_of(self, method: KVMethod) -> int:
+        """Prompt tokens per prefill chunk under `method` (the engine's, or the method's when shorter)."""
+        return min(method.prefill_chunk() or self.prefill_chunk, self.prefill_chunk)
 
     def _admit(self, seq: Sequence, method: KVMethod) -> None:
         self._live[seq] = method
@@ -216,12 +221,17 @@ class Engine:
         return twin
 
     @torch.inference_mode()
-    def apply_prefill(self, seq: Sequence, method: KVMethod) -> None:
-        """Apply a method's prefill-time eviction and summaries to a sequence prefilled with Full KV."""
+    def apply_prefill(self, seq: Sequence, method: KVMethod, fill: Callable[[int], None] | None = None) -> None:
+        """Apply a method's prefill-time eviction and summaries to a sequence prefilled with Full KV. `fill(layer)`,
+        when given, stores each layer's K/V (and its window queries) just before that layer's eviction, so the device
+        holds one layer's whole prompt at a time, as a prompt prefilled in one chunk does (benchmarks' synthetic
+        K/V)."""
         started = time.perf_counter()
         seq.method_state = method.new_state(seq)
         self._admit(seq, method)
         for layer in range(self.config.num_layers):
+            if fill is not None:
+                fill(layer)
             evict_layer(method, seq, layer, seq.window_queries[layer])
         method.finish_prefill(seq)
         self._prefill_done(seq)
@@ -399,11 +409,19 @@ class Engine:
 
     def pages_needed(self, seq: Sequence, method: KVMethod, prefill: bool = False) -> int:
         """Pages a request may hold at most: every layer keeps what the method keeps on the device
-        (`device_tokens`), else its whole prompt and output (Full KV); during its prefill, at least its prompt."""
+        (`device_tokens`), else its whole prompt and output (Full KV). During its prefill a prompt of one chunk fills
+        and evicts one layer at a time (one layer holds the whole prompt, the others their bound); a longer prompt
+        is held by every layer until its last chunk."""
         n, new = len(seq.prompt_ids), seq.params.max_new_tokens
-        bound = method.device_tokens(n, new, self.pool.page_size)
-        tokens = n + new if bound is None else max(bound, n) if prefill else bound
-        return self.config.num_layers * -(-tokens // self.pool.page_size)
+        page, layers = self.pool.page_size, self.config.num_layers
+        bound = method.device_tokens(n, new, page)
+        if bound is None:
+            return layers * -(-(n + new) // page)
+        if not prefill:
+            return layers * -(-bound // page)
+        if n <= self.chunk_of(method):
+            return (layers - 1) * -(-bound // page) + -(-max(bound, n) // page)
+        return layers * -(-max(bound, n) // page)
 
     def blocked(self, seq: Sequence, running: list[Sequence], method: KVMethod) -> str | None:
         """Why `seq` cannot be admitted beside the running requests now (every running request may still grow to

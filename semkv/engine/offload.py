@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from semkv import kernels
 from semkv.engine.memory import HostMemory
 from semkv.errors import SemkvError
 
@@ -57,16 +58,14 @@ class HostKVStore(HostMemory):
 
     def put(self, layers: slice, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Append tokens to `layers` (each holding as many): keys and values [L', kv_heads, m, D], positions
-        [L', kv_heads, m], on the device. The copy waits for the device (it is rare: the prompt at the end of
-        prefill, then a few tokens every `offload_chunk` steps)."""
+        [L', kv_heads, m], on the device. On a GPU the device writes them into the pinned buffers in stream order,
+        without the host waiting (`kernels.put_host`): the kernels that read them later run after it."""
         counts = set(self.count[layers])
         n, m = counts.pop(), k.shape[2]
         if counts or n + m > self.capacity:
             raise SemkvError(f"host KV store: {m} more tokens do not fit layers {layers} (held {self.count[layers]}, "
                              f"capacity {self.capacity})")
-        self.k[layers, :, n : n + m] = k
-        self.v[layers, :, n : n + m] = v
-        self.pos[layers, :, n : n + m] = pos
+        kernels.put_host(k, v, pos, self.k, self.v, self.pos, range(len(self.count))[layers].start, n)
         for layer in range(*layers.indices(len(self.count))):
             self.count[layer] = n + m
         self.d2h_bytes += (k.numel() + v.numel()) * k.element_size()
@@ -103,5 +102,6 @@ def pin(address: int, size: int) -> None:
 
 
 def unpin(buffer: torch.Tensor, address: int) -> None:
-    """Undo `pin` (the buffer is freed once this returns)."""
+    """Undo `pin` (the buffer is freed once this returns), after the device's writes into it (`put`) are done."""
+    torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(address)

@@ -118,3 +118,13 @@ def working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, han
                                               host, table, k_pool, v_pool, pos_pool, traffic, layer)
     return reference.working_set(slots, lengths, rows, n_sink, offloaded, cache, held, where, hand, stores, table,
                                  k_pool, v_pool, pos_pool, traffic, layer)
+
+
+def put_host(k, v, pos, store_k, store_v, store_pos, first: int, n: int) -> None:
+    """See `reference.put_host`; on CUDA the device writes the host store in place (its pinned address is a device
+    address), in stream order and without waiting."""
+    if use_triton(k.device):
+        from semkv.kernels import triton_working_set
+
+        return triton_working_set.put_host(k, v, pos, store_k, store_v, store_pos, first, n)
+    return reference.put_host(k, v, pos, store_k, store_v, store_pos, first, n)

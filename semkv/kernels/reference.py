@@ -96,10 +96,15 @@ def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tenso
     ranked before it and the index of its first token (buckets are contiguous token ranges in id order), int32
     [B, S, buckets] each. What SentenceKV's `sentence_tokens` and `sentence_slots` take."""
     count = count.int()
+    return ranked_before(scores, count), count.cumsum(-1, dtype=torch.int32) - count
+
+
+def ranked_before(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The first result of `bucket_ranks` alone (DynSplit-KV's chunk ranges come from its plan)."""
+    count = count.int()
     order = torch.sort(scores.masked_fill(count == 0, float("-inf")), dim=-1, descending=True, stable=True).indices
     ranked = count.gather(-1, order)
-    before = torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
-    return before, count.cumsum(-1, dtype=torch.int32) - count
+    return torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
 
 
 def compact_chosen(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor,
@@ -183,6 +188,16 @@ def working_set(slots: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, 
     traffic.index_add_(0, rows, torch.stack([(middle & hit).sum((1, 2)), miss.sum((1, 2))], 1))
     tail = torch.where(valid & (slots >= ns + off), slots - off + cache, slots)
     slots.copy_(torch.where(middle, ns + slot, tail))
+
+
+def put_host(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+             store_pos: torch.Tensor, first: int, n: int) -> None:
+    """Tokens into a host store: keys and values [L', kv_heads, m, D], positions [L', kv_heads, m] become entries
+    n..n+m-1 of layers first..first+L'-1 of store_k / store_v [layers, kv_heads, capacity, D] and store_pos [layers,
+    kv_heads, capacity]."""
+    layers, m = k.shape[0], k.shape[2]
+    for src, dst in ((k, store_k), (v, store_v), (pos, store_pos)):
+        dst[first : first + layers, :, n : n + m] = src
 
 
 def _rotate_keys(k: torch.Tensor, key_rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

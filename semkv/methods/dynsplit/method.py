@@ -275,54 +275,80 @@ class DynSplitKV(RowHolder, KVMethod):
         keys = seq.kv.gather(layer, torch.arange(n, device=q.device)[None])[0]  # [kv_heads, n, D]
         state.dependency.observe(q, keys, start)
 
-    def finish_prefill(self, seq: Sequence) -> None:
+    def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> None:
+        """Offload with a split known before the prompt is read (`document_tokens=0`): this layer's chunk summaries
+        go into the sequence's device row and its tokens to the host as soon as the layer is computed, so a prefill
+        holds one layer's whole prompt on the device, not every layer's. Otherwise `finish_prefill` does it."""
+        if not self._prefill_by_layer():
+            return None
         state = seq.method_state
-        if state.dependency is not None:
-            scores = {t: s / c for t, (s, c) in state.dependency.by_token(seq.prompt_ids).items()
-                      if c >= MIN_OCCURRENCES}
-            state.token_weights = arrange_weights({**self.base_weights, **normalise(scores)}, self.weights)
-        self._extend(state, seq.prompt_ids)
-        kv = seq.kv
+        if layer == 0:
+            self._extend(state, seq.prompt_ids)
+            self._prefill_starts(seq, state)
+        self._prefill_layer(seq, state, layer)
+        return None
+
+    def _prefill_by_layer(self) -> bool:
+        return self.batched and self.offload and self.document_tokens == 0
+
+    def finish_prefill(self, seq: Sequence) -> None:
+        state, kv = seq.method_state, seq.kv
+        if not self._prefill_by_layer():  # else every layer is done (`evict_prefill`)
+            if state.dependency is not None:
+                scores = {t: s / c for t, (s, c) in state.dependency.by_token(seq.prompt_ids).items()
+                          if c >= MIN_OCCURRENCES}
+                state.token_weights = arrange_weights({**self.base_weights, **normalise(scores)}, self.weights)
+            self._extend(state, seq.prompt_ids)
+            if self.batched:
+                self._prefill_starts(seq, state)
+                for layer in range(kv.pool.num_layers):
+                    self._prefill_layer(seq, state, layer)
+        if self.offload:
+            state.offloaded += self._prompt_offload(state)
+            seq.stats.d2h_bytes = state.store.d2h_bytes
         if self.batched:
-            self._prefill_rows(seq, state)
-            if self.offload:
-                self._offload(seq, state, len(state.ids) - state.sinks - self._tail(), prefill=True)
             return
         for layer in range(kv.pool.num_layers):
             keys, _, _ = kv.gather(layer, kv.all_slots(layer))
             state.summarise(layer, keys, self.pooling)
         state.pending = 0
 
-    def _offload(self, seq: Sequence, state: DynSplitState, m: int, prefill: bool = False) -> None:
-        """Offload: the m oldest tokens after the sinks and the working set go to the host. At the end of prefill
-        (the prompt after its sinks is the tail) layer by layer; the tail then moves behind the working set, which
-        holds the first offloaded tokens (already in place). Later in whole pages, every layer at once, which leave
-        the page table without a copy."""
-        kv, m, layers, page = seq.kv, max(m, 0), seq.kv.pool.num_layers, seq.kv.pool.page_size
-        start = state.sinks if prefill else state.sinks + state.cache  # the first token to offload
-        for part in [slice(layer, layer + 1) for layer in range(layers)] if prefill else [slice(None)]:
-            if m:  # prefill: a layer at a time, so the copy never needs the whole prompt's K/V twice
-                state.store.put(part, *slot_range(kv, part, start, m))
-        state.offloaded += m
-        if prefill:
-            for layer in range(layers):
-                self._sets.hold_first(layer, state.row, min(state.cache, m))
-                move_tail(kv, layer, start + m, state.sinks + state.cache)
-        elif m:
-            kv.drop_pages(start // page, m // page)
-        seq.stats.d2h_bytes = state.store.d2h_bytes
+    def _prompt_offload(self, state: DynSplitState) -> int:
+        """Offload: the prompt tokens that go to the host at the end of prefill (after the sinks, before the tail)."""
+        return max(len(state.ids) - state.sinks - self._tail(), 0)
 
-    def _prefill_rows(self, seq: Sequence, state: DynSplitState) -> None:
-        """The prompt's chunk starts and every layer's chunk summaries (score="bound") into the sequence's device
-        row."""
-        kv, rows, n = seq.kv, self._rows, len(state.ids)
+    def _prefill_starts(self, seq: Sequence, state: DynSplitState) -> None:
+        """Room in the device rows for the prompt's chunks, and their starts."""
         chunks = len(state.ends) + 1
-        self.ensure_rows((state.row + 1, chunks + 2), kv.pool)
-        rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32, device=rows.device)
-        for layer in range(rows.summary_layers):
+        self.ensure_rows((state.row + 1, chunks + 2), seq.kv.pool)
+        self._rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32,
+                                                            device=self._rows.device)
+
+    def _prefill_layer(self, seq: Sequence, state: DynSplitState, layer: int) -> None:
+        """One layer at the end of prefill: its chunk summaries (score="bound") into the device row; with offload,
+        its prompt after the sinks less the tail to the host, the tail moved behind the working set, which holds
+        the first offloaded tokens (already in place)."""
+        kv, rows, n, chunks = seq.kv, self._rows, len(state.ids), len(state.ends) + 1
+        if layer < rows.summary_layers:
             blocks = block_summaries(kv.keys(layer), state.labels[:n], chunks, "minmax")  # [2, kv_heads, chunks, D]
-            rows.kmin[layer, state.row, :chunks] = blocks[0].transpose(0, 1)
-            rows.kmax[layer, state.row, :chunks] = blocks[1].transpose(0, 1)
+            rows.kmin[layer][state.row, :chunks] = blocks[0].transpose(0, 1)
+            rows.kmax[layer][state.row, :chunks] = blocks[1].transpose(0, 1)
+        if not self.offload:
+            return
+        m = self._prompt_offload(state)
+        if m:
+            state.store.put(slice(layer, layer + 1), *slot_range(kv, slice(layer, layer + 1), state.sinks, m))
+        self._sets.hold_first(layer, state.row, min(state.cache, m))
+        move_tail(kv, layer, state.sinks + m, state.sinks + state.cache)
+
+    def _offload(self, seq: Sequence, state: DynSplitState, m: int) -> None:
+        """Offload during decoding: the m (whole pages) oldest tokens after the sinks and the working set go to the
+        host, every layer at once; their pages leave the page table without a copy."""
+        kv, start = seq.kv, state.sinks + state.cache
+        state.store.put(slice(None), *slot_range(kv, slice(None), start, m))
+        kv.drop_pages(start // kv.pool.page_size, m // kv.pool.page_size)
+        state.offloaded += m
+        seq.stats.d2h_bytes = state.store.d2h_bytes
 
     def _extend(self, state: DynSplitState, tokens: list[int]) -> None:
         """Append tokens to the split; close the chunks whose search range is now complete."""
@@ -427,7 +453,7 @@ class DynSplitKV(RowHolder, KVMethod):
                                            span, kmin, kmax)  # in the tail
             scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
                                         self.group_reduce)  # [B, kv_heads, chunks]
-        before, _ = reference.bucket_ranks(scores, count[:, None].expand_as(scores))
+        before = reference.ranked_before(scores, count[:, None].expand_as(scores))
         sinks, recent = plan.n_sink, plan.n_recent
         slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, plan.k - sinks - recent,
                                                       torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink,

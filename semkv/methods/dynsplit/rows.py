@@ -20,15 +20,16 @@ class DynSplitRows(DeviceRows):
     # rows come one per admitted request (a row is about 290 MB at 32 layers and a 32k context): little slack;
     # chunks with an eighth more
     slack = (1, 64)
+    layered = ("kmin", "kmax")
 
     def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device,
                  stamped: bool = True, summarised: bool = True):
         super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
         self.summary_layers = layers if summarised else 0  # score="tokens" keeps no summaries
-        self.kmin = torch.zeros(self.summary_layers, 1, 1, kv_heads, dim, dtype=dtype,
-                                device=device)  # [L, rows, chunks, H, D]
-        self.kmax = torch.zeros_like(self.kmin)
+        # L x [rows, chunks, H, D]
+        self.kmin = [torch.zeros(1, 1, kv_heads, dim, dtype=dtype, device=device) for _ in range(self.summary_layers)]
+        self.kmax = [torch.zeros_like(t) for t in self.kmin]
         self.start = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [rows, chunks] first position
         self.reuse = torch.zeros(1, 2, dtype=torch.long, device=device)  # [rows, 2] tokens reused / reloaded
         # step (of this method) at which each slot and KV head was last attended: [pages, page_size, kv_heads]
@@ -38,10 +39,10 @@ class DynSplitRows(DeviceRows):
 
     @property
     def chunks(self) -> int:
-        return self.kmin.shape[2]
+        return self.start.shape[1]
 
     def sizes(self) -> tuple[int, int]:
-        return self.kmin.shape[1], self.chunks
+        return self.start.shape[0], self.chunks
 
     def shapes(self, rows: int, chunks: int) -> dict[str, tuple[int, ...]]:
         summary = (self.summary_layers, rows, chunks, self.kv_heads, self.dim)
@@ -58,7 +59,7 @@ class DynSplitRows(DeviceRows):
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
-        for t in (self.kmin, self.kmax):
-            t[:, row] = 0
+        for t in self.kmin + self.kmax:
+            t[row] = 0
         for t in (self.start, self.reuse):
             t[row] = 0
