@@ -241,6 +241,48 @@ def test_a_prompt_of_one_chunk_is_admitted_at_one_layer_of_it(tiny_model_dir):
                 llm.generate(prompt, method=method, max_new_tokens=8, chat=False)
 
 
+def test_a_prefill_by_layer_computes_the_same_and_holds_one_layer_of_the_prompt(tiny_model_dir):
+    """A method that prefills by layer (SentenceKV with offload) runs a prompt of several chunks layer after layer:
+    the prompt's logits equal the resident method's, prefilled chunk after chunk, exactly; a pool smaller than every
+    layer's prompt (which the resident prefill needs) runs it, never holding more than one layer's whole prompt
+    beside the other layers' bound, and admission counts that; the tokens are the resident ones."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=40)
+    big = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48)
+    page, layers = llm.engine.pool.page_size, llm.config.num_layers
+    prompt = PROMPTS[0] * 3  # about 360 tokens: 8 chunks, 23 pages a layer
+    ids = llm.encode(prompt, chat=False)[0]
+    params = dict(n_sink=4, n_recent=4)
+    methods = {offload: get_method("sentencekv", 48, **params, offload=offload).bound(llm.config, llm.tokenizer, page)
+               for offload in (True, False)}
+    bound = methods[True].device_tokens(len(ids), 8, page)
+    assert layers * -(-len(ids) // page) > llm.engine.pool.num_pages - 1 > (layers - 1) * -(-bound // page) + 23
+    logits = {}
+    for offload, engine in ((True, llm.engine), (False, big.engine), ("small", llm.engine)):
+        method = methods[offload is True]
+        seq = Sequence(0, ids, SamplingParams(max_new_tokens=8), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
+        try:
+            logits[offload] = engine.prefill(seq, method)
+        except MemoryError:
+            logits[offload] = None
+        finally:
+            engine.end([seq], method)
+    assert torch.equal(logits[True], logits[False])
+    assert logits["small"] is None  # chunk after chunk, every layer's prompt does not fit the small pool
+    kw = dict(max_new_tokens=8, ignore_eos=True, chat=False)
+    llm.engine.pool.peak_in_use = 0
+    got = llm.generate(prompt, method=get_method("sentencekv", 48, **params, offload=True), **kw)[0]
+    assert llm.engine.pool.peak_in_use <= (layers - 1) * -(-bound // page) + -(-len(ids) // page)
+    resident = big.generate(prompt, method=get_method("sentencekv", 48, **params, offload=False), **kw)[0]
+    assert got.token_ids == resident.token_ids
+    seq = Sequence(0, ids, SamplingParams(max_new_tokens=8), SeqKV(llm.engine.pool))
+    hidden = llm.engine.hidden_state_bytes(seq, methods[True])  # kept for the prompt, counted at admission
+    assert hidden == 2 * len(ids) * llm.config.hidden_size * 4 and not llm.engine.hidden_state_bytes(seq, methods[False])
+    llm.engine.state_memory = 1
+    with pytest.raises(MemoryError, match=r"GiB of its prompt's hidden states beside the KV pool"):
+        llm.generate(prompt, method=get_method("sentencekv", 48, **params, offload=True), **kw)
+
+
 def test_requests_that_end_at_their_first_token(tiny_llm):
     """One new token each: every request finishes at its prefill and the scheduler stops without a decode step."""
     outs = tiny_llm.generate(PROMPTS[:3], max_new_tokens=1, ignore_eos=True, chat=False)

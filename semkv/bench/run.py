@@ -158,11 +158,11 @@ def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, 
                 seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
                 continue
             fill = random_layers(engine, seq, context, seed=i)
-            if context > engine.chunk_of(method):  # a prefill of several chunks holds every layer's prompt at once
-                for layer in range(engine.config.num_layers):
-                    fill(layer)
+            if context > engine.chunk_of(method) and not method.prefill_by_layer():
+                for layer in range(engine.config.num_layers):  # several chunks, chunk after chunk: every layer's
+                    fill(layer)                                # prompt at once
                 fill = None
-            engine.apply_prefill(seq, method, fill)  # else one layer's, as one chunk does
+            engine.apply_prefill(seq, method, fill)  # else one layer's at a time (one chunk, or a prefill by layer)
             seq.output_ids.append(ids[-1])
     except (MemoryError, torch.OutOfMemoryError):  # the pool or the device cannot hold the batch: give back what
         engine.end(seqs, method)                    # was filled

@@ -131,15 +131,16 @@ class Engine:
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases
                  for a, b in plan_chunks(lo, hi, chunk, window if evict else 0)]
         ids = torch.tensor(seq.prompt_ids, device=self.device)
-        bar = tqdm(total=n, desc="prefill", unit="tok", disable=not progress, leave=False)
-        logits = None
-        for a, b, evict in spans:
-            positions = torch.arange(a, b, device=self.device)
-            step = PrefillStep(self, seq, method, positions, evict, record_window if b == n else 0)
-            seq.num_computed = b  # methods see the chunk's tokens as computed while it runs
-            logits = self.model(ids[a:b], step, logits_at=torch.tensor([b - a - 1], device=self.device))
-            bar.update(b - a)
-        bar.close()
+        steps = [(a, b, PrefillStep(self, seq, method, a, b, evict, record_window if b == n else 0))
+                 for a, b, evict in spans]
+        if len(steps) > 1 and method.prefill_by_layer():
+            logits = self.model.forward_by_layer(ids, steps, torch.tensor([n - 1], device=self.device))
+        else:
+            bar = tqdm(total=n, desc="prefill", unit="tok", disable=not progress, leave=False)
+            for a, b, step in steps:
+                logits = self.model(ids[a:b], step, logits_at=torch.tensor([b - a - 1], device=self.device))
+                bar.update(b - a)
+            bar.close()
         method.finish_prefill(seq)
         self._prefill_done(seq)
         seq.stats.prefill_s = time.perf_counter() - started
@@ -409,9 +410,9 @@ class Engine:
 
     def pages_needed(self, seq: Sequence, method: KVMethod, prefill: bool = False) -> int:
         """Pages a request may hold at most: every layer keeps what the method keeps on the device
-        (`device_tokens`), else its whole prompt and output (Full KV). During its prefill a prompt of one chunk fills
-        and evicts one layer at a time (one layer holds the whole prompt, the others their bound); a longer prompt
-        is held by every layer until its last chunk."""
+        (`device_tokens`), else its whole prompt and output (Full KV). During its prefill a prompt of one chunk, or
+        of several under a method that prefills by layer, fills and evicts one layer at a time (one layer holds the
+        whole prompt, the others their bound); otherwise every layer holds the prompt until its last chunk."""
         n, new = len(seq.prompt_ids), seq.params.max_new_tokens
         page, layers = self.pool.page_size, self.config.num_layers
         bound = method.device_tokens(n, new, page)
@@ -419,7 +420,7 @@ class Engine:
             return layers * -(-(n + new) // page)
         if not prefill:
             return layers * -(-bound // page)
-        if n <= self.chunk_of(method):
+        if n <= self.chunk_of(method) or method.prefill_by_layer():
             return (layers - 1) * -(-bound // page) + -(-max(bound, n) // page)
         return layers * -(-max(bound, n) // page)
 
@@ -441,14 +442,25 @@ class Engine:
             if host > room:
                 return (f"request {seq.seq_id} needs {host / 2**30:.2f} GiB of host memory for its offloaded K/V; "
                         f"{room / 2**30:.2f} GiB is available (lower the batch or shorten it)")
-        state = method.admission_bytes(seq)
-        room = self.state_room(method) if state else math.inf  # most admissions allocate nothing: no device query
-        if state and self.tp is not None:
+        state, hidden = method.admission_bytes(seq), self.hidden_state_bytes(seq, method)
+        room = self.state_room(method) if state or hidden else math.inf  # most admissions allocate nothing
+        if (state or hidden) and self.tp is not None:
             room = self.tp.host_min(room)
-        if state > room:
-            return (f"request {seq.seq_id} needs {state / 2**30:.2f} GiB of {method.name} state beside the KV pool; "
-                    f"{max(room, 0) / 2**30:.2f} GiB is free there (lower gpu_memory_utilization or shorten it)")
+        if state + hidden > room:
+            what = f"{state / 2**30:.2f} GiB of {method.name} state" if state else ""
+            if hidden:  # a prefill by layer keeps the prompt's hidden states
+                what += (" and " if state else "") + f"{hidden / 2**30:.2f} GiB of its prompt's hidden states"
+            return (f"request {seq.seq_id} needs {what} beside the KV pool; {max(room, 0) / 2**30:.2f} GiB is free "
+                    "there (lower gpu_memory_utilization or shorten it)")
         return None
+
+    def hidden_state_bytes(self, seq: Sequence, method: KVMethod) -> int:
+        """Device bytes a prefill by layer keeps for the whole prompt (its hidden states and residual stream); 0 for a
+        prompt of one chunk or a prefill chunk after chunk."""
+        n = len(seq.prompt_ids)
+        if n <= self.chunk_of(method) or not method.prefill_by_layer():
+            return 0
+        return 2 * n * self.config.hidden_size * self.dtype.itemsize
 
     def state_room(self, method: KVMethod) -> float:
         """Device bytes a method may still allocate beside the KV pool: `state_memory` less what it holds, else on

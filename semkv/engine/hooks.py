@@ -298,6 +298,13 @@ class KVMethod(BatchedHooks):
         the context of each chunk); the engine's chunk when shorter. None: no limit."""
         return None
 
+    def prefill_by_layer(self) -> bool:
+        """True: a prompt of several chunks is prefilled layer after layer (every chunk through layer l before any
+        through layer l + 1), so each layer's whole prompt is evicted or offloaded before the next layer's is
+        computed and the device holds one layer's prompt at a time, not every layer's (the offloading methods). The
+        same computation in another order, for the price of the prompt's hidden states ([T, hidden] twice)."""
+        return False
+
     def uses_question_split(self) -> bool:
         """True when prefill-time compression must run before the question is read (query-agnostic mode)."""
         return False

@@ -33,16 +33,17 @@ def plan_chunks(lo: int, hi: int, chunk: int, min_last: int) -> list[tuple[int, 
 class PrefillStep:
     """AttentionContext for one chunk of one sequence."""
 
-    def __init__(self, engine, seq: Sequence, method: KVMethod, positions: torch.Tensor, evict: bool,
+    def __init__(self, engine, seq: Sequence, method: KVMethod, start: int, end: int, evict: bool,
                  record_window: int = 0):
         self.engine, self.seq, self.method, self.evict = engine, seq, method, evict
-        self.positions = positions
+        self.positions, self.end = torch.arange(start, end, device=engine.device), end  # the chunk's tokens
         self.record_window = record_window  # keep the last queries of each layer for methods applied later
-        self.cos, self.sin = engine.rotary.cos_sin(positions, engine.dtype, seq_len=len(seq.prompt_ids))
+        self.cos, self.sin = engine.rotary.cos_sin(self.positions, engine.dtype, seq_len=len(seq.prompt_ids))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         by_rank = self.method.rope_by_rank()
         kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
+        self.seq.num_computed = self.end  # methods see the chunk's tokens as computed while it runs
         start = kv.num_slots[layer]
         kv.ensure_slots(layer, start + chunk)
         rows = kv.physical(layer, torch.arange(start, start + chunk, device=q.device))

@@ -159,6 +159,21 @@ class LlamaModel(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
+        return self._logits(x, residual, logits_at)
+
+    def forward_by_layer(self, input_ids: torch.Tensor, chunks: list[tuple[int, int, AttentionContext]],
+                         logits_at: torch.Tensor) -> torch.Tensor:
+        """What `forward` gives chunk after chunk, computed layer after layer: tokens [a, b) of input_ids [T] with
+        their context, every chunk through one layer before the next layer. Holds the prompt's hidden states and
+        residual [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        residual = torch.empty_like(x)
+        for i, layer in enumerate(self.model.layers):
+            for a, b, ctx in chunks:
+                x[a:b], residual[a:b] = layer(x[a:b], residual[a:b] if i else None, ctx)
+        return self._logits(x, residual, logits_at)
+
+    def _logits(self, x: torch.Tensor, residual: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
         if logits_at is not None:
             x, residual = x[logits_at], residual[logits_at]
         return self.lm_head(self.model.norm(x, residual)[0]).float()

@@ -34,8 +34,7 @@ def teacher_forced_entropies(llm: Any, ids: list[int]) -> torch.Tensor:
     try:
         for start in range(0, len(ids), engine.prefill_chunk):
             end = min(start + engine.prefill_chunk, len(ids))
-            step = PrefillStep(engine, seq, FullKV(), torch.arange(start, end, device=engine.device), evict=False)
-            seq.num_computed = end
+            step = PrefillStep(engine, seq, FullKV(), start, end, evict=False)
             out.append(token_entropy(engine.model(tokens[start:end], step)))  # [chunk]
     finally:
         seq.kv.release()

@@ -279,7 +279,7 @@ class DynSplitKV(RowHolder, KVMethod):
         """Offload with a split known before the prompt is read (`document_tokens=0`): this layer's chunk summaries
         go into the sequence's device row and its tokens to the host as soon as the layer is computed, so a prefill
         holds one layer's whole prompt on the device, not every layer's. Otherwise `finish_prefill` does it."""
-        if not self._prefill_by_layer():
+        if not self.prefill_by_layer():
             return None
         state = seq.method_state
         if layer == 0:
@@ -288,12 +288,14 @@ class DynSplitKV(RowHolder, KVMethod):
         self._prefill_layer(seq, state, layer)
         return None
 
-    def _prefill_by_layer(self) -> bool:
+    def prefill_by_layer(self) -> bool:
+        """Offload with a split known before the prompt is read: each layer is summarised and offloaded as soon as it
+        is computed (`evict_prefill`), so a prompt longer than the device holds can be prefilled."""
         return self.batched and self.offload and self.document_tokens == 0
 
     def finish_prefill(self, seq: Sequence) -> None:
         state, kv = seq.method_state, seq.kv
-        if not self._prefill_by_layer():  # else every layer is done (`evict_prefill`)
+        if not self.prefill_by_layer():  # else every layer is done (`evict_prefill`)
             if state.dependency is not None:
                 scores = {t: s / c for t, (s, c) in state.dependency.by_token(seq.prompt_ids).items()
                           if c >= MIN_OCCURRENCES}

@@ -178,6 +178,11 @@ class SentenceKV(RowHolder, KVMethod):
     def window_size(self) -> int:
         return self.window
 
+    def prefill_by_layer(self) -> bool:
+        """With offload (or offload=None): each layer's prompt is scored, retained and offloaded before the next
+        layer's is computed, so a prompt longer than the device holds can be prefilled."""
+        return self.offload is not False
+
     def split(self, prompt_tokens: int, max_new_tokens: int) -> tuple[bool, int, int, int]:
         """A request's budget split: whether the budget covers its whole generation (nothing is dropped or moved),
         its budget, sinks and recent window."""
