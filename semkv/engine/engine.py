@@ -117,7 +117,8 @@ class Engine:
     # -- prefill --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seq: Sequence, method: KVMethod, progress: bool = False, record_window: int = 0) -> torch.Tensor:
-        """Run the prompt through the model; return the logits of its last token [vocab].
+        """Run the prompt through the model, chunk after chunk (or layer after layer, every chunk through one layer
+        before the next, when the method prefills by layer); return the logits of its last token [vocab].
 
         record_window > 0 keeps the last queries of every layer in `seq.window_queries`, so that methods can later be
         applied to copies of this prefilled sequence (`fork` + `apply_prefill`)."""
