@@ -158,7 +158,7 @@ def prefilled_batch(engine: Engine, method: KVMethod, batch: int, context: int, 
                 seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
                 continue
             fill = random_layers(engine, seq, context, seed=i)
-            if context > engine.chunk_of(method) and not method.prefill_by_layer():
+            if engine.prefill_order(context, method) == "by chunk":
                 for layer in range(engine.config.num_layers):  # several chunks, chunk after chunk: every layer's
                     fill(layer)                                # prompt at once
                 fill = None

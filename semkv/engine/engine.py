@@ -134,7 +134,7 @@ class Engine:
         ids = torch.tensor(seq.prompt_ids, device=self.device)
         steps = [(a, b, PrefillStep(self, seq, method, a, b, evict, record_window if b == n else 0))
                  for a, b, evict in spans]
-        if len(steps) > 1 and method.prefill_by_layer():
+        if self.prefill_order(n, method) == "by layer":
             logits = self.model.forward_by_layer(ids, steps, torch.tensor([n - 1], device=self.device))
         else:
             bar = tqdm(total=n, desc="prefill", unit="tok", disable=not progress, leave=False)
@@ -150,6 +150,14 @@ class Engine:
     def chunk_of(self, method: KVMethod) -> int:
         """Prompt tokens per prefill chunk under `method` (the engine's, or the method's when shorter)."""
         return min(method.prefill_chunk() or self.prefill_chunk, self.prefill_chunk)
+
+    def prefill_order(self, n: int, method: KVMethod) -> str:
+        """How a prompt of n tokens is prefilled under `method`: "one chunk" (each layer filled and evicted in turn),
+        "by layer" (several chunks, every chunk through one layer before the next: `KVMethod.prefill_by_layer`) or
+        "by chunk" (several chunks, every layer holding the prompt until the last one)."""
+        if n <= self.chunk_of(method):
+            return "one chunk"
+        return "by layer" if method.prefill_by_layer() else "by chunk"
 
     def _admit(self, seq: Sequence, method: KVMethod) -> None:
         self._live[seq] = method
@@ -421,9 +429,9 @@ class Engine:
             return layers * -(-(n + new) // page)
         if not prefill:
             return layers * -(-bound // page)
-        if n <= self.chunk_of(method) or method.prefill_by_layer():
-            return (layers - 1) * -(-bound // page) + -(-max(bound, n) // page)
-        return layers * -(-max(bound, n) // page)
+        if self.prefill_order(n, method) == "by chunk":
+            return layers * -(-max(bound, n) // page)
+        return (layers - 1) * -(-bound // page) + -(-max(bound, n) // page)
 
     def blocked(self, seq: Sequence, running: list[Sequence], method: KVMethod) -> str | None:
         """Why `seq` cannot be admitted beside the running requests now (every running request may still grow to
@@ -459,7 +467,7 @@ class Engine:
         """Device bytes a prefill by layer keeps for the whole prompt (its hidden states and residual stream); 0 for a
         prompt of one chunk or a prefill chunk after chunk."""
         n = len(seq.prompt_ids)
-        if n <= self.chunk_of(method) or not method.prefill_by_layer():
+        if self.prefill_order(n, method) != "by layer":
             return 0
         return 2 * n * self.config.hidden_size * self.dtype.itemsize
 
