@@ -154,9 +154,13 @@ class LLM:
         return [usage] if self.config.tp is None else self.config.tp.gather_object(usage)
 
     @on_every_rank
-    def new_session(self) -> "Session":
-        """The requests of a server, arriving over time (`Session`); one per LLM."""
-        self.session = Session(self)
+    def new_session(self, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                    enable_prefix_caching: bool = True) -> "Session":
+        """The requests of a server, arriving over time (`Session`); one per LLM. max_num_batched_tokens: tokens one
+        engine step computes at most (decode rows and prefill chunks; None: the engine's prefill chunk);
+        max_num_seqs: requests running at once (None: as many as memory holds); enable_prefix_caching: a request
+        whose prompt starts with pages an earlier one computed reuses them."""
+        self.session = Session(self, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
         return self.session
 
     @property
@@ -460,9 +464,11 @@ class Session:
     sharing one bound copy of the method (so they decode in one batch). With tensor parallelism every rank keeps a
     session and replays each call of rank 0's (`submit`, `advance`, `cancel`)."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                 enable_prefix_caching: bool = True):
         self.llm = llm
-        self.scheduler = Scheduler(llm.engine, contain=True)
+        self.scheduler = Scheduler(llm.engine, contain=True, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching)
         self.requests: dict[int, tuple[Sequence, str]] = {}  # live requests by id, with their method keys
         self.bound: dict[str, KVMethod] = {}  # method key -> the bound copy its live requests share
 

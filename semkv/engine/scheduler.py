@@ -21,6 +21,18 @@ StopTest = Callable[[Sequence], str]  # why a request stops after its last token
 
 
 @dataclass
+class Counters:
+    """What a scheduler has done, for a server's metrics: counts since it was made, and the last step's tokens."""
+
+    admitted: int = 0  # requests admitted
+    prompt_tokens: int = 0  # prompt tokens of the admitted requests
+    cached_tokens: int = 0  # of those, read from the prefix cache instead of computed
+    preemptions: int = 0  # running requests whose pages were freed to make room (recomputed later)
+    steps: int = 0  # engine steps (`advance` calls that ran something)
+    step_tokens: int = 0  # tokens the last step computed: one per decoding request plus its prefill chunks
+
+
+@dataclass
 class Batch:
     """The running requests of one method object and the CUDA graphs of their decode steps."""
 
@@ -30,11 +42,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, engine, contain: bool = False):
+    def __init__(self, engine, contain: bool = False, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, prefix_caching: bool = False):
         """contain: a request that cannot be admitted even alone, or whose prefill or decode step raises, ends with
         its error in `failed` (with the other requests of its batch for a failed step) and the others go on; without
-        it the error propagates (the caller then ends the run: `Engine.end`)."""
+        it the error propagates (the caller then ends the run: `Engine.end`). max_num_batched_tokens: tokens one
+        step computes at most (decode rows and prefill chunks); max_num_seqs: requests running at once;
+        prefix_caching: reuse the prompt pages of earlier requests with the same prefix."""
         self.engine, self.contain = engine, contain
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.prefix_caching = prefix_caching
+        self.counters = Counters()
         self.waiting: deque[Sequence] = deque()
         self.batches: dict[int, Batch] = {}  # id(method) -> its batch
         self.failed: list[tuple[Sequence, BaseException]] = []  # contained errors; the caller takes them

@@ -51,7 +51,9 @@ class GenerationStats:
     """What one request cost. Token counts are per KV head of one layer (averaged over layers), like the budget."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache instead of being computed
     new_tokens: int = 0
+    queue_s: float = 0.0  # from submission to admission (waiting for memory or for its turn)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     kv_resident_tokens: float = 0.0  # peak resident during decoding
