@@ -89,12 +89,15 @@ class LLM:
     kernels and prepares the prefill attention at load (`Engine.warm_up`). cuda_graphs: replay decode steps as CUDA
     graphs where the method allows it. tensor_parallel_size: shard the model over this many GPUs of the host
     (`models.parallel`; one process per GPU, this one rank 0 and its sampler the one that decides), or over CPU
-    processes (gloo) on the CPU; `close()` ends them.
+    processes (gloo) on the CPU; `close()` ends them. enable_prefix_caching: `generate` reuses the prompt pages of
+    earlier requests that start with the same tokens (page-aligned blocks, as vLLM's automatic prefix caching; the
+    server turns it on for its session: `new_session`); `reset_prefix_cache()` forgets them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
                  page_size: int = 16, prefill_chunk: int | None = None, gpu_memory_utilization: float = 0.9,
-                 num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1):
+                 num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1,
+                 enable_prefix_caching: bool = False):
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int (or None: the device's default)")
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
@@ -102,8 +105,10 @@ class LLM:
         check_range("gpu_memory_utilization", gpu_memory_utilization, 0.05, 1.0)
         dev = resolve_device(device)
         check_size(tensor_parallel_size, dev)
+        check_range("enable_prefix_caching", enable_prefix_caching, types=bool)
         settings = dict(model=model, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
-                        gpu_memory_utilization=gpu_memory_utilization, num_pages=num_pages, cuda_graphs=cuda_graphs)
+                        gpu_memory_utilization=gpu_memory_utilization, num_pages=num_pages, cuda_graphs=cuda_graphs,
+                        enable_prefix_caching=enable_prefix_caching)
         self.ranks: Ranks | None = None
         self.session: Session | None = None
         self.closed = False
@@ -120,7 +125,8 @@ class LLM:
             raise
 
     def _load(self, device: torch.device, tp: TensorParallel | None, model, dtype, page_size, prefill_chunk,
-              gpu_memory_utilization, num_pages, cuda_graphs) -> None:
+              gpu_memory_utilization, num_pages, cuda_graphs, enable_prefix_caching) -> None:
+        self.enable_prefix_caching = enable_prefix_caching
         loaded = load_model(model, device, resolve_dtype(dtype, device), tp)
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
@@ -145,6 +151,11 @@ class LLM:
         if method not in METHODS:
             raise SemkvError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         return METHODS[method].calibrate(self, texts, max_tokens)
+
+    @on_every_rank
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt pages no request holds (they are free pages again)."""
+        self.engine.pool.clear_cache()
 
     @on_every_rank
     def memory(self) -> list[MemoryUsage]:
@@ -248,7 +259,8 @@ class LLM:
                                               "" if answer_prefixes is None else answer_prefixes[i])
             self.check_length(which, len(ids), max_new_tokens, allow_overlong, kv_method)
             seqs.append(self.request(i, ids, params, kv_method, question_start))
-        self.engine.run(seqs, kv_method, self.stop_test(params), progress)  # frees every request, however it ends
+        self.engine.run(seqs, kv_method, self.stop_test(params), progress,  # frees every request, however it ends
+                        self.enable_prefix_caching)
         return [self.output(seq) for seq in seqs]
 
     def compare(

@@ -339,12 +339,12 @@ def test_method_state_is_taken_at_admission_and_requests_wait_for_its_memory(tin
 @pytest.mark.parametrize("name", ["h2o", "infllm", "quest", "chess"])
 def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, name):
     """H2O's prompt attention sums are taken at admission, not at submission; what H2O, InfLLM, Quest and CHESS keep
-    beside a fixed pool (scores, block keys, page summaries: for every page) is announced by the first request's
-    `admission_bytes` and held while it runs (the engine's accounting), nothing more is announced for the next
-    request, and all of it is free again when the run ends."""
+    by page beside a fixed pool (scores, block keys, page summaries) covers the pages handed out, not the pool: the
+    admission counts it for the request's pages (`Engine.admission_state`), the request holds no more than that
+    while it runs, and all of it is free again when the run ends."""
     from semkv.methods import get_method
 
-    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=400)
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", num_pages=4000)
     method = get_method(name, 32)
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     ids = llm.encode(PROMPTS[0], chat=False)[0]
@@ -353,10 +353,13 @@ def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, nam
     assert held_bytes([method, *states], llm.engine.device) == (0, 0) and not getattr(states[0], "prefill_scores", [])
     pool = llm.engine.pool
     prompt_sums = pool.num_layers * pool.num_kv_heads * len(ids) * 4 if name == "h2o" else 0
-    announced = method.admission_bytes(seqs[0])
+    need = llm.engine.pages_needed(seqs[0], method, prefill=True)
+    announced = sum(llm.engine.admission_state(seqs[0], method, need))
     seqs[0].method_state = states[0]
     llm.engine.prefill(seqs[0], method)
-    assert llm.engine.memory().state_bytes[name] == announced - prompt_sums > 0  # the prompt sums are gone
+    held = llm.engine.memory().state_bytes[name]
+    assert 0 < held <= announced - prompt_sums  # the prompt sums are gone
+    assert held == method.page_state_bytes(pool) * pool.coverage < method.page_state_bytes(pool) * pool.num_pages / 10
     assert method.admission_bytes(seqs[1]) == prompt_sums
     llm.engine.end(seqs[:1], method)
     assert llm.engine.memory().held == (0, 0, 0, 0)

@@ -111,7 +111,9 @@ def synthetic_ids(engine: Engine, index: int, context: int) -> list[int]:
 def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
     """The largest batch of `context`-token sequences a `bench_decode` run of `steps` steps keeps: its KV pages in
     the engine's fixed pool (each sequence at the method's `device_tokens` bound, or every token: Full KV, while the
-    last one prefills: `Engine.pages_needed`), its state beside the pool and its offloaded K/V in host memory."""
+    last one prefills: `Engine.pages_needed`), its state beside the pool (rows of requests, and state kept by page for
+    every page the batch holds, as the pool grows it: `KVPool.cover_bytes`, the grown tables beside the old ones),
+    and its offloaded K/V in host memory."""
     if engine.pool.max_pages is None:
         raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
     new = warmup + steps + 8  # the generation `bench_decode` allows
@@ -121,7 +123,8 @@ def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, wa
         prefill = per_seq = layers * -(-(context + warmup + steps + 2) // page)
     else:
         prefill, per_seq = engine.pages_needed(seq, method, prefill=True), engine.pages_needed(seq, method)
-    free = len(engine.pool.free)
+    pool = engine.pool
+    free = pool.available
     if free < prefill:
         raise SemkvError(f"one sequence of {context} tokens needs {prefill} KV pages; the pool has {free} free")
     batch = (free - prefill) // per_seq + 1
@@ -129,8 +132,19 @@ def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, wa
     host, room = method.admission_host_bytes(seq), engine.state_room(method)
     if host:
         batch = min(batch, int(available_host_bytes() // host))
-    while batch > 1 and math.isfinite(room) and method.batch_state_bytes(seq, batch) > room:
-        batch -= 1
+
+    def state(batch: int) -> int:
+        covered = pool.touched + prefill + (batch - 1) * per_seq
+        per_page = pool.page_state_bytes() + method.page_state_bytes(pool)
+        return method.batch_state_bytes(seq, batch) + (per_page * pool.coverage_for(covered)
+                                                       if covered > pool.coverage else 0)
+
+    if math.isfinite(room) and state(batch) > room:  # the largest batch whose state fits (state grows with it)
+        low, high = 1, batch
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if state(mid) <= room else (low, mid - 1)
+        batch = low
     method.reset()
     return max(batch, 1)
 

@@ -104,9 +104,13 @@ class GraphRunner:
         self.engine, self.method, self.max_pages = engine, method, max_pages
         self.capture = engine.device.type == "cuda"
         self.steps: dict[int, GraphedStep] = {}
-        self.epoch = method.graph_epoch  # see `KVMethod.graph_epoch`
+        self.epoch = self._epoch()  # when either changes the graphs point at moved buffers
         self.replay_events: list | None = None  # a list: each step's (start, end) CUDA events (benches set it)
         self.warned = False  # a batch larger than the largest bucket was said to run eagerly
+
+    def _epoch(self) -> tuple[int, int]:
+        """`KVMethod.graph_epoch` and the pool's `coverage_epoch` (its per-page state grew)."""
+        return self.method.graph_epoch, self.engine.pool.coverage_epoch
 
     def fits(self, seqs: list[Sequence]) -> bool:
         if len(seqs) > BUCKETS[-1] and not self.warned:
@@ -126,9 +130,9 @@ class GraphRunner:
     @torch.inference_mode()
     def forward_step(self, seqs: list[Sequence], inputs: StepInputs, plan: StepPlan | None):
         """`Engine.forward_step` through the graph: logits [B, vocab] and the captured step (its statistics)."""
-        if self.epoch != self.method.graph_epoch:
+        if self.epoch != self._epoch():
             self.steps.clear()
-            self.epoch = self.method.graph_epoch
+            self.epoch = self._epoch()
         size = next(b for b in BUCKETS if b >= len(seqs))
         if size not in self.steps:
             self.steps[size] = GraphedStep(self.engine, self.method, size, self.max_pages, self.capture)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +21,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
 from semkv.engine.offload import available_host_bytes
+from semkv.engine.prefix_cache import PrefixCache, block_keys
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -38,6 +40,18 @@ DEFAULT_CHUNK = {True: 32768, False: 512}
 WARM_UP_MAX_LEN = 131072  # the longest context `warm_up` prepares the prefill for
 WARM_UP_PROMPT = 300  # tokens of its short prefill: long enough for the kernels' prefill-sized variants
 ACTIVATION_RESERVE = 2 * 2**30  # device bytes kept free for activations and captured graphs beside the KV pool
+
+
+@dataclass
+class PrefillPlan:
+    """A prompt's prefill between the steps that run its chunks (`Engine.continue_prefill`)."""
+
+    method: KVMethod
+    spans: list[tuple[int, int, bool]]  # the chunks left: [a, b) and whether the layers evict after it
+    ids: torch.Tensor  # [n] the prompt on the device
+    record_window: int  # the last chunk keeps this many queries per layer (`Sequence.window_queries`)
+    by_layer: bool  # every chunk through one layer before the next (`KVMethod.prefill_by_layer`)
+    layers: Generator[int, None, torch.Tensor] | None = None  # a prefill by layer under way (`LlamaModel.by_layer`)
 
 
 def _sample(seq: Sequence, logits: torch.Tensor) -> int:
@@ -85,6 +99,7 @@ class Engine:
             self.pool = KVPool(*shape, num_pages=num_pages, max_pages=num_pages)
         self._rank_cos_sin = (torch.empty(0), torch.empty(0))
         self._live: dict[Sequence, KVMethod] = {}  # admitted requests, not yet released, and their methods
+        self.reserved = 0  # pool pages a scheduler promised to prompts being prefilled (decode steps leave them)
         if warm_up and device.type == "cuda":
             self.warm_up()
 
@@ -117,45 +132,136 @@ class Engine:
     # -- prefill --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seq: Sequence, method: KVMethod, progress: bool = False, record_window: int = 0) -> torch.Tensor:
-        """Run the prompt through the model, chunk after chunk (or layer after layer, every chunk through one layer
-        before the next, when the method prefills by layer); return the logits of its last token [vocab].
+        """Run the whole prompt through the model, chunk after chunk (or layer after layer, every chunk through one
+        layer before the next, when the method prefills by layer); return the logits of its last token [vocab].
 
         record_window > 0 keeps the last queries of every layer in `seq.window_queries`, so that methods can later be
         applied to copies of this prefilled sequence (`fork` + `apply_prefill`)."""
-        started = time.perf_counter()
+        self.start_prefill(seq, method, record_window=record_window)
+        return self.run_prefill(seq, progress)
+
+    def run_prefill(self, seq: Sequence, progress: bool = False) -> torch.Tensor:
+        """The chunks of a started prefill (`start_prefill`), all of them: the logits of the prompt's last token."""
+        bar = tqdm(total=len(seq.prompt_ids) - seq.num_computed, desc="prefill", unit="tok", disable=not progress,
+                   leave=False)
+        logits = None
+        while logits is None:
+            done = seq.num_computed
+            logits = self.continue_prefill(seq, 1)  # a chunk a call, for the progress bar
+            bar.update(seq.num_computed - done)
+        bar.close()
+        return logits
+
+    def start_prefill(self, seq: Sequence, method: KVMethod, limit: int | None = None, record_window: int = 0) -> None:
+        """Admit a request (its method takes its state) and plan its prefill from `seq.num_computed` (the tokens
+        found in the prefix cache) in chunks of at most `limit` tokens (the method's own chunk when it has one);
+        `continue_prefill` then runs them."""
         self._admit(seq, method)
         n = len(seq.prompt_ids)
         split = seq.question_start if method.uses_question_split() and seq.question_start else n
         phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
         window = max(method.window_size(), record_window)
-        chunk = self.chunk_of(method)
-        spans = [(a, b, evict and b == hi) for lo, hi, evict in phases
-                 for a, b in plan_chunks(lo, hi, chunk, window if evict else 0)]
-        ids = torch.tensor(seq.prompt_ids, device=self.device)
-        steps = [(a, b, PrefillStep(self, seq, method, a, b, evict, record_window if b == n else 0))
-                 for a, b, evict in spans]
-        if self.prefill_order(n, method) == "by layer":
-            logits = self.model.forward_by_layer(ids, steps, torch.tensor([n - 1], device=self.device))
+        chunk = self.chunk_of(method, limit)
+        start = seq.num_computed
+        spans = [(a, b, evict and b == hi) for lo, hi, evict in phases if hi > start
+                 for a, b in plan_chunks(max(lo, start), hi, chunk, window if evict else 0)]
+        seq.prefill = PrefillPlan(method, spans, torch.tensor(seq.prompt_ids, device=self.device), record_window,
+                                  len(spans) > 1 and method.prefill_by_layer())
+
+    @torch.inference_mode()
+    def continue_prefill(self, seq: Sequence, budget: int) -> torch.Tensor | None:
+        """Run the next planned chunks of a prefill, as many as `budget` tokens allow (at least one; 0: all of them;
+        a prefill by layer runs layers, a layer counting as its share of the prompt's tokens); the logits of the
+        prompt's last token [vocab] once the prompt is done, after the method's `finish_prefill`, else None."""
+        plan, started, n = seq.prefill, time.perf_counter(), len(seq.prompt_ids)
+        logits = None
+        if plan.by_layer:
+            logits = self._prefill_layers(seq, budget)
         else:
-            bar = tqdm(total=n, desc="prefill", unit="tok", disable=not progress, leave=False)
-            for a, b, step in steps:
-                logits = self.model(ids[a:b], step, logits_at=torch.tensor([b - a - 1], device=self.device))
-                bar.update(b - a)
-            bar.close()
-        method.finish_prefill(seq)
+            count, tokens = 0, 0
+            while count < len(plan.spans) and (count == 0 or not budget
+                                               or tokens + plan.spans[count][1] - plan.spans[count][0] <= budget):
+                tokens += plan.spans[count][1] - plan.spans[count][0]
+                count += 1
+            for a, b, evict in plan.spans[:count]:
+                step = PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0)
+                logits = self.model(plan.ids[a:b], step, logits_at=torch.tensor([b - a - 1], device=self.device))
+            del plan.spans[:count]
+        seq.stats.prefill_s += time.perf_counter() - started
+        if plan.spans:
+            return None
+        plan.method.finish_prefill(seq)
         self._prefill_done(seq)
-        seq.stats.prefill_s = time.perf_counter() - started
+        seq.prefill = None
         return logits[0]
 
-    def chunk_of(self, method: KVMethod) -> int:
-        """Prompt tokens per prefill chunk under `method` (the engine's, or the method's when shorter)."""
-        return min(method.prefill_chunk() or self.prefill_chunk, self.prefill_chunk)
+    def lookup_prefix(self, seq: Sequence, method: KVMethod) -> None:
+        """Prefix caching (`pool.cache`), for a request whose method shares prompt pages (`shares_prefix`): take the
+        cached blocks its prompt starts with (leaving its last token, and the method's observation window, to be
+        computed), and mark its full prompt pages for the cache (`cache_prompt`; `SeqKV.protect`)."""
+        if self.pool.cache is None or not method.shares_prefix(seq):
+            return
+        page, n = self.pool.page_size, len(seq.prompt_ids)
+        seq.block_keys = block_keys(seq.prompt_ids, page, n // page)
+        blocks = self.pool.cache.match(seq.block_keys[: (n - max(method.window_size(), 1)) // page])
+        if blocks:
+            seq.kv.share(blocks)
+            seq.num_computed = len(blocks) * page
+            if not seq.output_ids:  # not a recompute after preemption (its own pages may be cached by then)
+                seq.stats.cached_tokens = seq.num_computed
+        seq.cached_blocks = len(blocks)
+        seq.kv.protect = len(seq.block_keys)
 
-    def prefill_order(self, n: int, method: KVMethod) -> str:
-        """How a prompt of n tokens is prefilled under `method`: "one chunk" (each layer filled and evicted in turn),
-        "by layer" (several chunks, every chunk through one layer before the next: `KVMethod.prefill_by_layer`) or
-        "by chunk" (several chunks, every layer holding the prompt until the last one)."""
-        if n <= self.chunk_of(method):
+    def cache_prompt(self, seq: Sequence) -> int:
+        """Add the prompt pages its prefill has computed in every layer to the prefix cache (once the prompt is done,
+        the protected pages a compaction set aside go back: the cache keeps them); how many blocks were added."""
+        if not seq.block_keys:
+            return 0
+        kv, done = seq.kv, min(seq.num_computed // self.pool.page_size, len(seq.block_keys))
+        added = 0
+        for i in range(seq.cached_blocks, done):
+            pages = tuple((kv.aside[layer] or kv.pages[layer])[i] for layer in range(self.config.num_layers))
+            added += self.pool.cache.add(seq.block_keys[i], pages, held=True)
+        seq.cached_blocks = max(seq.cached_blocks, done)
+        if seq.prefill is None:  # the prompt is done
+            self.pool.release([page for aside in kv.aside for page in aside[::-1]])  # tail first (`SeqKV.release`)
+            kv.aside = [[] for _ in kv.aside]
+            kv.protect = 0
+            seq.block_keys = []
+        return added
+
+    def _prefill_layers(self, seq: Sequence, budget: int) -> torch.Tensor | None:
+        """The next layers of a prefill by layer: as many as `budget` tokens pay for (a layer costs the prompt's
+        tokens over the layers; at least one; 0: all), every chunk through each; the logits once the last is done."""
+        plan, n, layers = seq.prefill, len(seq.prompt_ids), self.config.num_layers
+        if plan.layers is None:
+            steps = [(a, b, PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0))
+                     for a, b, evict in plan.spans]
+            plan.layers = self.model.by_layer(plan.ids, steps, torch.tensor([n - 1], device=self.device))
+        count = layers if not budget else max(1, budget * layers // max(n - plan.spans[0][0], 1))
+        for _ in range(count):
+            try:
+                next(plan.layers)
+            except StopIteration as done:
+                plan.spans.clear()
+                plan.layers = None
+                return done.value
+        return None
+
+    def chunk_of(self, method: KVMethod, limit: int | None = None) -> int:
+        """Prompt tokens per prefill chunk under `method`: its own chunk when it has one (its prefill depends on
+        them), else the engine's, or `limit` (a scheduler's step budget) when shorter."""
+        own = method.prefill_chunk()
+        if own is not None:
+            return min(own, self.prefill_chunk)
+        return min(limit or self.prefill_chunk, self.prefill_chunk)
+
+    def prefill_order(self, n: int, method: KVMethod, limit: int | None = None) -> str:
+        """How a prompt of n tokens is prefilled under `method` in chunks of at most `limit` tokens: "one chunk"
+        (each layer filled and evicted in turn), "by layer" (several chunks, every chunk through one layer before the
+        next: `KVMethod.prefill_by_layer`) or "by chunk" (several chunks, every layer holding the prompt until the
+        last one)."""
+        if n <= self.chunk_of(method, limit):
             return "one chunk"
         return "by layer" if method.prefill_by_layer() else "by chunk"
 
@@ -195,7 +301,7 @@ class Engine:
                     totals[method.name] = totals.get(method.name, 0) + n
         cache = self.pool.staging.buffer.nbytes + sum(t.nbytes for t in self._rank_cos_sin)
         return MemoryUsage(self.pool.num_pages, self.pool.in_use, self.pool.bytes_per_page, len(self._live), device,
-                           host, cache)
+                           host, cache, self.pool.cached_pages)
 
     def _held(self, method: KVMethod) -> tuple[int, int]:
         """(device, host) bytes a method and the states of its live requests hold (`memory.held_bytes`)."""
@@ -301,7 +407,7 @@ class Engine:
                     seq.kv.num_slots[layer] = n
                 requests.append((seq.kv, grown))
             ensure_many(requests)
-        packed = self.pool.staging.send([[0 if ahead else s.last_token, s.num_computed + ahead, *s.kv.num_slots]
+        packed = self.pool.staging.send([[0 if ahead else s.next_input, s.num_computed + ahead, *s.kv.num_slots]
                                          for s in seqs])
         if write is None:  # the slot before the count, in every layer and head
             write = (packed[:, 2:] - 1)[:, :, None].expand(-1, -1, self.config.num_kv_heads)
@@ -329,11 +435,14 @@ class Engine:
             seq.stats.selection_s += (step.selection_s + self.step_plan_s) / n
         return [int(t) for t in read[2]] if tokens is not None else None
 
-    def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False) -> None:
-        """Continuous batching (`Scheduler`): admit waiting requests while the pool can hold them to the end and the
-        device the method's state for them, prefill each on admission, decode the running batch one step at a time,
-        release finished requests. A request that cannot fit waits; one that cannot fit even alone is an error."""
-        scheduler = Scheduler(self)
+    def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False,
+            prefix_caching: bool = False) -> None:
+        """Continuous batching (`Scheduler`): admit waiting requests while the pool can hold their prompts and the
+        device the method's state for them, prefill each on admission, decode the running batch one step at a time
+        (preempting the newest request when the pages of a step are missing), release finished requests. A request
+        that cannot fit waits; one that cannot fit even alone is an error. prefix_caching: reuse cached prompt
+        pages (`Scheduler`)."""
+        scheduler = Scheduler(self, prefix_caching=prefix_caching)
         try:
             for seq in seqs:
                 scheduler.submit(seq, method, is_stop)
@@ -383,10 +492,13 @@ class Engine:
         chosen = logits.argmax(-1) if greedy else None
         if chosen is not None and self.tp is not None:
             self.tp.broadcast(chosen)  # rank 0's sampler decides
-        if greedy and method.graph_safe and method.steady_slots and type(method).begin_step is KVMethod.begin_step:
+        steady = not any(s.replaying for s in running)  # a recomputed request's next input is its output, not this
+        if (greedy and steady and method.graph_safe and method.steady_slots and type(method).begin_step is
+                KVMethod.begin_step and self.can_grow(running, method)):
             # while the device runs this step, prepare the next one for the same batch (its tokens are this step's
-            # greedy tokens, filled in on the device); a request that finishes now leaves a spare slot behind, and
-            # the method's end_step must not move the cache (`steady_slots`)
+            # greedy tokens, filled in on the device), when its pages are there beside the scheduler's `reserved`;
+            # a request that finishes now leaves a spare slot behind, and the method's end_step must not move the
+            # cache (`steady_slots`)
             upcoming = self.step_inputs(running, method, ahead=True)
             upcoming.packed[:, 0] = chosen
             self._ahead = (list(running), upcoming)
@@ -395,8 +507,13 @@ class Engine:
         if span:
             self.timer.stop(span)
         tokens = self.finish_step(running, step, chosen)  # greedy: one read for everything
+        # a request recomputed after preemption (`Sequence.replaying`) knows its next token: its output's
+        known = [s.output_ids[s.num_computed - len(s.prompt_ids)] if s.num_computed < s.num_tokens else None
+                 for s in running]
         if tokens is None:
-            tokens = self.agree([pick(s, logits[b]) for b, s in enumerate(running)])
+            tokens = self.agree([pick(s, logits[b]) if k is None else k for b, (s, k) in enumerate(zip(running, known))])
+        elif not steady:
+            tokens = [t if k is None else k for t, k in zip(tokens, known)]
         span = self.timer.start("selection") if self.timer else None
         method.end_step(running, logits, tokens)
         if span:
@@ -406,7 +523,8 @@ class Engine:
             resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step
             seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, resident)
             seq.stats.decode_s += elapsed
-            self.append_token(seq, token, is_stop, logits[b])
+            if known[b] is None:
+                self.append_token(seq, token, is_stop, logits[b])
 
     def agree(self, tokens: list[int]) -> list[int]:
         """Rank 0's tokens on every rank with tensor parallelism (its sampler decides), else the tokens."""
@@ -417,32 +535,74 @@ class Engine:
         seq.stats.kv_attended_tokens = seq.attended_total / max(len(seq.output_ids) - 1, 1)
         self.release(seq)
 
-    def pages_needed(self, seq: Sequence, method: KVMethod, prefill: bool = False) -> int:
+    def pages_needed(self, seq: Sequence, method: KVMethod, prefill: bool = False, limit: int | None = None) -> int:
         """Pages a request may hold at most: every layer keeps what the method keeps on the device
-        (`device_tokens`), else its whole prompt and output (Full KV). During its prefill a prompt of one chunk, or
-        of several under a method that prefills by layer, fills and evicts one layer at a time (one layer holds the
-        whole prompt, the others their bound); otherwise every layer holds the prompt until its last chunk."""
+        (`device_tokens`), else its whole prompt and output (Full KV). With `prefill`, the most it holds until its
+        prefill (in chunks of at most `limit` tokens) is done: Full KV's prompt; a prompt of one chunk, or of several
+        under a method that prefills by layer, fills and evicts one layer at a time (one layer holds the whole
+        prompt, the others their bound); otherwise every layer holds the prompt until its last chunk. A prompt whose
+        pages go to the prefix cache keeps them while the method compacts the layers (`SeqKV.protect`): its bound
+        comes on top."""
         n, new = len(seq.prompt_ids), seq.params.max_new_tokens
         page, layers = self.pool.page_size, self.config.num_layers
         bound = method.device_tokens(n, new, page)
         if bound is None:
-            return layers * -(-(n + new) // page)
+            return layers * -(-(n if prefill else n + new) // page)
         if not prefill:
             return layers * -(-bound // page)
-        if self.prefill_order(n, method) == "by chunk":
+        if seq.kv.protect:
+            return layers * (-(-n // page) + -(-bound // page))
+        if self.prefill_order(n, method, limit) == "by chunk":
             return layers * -(-max(bound, n) // page)
         return (layers - 1) * -(-bound // page) + -(-max(bound, n) // page)
 
-    def blocked(self, seq: Sequence, running: list[Sequence], method: KVMethod) -> str | None:
-        """Why `seq` cannot be admitted beside the running requests now (every running request may still grow to
-        its own bound), or None when it can."""
+    def pages_available(self) -> int:
+        """Pages requests can still take: free ones, cached ones no request holds (evicted when needed), and of the
+        never-used ones as many as the device can hold the per-page state beside the pool for."""
+        pool = self.pool
+        if pool.max_pages is None:
+            return math.inf
+        fresh = pool.num_pages - pool.touched
+        per_page = pool.page_state_bytes()
+        if per_page and fresh > pool.coverage - pool.touched:
+            room = self.state_room()
+            if self.tp is not None:  # every rank decides alike
+                room = self.tp.host_min(room)
+            if math.isfinite(room):  # the coverage whose grown tables fit beside the old ones (a quarter more)
+                fresh = min(fresh, max(pool.coverage, int(max(room, 0) // per_page) * 4 // 5) - pool.touched)
+        return len(pool.free) + fresh + pool.cached_pages
+
+    def can_grow(self, seqs: list[Sequence], method: KVMethod) -> bool:
+        """Whether the next decode step of these requests has its pages without preempting anything: at once when
+        the pool holds a page for every layer of every row beside the pages `reserved` by the scheduler."""
+        pool = self.pool
+        if pool.max_pages is None or pool.ready_pages - self.reserved >= len(seqs) * self.config.num_layers:
+            return True
+        return self.step_pages(seqs, method) <= self.pages_available() - self.reserved
+
+    def step_pages(self, seqs: list[Sequence], method: KVMethod) -> int:
+        """Pages the next decode step of these requests may take: a page in each layer whose last page is full, for
+        a request below its bound (`pages_needed`)."""
+        page, total = self.pool.page_size, 0
+        for seq in seqs:
+            if seq.slot_ready or all(n % page for n in seq.kv.num_slots):
+                continue
+            room = self.pages_needed(seq, method) - sum(map(len, seq.kv.pages))
+            total += max(min(sum(1 for n in seq.kv.num_slots if n % page == 0), room), 0)
+        return total
+
+    def blocked(self, seq: Sequence, method: KVMethod, reserved: int = 0, limit: int | None = None) -> str | None:
+        """Why `seq` cannot be admitted now, or None when it can: the pages of its prefill (in chunks of at most
+        `limit` tokens) beyond what the pool has available less `reserved` (pages promised to requests being
+        prefilled), the device memory of its method state, of the per-page state its pages add and of its prompt's
+        hidden states, or host memory for its offloaded K/V."""
+        need = 0
         if self.pool.max_pages is not None:
-            growth = sum(max(self.pages_needed(s, self._live.get(s, method)) - sum(map(len, s.kv.pages)), 0)
-                         for s in running)
-            need = self.pages_needed(seq, method, prefill=True)
-            if len(self.pool.free) - growth < need:
-                return (f"request {seq.seq_id} needs {need} KV pages; the pool has {self.pool.num_pages - 1} (raise "
-                        "gpu_memory_utilization or shorten it)")
+            need = self.pages_needed(seq, method, prefill=True, limit=limit)
+            room = self.pages_available() - reserved
+            if room < need:
+                return (f"request {seq.seq_id} needs {need} KV pages; {max(room, 0)} are available now and the pool "
+                        f"has {self.pool.num_pages - 1} (raise gpu_memory_utilization or shorten it)")
         host = method.admission_host_bytes(seq)
         if host:
             room = available_host_bytes()
@@ -451,31 +611,45 @@ class Engine:
             if host > room:
                 return (f"request {seq.seq_id} needs {host / 2**30:.2f} GiB of host memory for its offloaded K/V; "
                         f"{room / 2**30:.2f} GiB is available (lower the batch or shorten it)")
-        state, hidden = method.admission_bytes(seq), self.hidden_state_bytes(seq, method)
-        room = self.state_room(method) if state or hidden else math.inf  # most admissions allocate nothing
-        if (state or hidden) and self.tp is not None:
+        state, pages, hidden = self.admission_state(seq, method, need, limit)
+        room = self.state_room(method) if state or hidden or pages else math.inf  # most allocate nothing
+        if (state or hidden or pages) and self.tp is not None:
             room = self.tp.host_min(room)
-        if state + hidden > room:
-            what = f"{state / 2**30:.2f} GiB of {method.name} state" if state else ""
+        if state + hidden + pages > room:
+            what = [f"{state / 2**30:.2f} GiB of {method.name} state"] if state else []
+            if pages:
+                what.append(f"{pages / 2**30:.2f} GiB of state kept by KV page")
             if hidden:  # a prefill by layer keeps the prompt's hidden states
-                what += (" and " if state else "") + f"{hidden / 2**30:.2f} GiB of its prompt's hidden states"
-            return (f"request {seq.seq_id} needs {what} beside the KV pool; {max(room, 0) / 2**30:.2f} GiB is free "
-                    "there (lower gpu_memory_utilization or shorten it)")
+                what.append(f"{hidden / 2**30:.2f} GiB of its prompt's hidden states")
+            return (f"request {seq.seq_id} needs {' and '.join(what)} beside the KV pool; "
+                    f"{max(room, 0) / 2**30:.2f} GiB is free there (lower gpu_memory_utilization or shorten it)")
         return None
 
-    def hidden_state_bytes(self, seq: Sequence, method: KVMethod) -> int:
+    def admission_state(self, seq: Sequence, method: KVMethod, pages: int,
+                        limit: int | None = None) -> tuple[int, int, int]:
+        """Device bytes beside the pool that admitting `seq` with `pages` more KV pages may allocate: (its method's
+        state: `admission_bytes`; the state kept by page that the pool grows for those pages, the method's own too:
+        `KVPool.cover_bytes`; its prompt's hidden states when prefilled by layer)."""
+        covered = self.pool.touched + pages  # the most page ids in use once it is prefilled
+        by_page = self.pool.cover_bytes(covered)
+        if covered > self.pool.coverage:  # its own per-page state, if it is not grown with the others yet
+            by_page += method.page_state_bytes(self.pool) * self.pool.coverage_for(covered)
+        return method.admission_bytes(seq), by_page, self.hidden_state_bytes(seq, method, limit)
+
+    def hidden_state_bytes(self, seq: Sequence, method: KVMethod, limit: int | None = None) -> int:
         """Device bytes a prefill by layer keeps for the whole prompt (its hidden states and residual stream); 0 for a
         prompt of one chunk or a prefill chunk after chunk."""
         n = len(seq.prompt_ids)
-        if self.prefill_order(n, method) != "by layer":
+        if self.prefill_order(n, method, limit) != "by layer":
             return 0
         return 2 * n * self.config.hidden_size * self.dtype.itemsize
 
-    def state_room(self, method: KVMethod) -> float:
-        """Device bytes a method may still allocate beside the KV pool: `state_memory` less what it holds, else on
-        CUDA the free memory less the activation reserve, else unbounded."""
+    def state_room(self, method: KVMethod | None = None) -> float:
+        """Device bytes methods may still allocate beside the KV pool: `state_memory` less what the live methods
+        hold (or `method`, when given), else on CUDA the free memory less the activation reserve, else unbounded."""
         if self.state_memory is not None:
-            return self.state_memory - self._held(method)[0]
+            methods = [method] if method is not None else list({id(m): m for m in self._live.values()}.values())
+            return self.state_memory - sum(self._held(m)[0] for m in methods)
         if self.device.type != "cuda":
             return math.inf
         free, _ = torch.cuda.mem_get_info(self.device)

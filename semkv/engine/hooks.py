@@ -156,9 +156,6 @@ class BatchedHooks:
     # reads of device values), so the decode step can be captured in a CUDA graph. `begin_step` and `step_plan` run
     # on the host before the forward and may use per-sequence state.
     graph_safe: ClassVar[bool] = False
-    # the state beside the KV pool is tables over the pool's pages (page summaries, block scores), sized by the pool
-    # whatever the batch: `admission_bytes` is what the first request grows them by
-    pool_state: ClassVar[bool] = False
     # Bumped by a method that reallocates device buffers its captured steps point at: graphs are captured again.
     graph_epoch: int = 0
 
@@ -180,9 +177,15 @@ class BatchedHooks:
 
     def batch_state_bytes(self, seq: "Sequence", batch: int) -> int:
         """Device bytes beside the KV pool that `batch` requests like `seq` hold at once (`semkv bench --batches
-        max` fits them in the state room): one table over the pool's pages whatever the batch (`pool_state`), else
-        what each request's admission allocates."""
-        return self.admission_bytes(seq) if self.pool_state else batch * self.admission_bytes(seq)
+        max` fits them in the state room, with `page_state_bytes` for each page they hold): what each request's
+        admission allocates."""
+        return batch * self.admission_bytes(seq)
+
+    def page_state_bytes(self, pool: "KVPool") -> int:
+        """Device bytes of state the method keeps by physical page beside the pool, per page (Quest's and CHESS's
+        page summaries, InfLLM's block keys, H2O's scores: `KVPool.page_states`); the pool grows it with the pages
+        ever handed out, and admission counts it for the pages a request adds."""
+        return 0
 
     def admission_host_bytes(self, seq: "Sequence") -> int:
         """Host bytes `admit(seq)` allocates for the request's offloaded K/V; the engine admits it only when the host
@@ -314,6 +317,15 @@ class KVMethod(BatchedHooks):
         hooks = ("prefill_context", "observe_prefill")
         overridden = any(getattr(type(self), h) is not getattr(KVMethod, h) for h in hooks)
         return overridden or (has_question and self.uses_question_split())
+
+    def shares_prefix(self, seq: "Sequence") -> bool:
+        """True when the request may start from prompt pages another request computed, and give its own to the
+        prefix cache: its prefill computes the prompt's K/V as Full KV does and does not watch it (not
+        `own_prefill`, keys stored after RoPE, no prefill by layer), and its decode steps write only slots of their
+        own (no `begin_step`). Prefill eviction qualifies: its compaction moves to pages of its own first."""
+        return not (self.own_prefill(seq.question_start is not None) or self.rope_by_rank()
+                    or self.prefill_by_layer() or type(self).begin_step is not KVMethod.begin_step
+                    or type(self).observe_prefill is not KVMethod.observe_prefill)
 
     def prefill_context(self, layer: int, seq: "Sequence", q: torch.Tensor, start: int) -> torch.Tensor | None:
         return None

@@ -10,9 +10,12 @@ slots to rows of the flattened pool.
 from __future__ import annotations
 
 import itertools
+import weakref
+from typing import Protocol
 
 import torch
 
+from semkv.engine.prefix_cache import PrefixCache
 from semkv.engine.staging import HostStaging
 from semkv.errors import SemkvError
 
@@ -27,6 +30,15 @@ def _extended(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class KVPool:
+    """Pages of K, V and original positions, handed out to sequences and taken back.
+
+    Page ids are handed out lowest first until released ones exist, which go out again first (a stack): so the ids
+    ever handed out (`touched`) are about as many as the most pages ever held at once, and state kept by physical page
+    beside the pool (`PageState`: Quest's summaries, InfLLM's block keys...) covers `coverage` >= `touched` ids, not
+    the whole pool. With a `PrefixCache` (`cache`), pages of cached prompt blocks have reference counts and stay
+    filled when no request holds them; they count as free (`available`) and are evicted, least recently used first,
+    only when no other page is left."""
+
     def __init__(
         self,
         num_layers: int,
@@ -46,12 +58,17 @@ class KVPool:
         self.k = torch.empty(0, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.pos = torch.empty(0, page_size, num_kv_heads, dtype=torch.int32, device=device)
-        self.free: list[int] = []
+        self.free: list[int] = []  # released pages, handed out again last in, first out
+        self.scratch = 0  # never given out; padding rows of graph batches write here
+        self.touched = 1  # ids below it were handed out at least once
+        self.coverage = 1  # ids the per-page state beside the pool covers (>= touched)
+        self.coverage_epoch = 0  # bumped when that state moves (captured graphs point at it)
+        self.page_states: weakref.WeakSet = weakref.WeakSet()  # `PageState`s over this pool's pages
+        self.cache: PrefixCache | None = None  # prefix caching, once a scheduler enables it
         self.staging = HostStaging(device)  # page ids reach the tables through it
-        self.in_use = 0
+        self.in_use = 0  # pages some request holds
         self.peak_in_use = 0
         self._grow(num_pages)
-        self.scratch = self.free.pop()  # page 0: never given out; padding rows of graph batches write here
 
     @property
     def num_pages(self) -> int:
@@ -61,27 +78,102 @@ class KVPool:
     def bytes_per_page(self) -> int:
         return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.k.element_size()
 
+    @property
+    def free_pages(self) -> int:
+        """Pages no request holds and no cached block keeps: released ones and never-used ones."""
+        return len(self.free) + self.num_pages - self.touched
+
+    @property
+    def ready_pages(self) -> int:
+        """Free pages that can be handed out at once: without growing the per-page state or evicting cached blocks."""
+        fresh = self.num_pages - self.touched
+        return len(self.free) + (min(fresh, self.coverage - self.touched) if len(self.page_states) else fresh)
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages of cached blocks that no request holds (`available` counts them: they are evicted when needed)."""
+        return 0 if self.cache is None else self.cache.evictable
+
+    @property
+    def available(self) -> int:
+        return self.free_pages + self.cached_pages
+
+    def page_state_bytes(self) -> int:
+        """Device bytes per page of the state kept by physical page beside the pool (every live `PageState`)."""
+        return sum(state.bytes_per_page(self) for state in self.page_states)
+
     def _grow(self, new_pages: int) -> None:
-        old = self.num_pages
         # zeros, not empty: padded slots of a batch are read and multiplied by a zero probability, and 0 * NaN
         # garbage would poison the output; stale data of freed pages is always finite
         self.k, self.v, self.pos = (_extended(x, new_pages) for x in (self.k, self.v, self.pos))
-        self.free.extend(range(old + new_pages - 1, old - 1, -1))  # pop() hands out low ids first
+
+    def coverage_for(self, pages: int) -> int:
+        """The coverage `cover(pages)` grows to: a quarter more than now at least, so that growth is rare."""
+        return min(max(pages + 16, self.coverage + self.coverage // 4), max(self.num_pages, pages))
+
+    def cover_bytes(self, pages: int) -> int:
+        """Device bytes `cover(pages)` allocates: the grown tables, made beside the old ones."""
+        return 0 if pages <= self.coverage else self.page_state_bytes() * self.coverage_for(pages)
+
+    def cover(self, pages: int) -> None:
+        """Grow every `PageState` to hold ids below `pages` (`coverage_for`). Raises MemoryError, with the coverage
+        unchanged, when the device cannot hold them."""
+        if pages <= self.coverage:
+            return
+        target = self.coverage_for(pages)
+        try:
+            for state in list(self.page_states):
+                state.cover(self, target)
+        except torch.OutOfMemoryError:
+            raise MemoryError(f"no device memory for the state kept by KV page beside the pool "
+                              f"({self.page_state_bytes() * (target - self.coverage) / 2**30:.2f} GiB for "
+                              f"{target - self.coverage} more pages)") from None
+        self.coverage = target
+        self.coverage_epoch += 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            needed = n - len(self.free)
+        """n pages: released ones first, then never-used ones (lowest ids first), then pages of evicted cached
+        blocks. MemoryError when the pool cannot hold them (nothing is taken then)."""
+        fresh = max(n - len(self.free), 0)
+        if fresh > self.num_pages - self.touched and self.cache is not None:
+            self.free.extend(self.cache.evict(fresh - (self.num_pages - self.touched)))
+            fresh = max(n - len(self.free), 0)
+        if fresh > self.num_pages - self.touched:
+            needed = fresh - (self.num_pages - self.touched)
             if self.max_pages is not None and self.num_pages + needed > self.max_pages:
                 raise MemoryError(f"KV pool exhausted: need {needed} more pages, limit {self.max_pages}")
             self._grow(max(needed, self.num_pages // 2, 16))
-        pages = [self.free.pop() for _ in range(n)]
+        if fresh:
+            self.cover(self.touched + fresh)
+        pages = self.free[len(self.free) - (n - fresh):][::-1] if n > fresh else []
+        del self.free[len(self.free) - (n - fresh):]
+        pages += range(self.touched, self.touched + fresh)
+        self.touched += fresh
         self.in_use += n
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return pages
 
+    def share(self, blocks: list) -> None:
+        """A request holds these cached blocks' pages now (`PrefixCache.take`)."""
+        woken = self.cache.take(blocks)
+        self.in_use += woken
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+
     def release(self, pages: list[int]) -> None:
+        """A request gives pages back: its own ones become free, cached ones lose a holder (idle when none is
+        left)."""
+        if self.cache is not None and self.cache.block_of:
+            private, idled = self.cache.unref(pages)
+            self.free.extend(private)
+            self.in_use -= len(private) + idled
+            return
         self.free.extend(pages)
         self.in_use -= len(pages)
+
+    def clear_cache(self) -> None:
+        """Evict every cached block no request holds."""
+        if self.cache is not None:
+            self.free.extend(self.cache.clear())
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views [num_pages * page_size, kv_heads, head_dim] (and positions [.., kv_heads]) indexed by physical slot."""
@@ -91,6 +183,16 @@ class KVPool:
             self.v.view(rows, self.num_kv_heads, self.head_dim),
             self.pos.view(rows, self.num_kv_heads),
         )
+
+
+class PageState(Protocol):
+    """Method state stored by physical page id beside the pool; the pool grows it with `coverage`."""
+
+    def bytes_per_page(self, pool: KVPool) -> int: ...
+
+    def cover(self, pool: KVPool, pages: int) -> bool:
+        """Hold entries for page ids below `pages`; True when the storage moved."""
+        ...
 
 
 _versions = itertools.count(1)
@@ -163,6 +265,10 @@ class SeqKV:
         self.pages: list[list[int]] = [[] for _ in range(layers)]
         self.num_slots = [0] * layers
         self.widest = 0
+        # prefix caching: the first `protect` pages of every layer are prompt pages to be cached, so a rewrite of
+        # them (`unshare`) moves to new pages and keeps these aside for the cache
+        self.protect = 0
+        self.aside: list[list[int]] = [[] for _ in range(layers)]
         with torch.inference_mode(False):  # a normal tensor even when made during generation (see `_extended`)
             self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
         self.version = next(_versions)
@@ -231,11 +337,42 @@ class SeqKV:
         """Original token position of every stored slot: [kv_heads, num_slots]."""
         return self.gather(layer, self.all_slots(layer))[2]
 
+    def share(self, blocks: list) -> None:
+        """Start from cached prompt blocks (`PrefixCache.match`): their pages, in every layer, hold this sequence's
+        first slots."""
+        self.pool.share(blocks)
+        count = len(blocks) * self.pool.page_size
+        for layer in range(len(self.pages)):
+            self.pages[layer] = [block.pages[layer] for block in blocks]
+            self.num_slots[layer] = count
+        self.widen(len(blocks))
+        index = self.pool.staging.send([list(block.pages) for block in blocks])  # [blocks, layers]
+        self.table[:, : len(blocks)] = index.t()
+
+    def unshare(self, layer: int) -> None:
+        """Before slots of `layer` are rewritten in place: its cached pages and its first `protect` pages are
+        replaced by new pages of its own (their contents are rewritten whole by the caller, so nothing is copied);
+        protected ones are kept aside for the cache, cached ones lose this holder."""
+        pages, cache = self.pages[layer], self.pool.cache
+        guard = 0 if self.aside[layer] else self.protect  # a layer sets its protected pages aside once
+        ours = [i for i, page in enumerate(pages) if i < guard or (cache is not None and cache.cached(page))]
+        if not ours:
+            return
+        fresh = self.pool.allocate(len(ours))
+        self.aside[layer] += [pages[i] for i in ours if i < guard]
+        self.pool.release([pages[i] for i in ours if i >= guard])
+        for i, page in zip(ours, fresh):
+            pages[i] = page
+        index = self.pool.staging.send([ours, fresh])
+        self.table[layer, index[0]] = index[1]
+        self.version = next(_versions)
+
     def compact(self, layer: int, keep: torch.Tensor) -> None:
         """Keep only slots `keep` [kv_heads or 1, n_keep] (ascending per head), moved to slots [0, n_keep); the pages
         no longer needed go back to the pool."""
         n_keep = keep.shape[1]
         k, v, pos = self.gather(layer, keep)  # copies: safe to overwrite in place
+        self.unshare(layer)
         heads = self.pool.num_kv_heads
         rows = self.physical(layer, torch.arange(n_keep, device=keep.device))
         kf, vf, pf = self.pool.flat()
@@ -264,15 +401,23 @@ class SeqKV:
         self.widest = max(map(len, self.pages))
         self.version = next(_versions)
 
+    @property
+    def held_pages(self) -> int:
+        """Pages this sequence holds, in every layer (those set aside for the prefix cache too)."""
+        return sum(map(len, self.pages)) + sum(map(len, self.aside))
+
     def resident_slots(self) -> float:
         """Mean stored slots per layer (per KV head)."""
         return sum(self.num_slots) / len(self.num_slots)
 
     def release(self) -> None:
-        """Give every page back to the pool and drop the table (it widens again if the sequence is refilled)."""
+        """Give every page back to the pool and drop the table (it widens again if the sequence is refilled). Last
+        pages first: cached prompt blocks become idle tail first, so the prefix cache evicts a prompt's tail before
+        its head (a head evicted would make the rest unreachable)."""
         for layer in range(len(self.pages)):
-            self.pool.release(self.pages[layer])
-            self.pages[layer] = []
+            self.pool.release((self.pages[layer] + self.aside[layer])[::-1])
+            self.pages[layer], self.aside[layer] = [], []
             self.num_slots[layer] = 0
+        self.protect = 0
         self.widest = 0
         self.table = self.table.new_zeros(self.table.shape[0], 0)

@@ -28,6 +28,7 @@ class MemoryUsage:
     state_bytes: dict[str, int]  # device memory beside the KV pool, by method
     host_bytes: dict[str, int]  # offloaded K/V in host memory, by method
     cache_bytes: int  # the engine's buffers of fixed size: host staging ring, RoPE table of ranks
+    cached_pages: int = 0  # pages of prefix-cache blocks no request holds (free for requests: evicted when needed)
 
     @property
     def pool_bytes(self) -> int:

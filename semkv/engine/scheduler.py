@@ -1,23 +1,45 @@
 """Continuous batching of requests that arrive over time, each with its own method object.
 
 Requests of one method object decode in one batch; the batches of different methods take turns, one decode step each
-per `advance`. Admission is first come, first served: the oldest waiting request is prefilled as soon as the pool can
-hold it to its end beside every running request (`Engine.blocked`), and the ones behind it wait. `Engine.run` drives
-a scheduler over a fixed list of requests; `semkv serve` keeps one for the life of the server and submits requests as
-they arrive (with `contain=True`, so that a request that fails ends alone).
+per `advance`. With a token budget (`max_num_batched_tokens`, the server) a step is: one decode step of every batch,
+then prompt chunks up to what the budget has left (at least one chunk, so prompts always progress), so a long prompt
+is prefilled over several steps while the running requests keep decoding; without one (`Engine.run`), waiting
+requests are admitted and prefilled whole before the decode steps.
+
+Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
+prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
+A request that cannot be admitted does not hold the queue: up to `BYPASS` later ones may pass it, then it waits for
+room. Running requests grow a page at a time; when a decode step's pages are missing, the most recently admitted
+request is preempted: its
+pages and state are freed and it goes back to the head of the queue, to be recomputed (its prompt prefilled again,
+from the prefix cache where it can, then its output fed back through decode steps: `Sequence.replaying`), so it ends
+with the tokens it would have had. With prefix caching, a request starts from the cached pages of its prompt's
+prefix (`Engine.lookup_prefix`) and gives its own to the cache as its prefill computes them (`Engine.cache_prompt`).
+
+Every decision reads counts (pages, tokens), never clocks, so that the ranks of tensor parallelism decide alike.
+`Engine.run` drives a scheduler over a fixed list of requests; `semkv serve` keeps one for the life of the server and
+submits requests as they arrive (with `contain=True`, so that a request that fails ends alone).
 """
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import KVMethod
+from semkv.engine.prefix_cache import PrefixCache
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
 
 StopTest = Callable[[Sequence], str]  # why a request stops after its last token ("eos", "stop", "length"), or ""
+BYPASS = 8  # admissions that may pass a waiting request the pool cannot hold now, before it holds the queue
+SCAN = 16  # waiting requests looked at per admission (the oldest ones)
+WATERMARK = 100  # admission leaves 1 / WATERMARK of the pool free for the running requests' next pages
 
 
 @dataclass
@@ -47,30 +69,40 @@ class Scheduler:
         """contain: a request that cannot be admitted even alone, or whose prefill or decode step raises, ends with
         its error in `failed` (with the other requests of its batch for a failed step) and the others go on; without
         it the error propagates (the caller then ends the run: `Engine.end`). max_num_batched_tokens: tokens one
-        step computes at most (decode rows and prefill chunks); max_num_seqs: requests running at once;
-        prefix_caching: reuse the prompt pages of earlier requests with the same prefix."""
+        step computes (decode rows and prefill chunks; None: whole prompts before the decode steps); max_num_seqs:
+        requests running at once; prefix_caching: reuse the prompt pages of earlier requests with the same prefix."""
         self.engine, self.contain = engine, contain
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.prefix_caching = prefix_caching
+        if prefix_caching and engine.pool.cache is None:
+            engine.pool.cache = PrefixCache(engine.config.num_layers)
         self.counters = Counters()
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, prompt not done yet (in admission order)
         self.batches: dict[int, Batch] = {}  # id(method) -> its batch
         self.failed: list[tuple[Sequence, BaseException]] = []  # contained errors; the caller takes them
         self._method: dict[Sequence, KVMethod] = {}
         self._stop: dict[Sequence, StopTest] = {}
+        self._queued: dict[Sequence, float] = {}  # when each waiting request joined the queue (for `stats.queue_s`)
+        self._admitted: dict[Sequence, int] = {}  # admission order of live requests (the newest is preempted first)
+        self._order = itertools.count()
+        self._bypassed = 0  # admissions past the request at the head of the queue
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
         """Queue a request (its `method_state` made already) behind the waiting ones."""
         self.waiting.append(seq)
         self._method[seq], self._stop[seq] = method, is_stop
+        self._queued[seq] = time.perf_counter()
+        self._protect(seq)
 
     @property
     def running(self) -> list[Sequence]:
+        """The requests decoding."""
         return [seq for batch in self.batches.values() for seq in batch.running]
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.batches)
+        return bool(self.waiting or self.prefilling or self.batches)
 
     def cancel(self, seq: Sequence) -> None:
         """End a waiting or running request now: it finishes as "cancelled" and everything it holds is freed."""
@@ -81,39 +113,153 @@ class Scheduler:
         seq.finished, seq.finish_reason = True, seq.finish_reason or "cancelled"
         self._end(seq)
 
+    @torch.inference_mode()
     def advance(self, progress: bool = False) -> None:
-        """Admit the waiting requests that fit (each is prefilled and gets its first token), then one decode step of
-        each batch; finished requests are released."""
-        while self.waiting:
-            seq = self.waiting[0]
-            method = self._method[seq]
-            blocked = self.engine.blocked(seq, self.running, method)
-            if blocked is not None:
-                if self.running:
-                    break  # it waits for pages or state memory that running requests give back
-                self._fail([seq], MemoryError(blocked))  # it cannot fit even alone
+        """One step: a decode step of each batch and prefill work (see the module's docstring); finished requests
+        are released."""
+        budget = self.max_num_batched_tokens
+        tokens = 0
+        if budget is None:  # whole prompts first, as many as fit
+            while (seq := self._admit()) is not None:
+                tokens += self._prefill(seq, 0, progress)
+        for batch in [b for b in self.batches.values() if b.running]:
+            self._make_room(batch)
+            if not batch.running:
                 continue
-            self.waiting.popleft()
             try:
-                first = self.engine.prefill(seq, method, progress)
-                token = self.engine.agree([sample(first, seq.params, seq.generator)])[0]
-                self.engine.append_token(seq, token, self._stop[seq], first)
+                self.engine.step(batch.running, batch.method, batch.graphs, self._stop_any)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
-                self._fail([seq], error)
+                self._fail(list(batch.running), error)
                 continue
+            tokens += len(batch.running)
+            for seq in [s for s in batch.running if s.finished]:
+                self._end(seq)
+        if budget is not None:
+            left, chunks = budget - tokens, 0
+            for seq in list(self.prefilling):  # prompts being prefilled first, then new ones
+                if left <= 0 and chunks:
+                    break
+                done = self._prefill(seq, left)
+                left, tokens, chunks = left - done, tokens + done, chunks + 1
+            while (left > 0 or not chunks) and (seq := self._admit()) is not None:
+                done = self._prefill(seq, left)
+                left, tokens, chunks = left - done, tokens + done, chunks + 1
+        self.engine.reserved = 0  # the promises hold while this scheduler steps
+        if tokens:
+            self.counters.steps += 1
+            self.counters.step_tokens = tokens
+
+    # -- admission and prefill ------------------------------------------------------------------------------------
+    def _admit(self) -> Sequence | None:
+        """Admit the oldest waiting request that fits now (see the module's docstring), start its prefill; None when
+        none may start."""
+        if self.max_num_seqs is not None and len(self._admitted) >= self.max_num_seqs:
+            return None
+        limit = self.max_num_batched_tokens
+        # pages promised to prompts being prefilled, and a watermark for the running requests' growth
+        reserved = self._reserved() + (self.engine.pool.num_pages // WATERMARK if self._admitted else 0)
+        for i, seq in enumerate(itertools.islice(self.waiting, SCAN)):
+            method = self._method[seq]
+            blocked = self.engine.blocked(seq, method, reserved, limit)
+            if blocked is None:
+                break
+            if not self._admitted:  # it cannot fit even alone
+                self._fail([seq], MemoryError(blocked))
+                return self._admit()
+            if i == 0 and self._bypassed >= BYPASS:
+                return None  # it has been passed often enough: it waits for room
+        else:
+            return None
+        self._bypassed = 0 if i == 0 else self._bypassed + 1
+        self.waiting.remove(seq)
+        seq.stats.queue_s += time.perf_counter() - self._queued.pop(seq)
+        self._admitted[seq] = next(self._order)
+        try:
+            if self.prefix_caching:
+                self.engine.lookup_prefix(seq, method)
+            self.engine.start_prefill(seq, method, limit)
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail([seq], error)
+            return self._admit()
+        self.prefilling.append(seq)
+        self.counters.admitted += 1
+        self.counters.prompt_tokens += len(seq.prompt_ids)
+        self.counters.cached_tokens += seq.num_computed
+        return seq
+
+    def _prefill(self, seq: Sequence, budget: int, progress: bool = False) -> int:
+        """Run prefill chunks of an admitted request, `budget` tokens' worth (0: all of them); once its prompt is done
+        it gets its first token and joins its method's batch. The prompt tokens computed."""
+        before = seq.num_computed
+        try:
+            if budget:
+                first = self.engine.continue_prefill(seq, budget)
+            else:
+                first = self.engine.run_prefill(seq, progress)
+            if self.prefix_caching:
+                self.engine.cache_prompt(seq)
+            if first is not None:
+                self.prefilling.remove(seq)
+                if not seq.output_ids:  # else recomputed after preemption: its next tokens are its output's
+                    token = self.engine.agree([sample(first, seq.params, seq.generator)])[0]
+                    self.engine.append_token(seq, token, self._stop[seq], first)
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail([seq], error)
+            return 0
+        if first is not None:
             if seq.finished:
                 self._end(seq)
             else:
-                self._batch(method, seq).running.append(seq)
-        for batch in [b for b in self.batches.values() if b.running]:
-            try:
-                self.engine.step(batch.running, batch.method, batch.graphs, self._stop_any)
-            except Exception as error:  # noqa: BLE001
-                self._fail(list(batch.running), error)
-                continue
-            for seq in [s for s in batch.running if s.finished]:
-                self._end(seq)
+                self._batch(self._method[seq], seq).running.append(seq)
+        return seq.num_computed - before
 
+    def _reserved(self) -> int:
+        """Pages promised to the prompts being prefilled (their prefill's pages not taken yet)."""
+        engine, limit = self.engine, self.max_num_batched_tokens
+        return sum(max(engine.pages_needed(s, self._method[s], prefill=True, limit=limit) - s.kv.held_pages, 0)
+                   for s in self.prefilling)
+
+    def _protect(self, seq: Sequence) -> None:
+        """With prefix caching, a request whose method shares prompt pages keeps its full prompt pages intact for the
+        cache (`SeqKV.protect`), which admission counts."""
+        if self.prefix_caching and self._method[seq].shares_prefix(seq):
+            seq.kv.protect = len(seq.prompt_ids) // self.engine.pool.page_size
+
+    # -- preemption -----------------------------------------------------------------------------------------------
+    def _make_room(self, batch: Batch) -> None:
+        """Preempt the most recently admitted requests until the pages of this batch's next decode step are there."""
+        engine = self.engine
+        engine.reserved = self._reserved()
+        while not engine.can_grow(batch.running, batch.method):
+            need = engine.step_pages(batch.running, batch.method)
+            victim = max(self._admitted, key=self._admitted.get)
+            if len(self._admitted) == 1:  # nothing left to preempt: it cannot grow further
+                self._fail([victim], MemoryError(
+                    f"request {victim.seq_id} needs {need} more KV pages to go on; the pool has "
+                    f"{engine.pool.num_pages - 1} and every other request was preempted (raise "
+                    "gpu_memory_utilization or lower max_new_tokens)"))
+                return
+            self._preempt(victim)
+            engine.reserved = self._reserved()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a live request's pages and state and put it back at the head of the queue, to be recomputed."""
+        method = self._method[seq]
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        else:
+            self.batches[id(method)].running.remove(seq)
+        del self._admitted[seq]
+        self.engine.release(seq)
+        seq.num_computed, seq.prefill, seq.slot_ready = 0, None, False
+        seq.block_keys, seq.cached_blocks = [], 0
+        seq.method_state = method.new_state(seq)
+        self.waiting.appendleft(seq)
+        self._queued[seq] = time.perf_counter()
+        self._protect(seq)
+        self.counters.preemptions += 1
+
+    # -- decode ---------------------------------------------------------------------------------------------------
     def _stop_any(self, seq: Sequence) -> str:
         return self._stop[seq](seq)
 
@@ -137,6 +283,10 @@ class Scheduler:
         and its buffers (`Engine.end`)."""
         method = self._method.pop(seq)
         del self._stop[seq]
+        self._queued.pop(seq, None)
+        self._admitted.pop(seq, None)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         batch = self.batches.get(id(method))
         if batch is not None and seq in batch.running:
             batch.running.remove(seq)

@@ -100,6 +100,9 @@ class Sequence:
         self.attended_total = 0.0  # sum over decode steps of attended slots per head, averaged over layers
         self.trace: Trace | None = None  # set to record resident / attended positions (engine/trace.py)
         self.logprobs: list[TokenLogprob] = []  # one per new token when `params.logprobs` asks for them
+        self.prefill: Any = None  # `Engine.start_prefill`'s progress while the prompt is prefilled chunk by chunk
+        self.block_keys: list[bytes] = []  # prefix caching: the keys of its full prompt pages (`block_keys`)
+        self.cached_blocks = 0  # of those, the ones in the prefix cache (found there, or added by this request)
 
     @property
     def num_tokens(self) -> int:
@@ -108,3 +111,15 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def next_input(self) -> int:
+        """The token the next decode step feeds: the last one, or while a preempted request is recomputed, the
+        output token at its position (`replaying`)."""
+        return self.output_ids[self.num_computed - len(self.prompt_ids)]
+
+    @property
+    def replaying(self) -> bool:
+        """A preempted request catching up: its prompt is prefilled again and its output tokens are fed back through
+        decode steps (no sampling, nothing emitted) until it is where it was."""
+        return self.num_computed < self.num_tokens - 1

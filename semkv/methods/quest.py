@@ -25,6 +25,7 @@ import torch
 
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, budget_tokens, resolve_budget
+from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_choice, check_range
 from semkv.methods.state.page_summaries import PageSummaries
@@ -37,7 +38,6 @@ class Quest(KVMethod):
 
     kind = "selection"
     graph_safe = True  # `select` works from the batch tensors alone
-    pool_state = True  # min / max keys of every pool page
     name = "quest"
     summary = "Quest: per-head top pages by a min/max key bound on the query's attention, each decode step"
 
@@ -51,6 +51,12 @@ class Quest(KVMethod):
 
     def admission_bytes(self, seq: Sequence) -> int:
         return self.summaries.growth_bytes(seq.kv.pool)
+
+    def page_state_bytes(self, pool: KVPool) -> int:
+        return self.summaries.bytes_per_page(pool)
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        return 0  # its state is kept by page (`page_state_bytes`)
 
     def finish_prefill(self, seq: Sequence) -> None:
         for layer in range(seq.kv.pool.num_layers):

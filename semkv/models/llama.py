@@ -10,7 +10,7 @@ down_proj are added over the ranks.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Generator, Protocol
 
 import torch
 from torch import nn
@@ -166,11 +166,23 @@ class LlamaModel(nn.Module):
         """What `forward` gives chunk after chunk, computed layer after layer: tokens [a, b) of input_ids [T] with
         their context, every chunk through one layer before the next layer. Holds the prompt's hidden states and
         residual [T, hidden]."""
+        layers = self.by_layer(input_ids, chunks, logits_at)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return done.value
+
+    def by_layer(self, input_ids: torch.Tensor, chunks: list[tuple[int, int, AttentionContext]],
+                 logits_at: torch.Tensor) -> Generator[int, None, torch.Tensor]:
+        """`forward_by_layer` one layer at a time: yields each layer's index once every chunk went through it, and
+        returns the logits, so a caller can spread the layers over several engine steps."""
         x = self.model.embed_tokens(input_ids)
         residual = torch.empty_like(x)
         for i, layer in enumerate(self.model.layers):
             for a, b, ctx in chunks:
                 x[a:b], residual[a:b] = layer(x[a:b], residual[a:b] if i else None, ctx)
+            yield i
         return self._logits(x, residual, logits_at)
 
     def _logits(self, x: torch.Tensor, residual: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:

@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
+from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
@@ -190,7 +191,6 @@ class Chess(KVMethod):
 
     kind = "selection"
     graph_safe = True  # the step's plan is decided before the forward; its selection is computed inside the graph
-    pool_state = True  # page summaries of every pool page (anchor="keys")
     name = "chess"
     renamed = {"page_size": "block_size", "window": "recent_pages"}
     summary = "CHESS: grid->chunk->page cascade by key-key affinity with the recent pages, re-selected on uncertainty"
@@ -245,6 +245,12 @@ class Chess(KVMethod):
 
     def admission_bytes(self, seq: Sequence) -> int:
         return self.summaries.growth_bytes(seq.kv.pool) if self.anchor == "keys" else 0
+
+    def page_state_bytes(self, pool: KVPool) -> int:
+        return self.summaries.bytes_per_page(pool) if self.anchor == "keys" else 0
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        return 0  # its state is kept by page (`page_state_bytes`)
 
     @classmethod
     def calibrate(cls, llm: Any, texts: list[str], max_tokens: int) -> dict[str, Any]:

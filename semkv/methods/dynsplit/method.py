@@ -40,7 +40,7 @@ import torch
 
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
-from semkv.engine.kv_cache import SeqKV
+from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import reference, use_triton
@@ -222,6 +222,10 @@ class DynSplitKV(RowHolder, KVMethod):
             state.sinks, state.cache = self._device_layout(len(seq.prompt_ids), seq.params.max_new_tokens,
                                                            pool.page_size)
         return state
+
+    def page_state_bytes(self, pool: KVPool) -> int:
+        """The attended-step stamps of every slot (`DynSplitRows.stamps`; not with offload)."""
+        return 0 if self.offload or not self.batched else pool.page_size * pool.num_kv_heads * 4
 
     def _device_layout(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
         """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, times

@@ -89,6 +89,13 @@ class H2O(KVMethod):
         pool = seq.kv.pool
         return pool.num_layers * pool.num_kv_heads * len(seq.prompt_ids) * 4 + self.scores.growth_bytes(pool)
 
+    def page_state_bytes(self, pool: KVPool) -> int:
+        return self.scores.bytes_per_page(pool)
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        pool = seq.kv.pool  # each request's prompt scores; the decode scores are kept by page (`page_state_bytes`)
+        return batch * pool.num_layers * pool.num_kv_heads * len(seq.prompt_ids) * 4
+
     # -- prefill ----------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int,
                         lse: torch.Tensor | None) -> None:

@@ -111,7 +111,6 @@ class InfLLM(KVMethod):
     summary = "InfLLM: initial + local tokens and the top memory blocks by representative keys, each decode step"
     kind = "selection"
     graph_safe = True  # state beside the pool, the window in the step plan
-    pool_state = True  # block scores and representative keys over the pool's pages
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -158,6 +157,12 @@ class InfLLM(KVMethod):
 
     def admission_bytes(self, seq: Sequence) -> int:
         return self.scores.growth_bytes(seq.kv.pool) + self.block_keys.growth_bytes(seq.kv.pool)
+
+    def page_state_bytes(self, pool: KVPool) -> int:
+        return self.scores.bytes_per_page(pool) + self.block_keys.bytes_per_page(pool)
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        return 0  # its state is kept by page (`page_state_bytes`)
 
     def _storage(self, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [pages, page_size, kv_heads] and block keys, grown with the pool first (a move makes captured

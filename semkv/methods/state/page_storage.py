@@ -1,6 +1,10 @@
 """Method state stored beside the KV pool, by physical page like the keys (H2O's accumulated attention, InfLLM's
 representative scores and block keys, DynSplit-KV's attended-step stamps): a batch reads and writes it through its
-page tables, with no per-sequence copies, and a freed page frees its state with it."""
+page tables, with no per-sequence copies, and a freed page frees its state with it.
+
+It holds an entry for each page id the pool ever handed out (`KVPool.coverage`, grown by the pool when it hands out
+new ids), not for the whole pool: a pool on a large card is sized by free memory, and state for every page of it
+would not fit beside it."""
 from __future__ import annotations
 
 import math
@@ -12,9 +16,9 @@ from semkv.engine.kv_cache import KVPool
 
 
 class PageStorage:
-    """A tensor [pages, *trailing(pool)], one entry per physical page of the pool, in `dtype` or (`pool_dtype`) in
-    the cache's dtype; grows with it. The method writes every entry it later reads (a page handed out again holds
-    its last owner's values)."""
+    """A tensor [pages, *trailing(pool)], one entry per physical page id the pool covers, in `dtype` or
+    (`pool_dtype`) in the cache's dtype; grows with the pool's coverage (`KVPool.page_states`). The method writes
+    every entry it later reads (a page handed out again holds its last owner's values)."""
 
     def __init__(self, trailing: Callable[[KVPool], tuple[int, ...]], pool_dtype: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -28,19 +32,25 @@ class PageStorage:
     def _dtype(self, pool: KVPool) -> torch.dtype:
         return pool.dtype if self.pool_dtype else self.dtype
 
+    def bytes_per_page(self, pool: KVPool) -> int:
+        return math.prod(self.trailing(pool)) * self._dtype(pool).itemsize
+
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates."""
-        if self.pages >= pool.num_pages:
-            return 0
-        return pool.num_pages * math.prod(self.trailing(pool)) * self._dtype(pool).itemsize
+        return 0 if self.pages >= pool.coverage else pool.coverage * self.bytes_per_page(pool)
 
     def ensure(self, pool: KVPool) -> bool:
-        """Grow with the pool; True when the storage moved (captured graphs must be captured again)."""
+        """Cover the pages the pool covers, and grow with it from now on; True when the storage moved (captured
+        graphs must be captured again)."""
+        pool.page_states.add(self)
+        return self.cover(pool, pool.coverage)
+
+    def cover(self, pool: KVPool, pages: int) -> bool:
         have = self.pages
-        if have >= pool.num_pages:
+        if have >= pages:
             return False
         with torch.inference_mode(False):  # a normal tensor, written outside generation too
-            grown = torch.zeros(pool.num_pages, *self.trailing(pool), dtype=self._dtype(pool), device=pool.device)
+            grown = torch.zeros(pages, *self.trailing(pool), dtype=self._dtype(pool), device=pool.device)
             if self.data is not None:
                 grown[:have] = self.data
         self.data = grown

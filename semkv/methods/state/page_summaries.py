@@ -32,23 +32,33 @@ class PageSummaries:
         exact = stat in ("min", "max") and self.transform is None
         return pool.dtype if exact else torch.float32
 
-    def _short(self, pool: KVPool) -> list[str]:
-        """The statistics whose tables hold fewer pages than the pool."""
-        return [stat for stat in self.stats if stat not in self.data or self.data[stat].shape[0] < pool.num_pages]
+    def _short(self, pool: KVPool, pages: int) -> list[str]:
+        """The statistics whose tables hold fewer than `pages` pages."""
+        return [stat for stat in self.stats if stat not in self.data or self.data[stat].shape[0] < pages]
 
-    def ensure(self, pool: KVPool) -> None:
-        """Grow the summary tables with the pool."""
-        for stat in self._short(pool):
+    def ensure(self, pool: KVPool) -> bool:
+        """Cover the pages the pool covers (`KVPool.coverage`), and grow with it from now on (`KVPool.page_states`);
+        True when a table moved."""
+        pool.page_states.add(self)
+        return self.cover(pool, pool.coverage)
+
+    def cover(self, pool: KVPool, pages: int) -> bool:
+        short = self._short(pool, pages)
+        for stat in short:
             old = self.data.get(stat)
             have = 0 if old is None else old.shape[0]
-            new = torch.empty(pool.num_pages - have, pool.num_kv_heads, pool.head_dim, dtype=self._dtype(stat, pool),
+            new = torch.empty(pages - have, pool.num_kv_heads, pool.head_dim, dtype=self._dtype(stat, pool),
                               device=pool.device)
             self.data[stat] = new if old is None else torch.cat([old, new])
+        return bool(short)
+
+    def bytes_per_page(self, pool: KVPool) -> int:
+        return sum(pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize for stat in self.stats)
 
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates (a grown table is a new one, the old one freed after)."""
-        return sum(pool.num_pages * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
-                   for stat in self._short(pool))
+        return sum(pool.coverage * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
+                   for stat in self._short(pool, pool.coverage))
 
     def build(self, kv: SeqKV, layer: int) -> None:
         """Summaries of every page of one sequence and layer, from its stored keys."""

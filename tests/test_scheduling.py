@@ -1,0 +1,159 @@
+"""The serving core (`Scheduler` through `LLM.new_session`): prompts prefilled in chunks between decode steps, prefix
+caching, preemption and admission past a request that does not fit, on a tiny random Llama (3 layers, GQA 4/2).
+Every method of the matrix gives the tokens of whole-prompt prefill, of a cache miss and of a run alone."""
+from __future__ import annotations
+
+import pytest
+
+import semkv
+from semkv.engine.sequence import SamplingParams
+from semkv.methods import get_method
+from test_method_matrix import CASES, CONTEXTS, IDS, NEW, QUESTIONS, SMALL
+
+PROMPTS = [f"{c}\n\n{q}" for c, q in zip(CONTEXTS, QUESTIONS)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48)
+
+
+def encode(llm, text: str) -> list[int]:
+    return llm.encode(text, chat=False)[0]
+
+
+def alone(llm, method, prompts: list[str], new: int = NEW) -> list[list[int]]:
+    """Greedy tokens of each prompt, prefilled whole (`LLM.generate`: the same as one by one, test_method_matrix)."""
+    return [o.token_ids for o in llm.generate(prompts, method=method, max_new_tokens=new, chat=False,
+                                              ignore_eos=True)]
+
+
+class Driver:
+    """A session fed by hand: requests submitted when a condition on the session holds, one `advance` at a time."""
+
+    def __init__(self, llm, **options):
+        self.llm, self.session = llm, llm.new_session(**options)
+        self.seqs = []
+        self.started: list[int | None] = []  # the first request's tokens when each request was submitted
+        self.answered: list[int | None] = []  # ... when each got its first token
+
+    def submit(self, ids: list[int], method, new: int = NEW) -> None:
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        self.seqs.append(self.session.submit(len(self.seqs), ids, params, method, repr(method)))
+        self.started.append(len(self.seqs[0].output_ids))
+        self.answered.append(None)
+
+    def advance(self) -> None:
+        self.session.advance()
+        for i, seq in enumerate(self.seqs):
+            if self.answered[i] is None and seq.output_ids:
+                self.answered[i] = len(self.seqs[0].output_ids)
+
+    def finish(self) -> list[list[int]]:
+        while self.session.scheduler.busy:
+            self.advance()
+        assert not self.session.scheduler.failed, self.session.scheduler.failed
+        return [s.output_ids for s in self.seqs]
+
+
+@pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
+def test_chunked_prefill_between_decode_steps_gives_the_tokens_of_whole_prompts(llm, name, i, params):
+    """A prompt arriving while another decodes is prefilled 16 tokens a step between its decode steps (several
+    chunks, the method's prefill work finished at the last one): the same greedy tokens as whole prompts."""
+    method = get_method(name, SMALL, **params)
+    prompts = PROMPTS[1:]
+    want = alone(llm, method, prompts)
+    driver = Driver(llm, max_num_batched_tokens=16, enable_prefix_caching=False)
+    driver.submit(encode(llm, prompts[0]), method)
+    while len(driver.seqs[0].output_ids) < 2:
+        driver.advance()
+    driver.submit(encode(llm, prompts[1]), method)
+    assert driver.finish() == want
+    assert driver.answered[1] - driver.started[1] >= 2  # the first one decoded while the second was prefilled
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("name, i, params", [c for c in CASES if c[1] == 0], ids=[i for c, i in zip(CASES, IDS)
+                                                                                  if c[1] == 0])
+def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
+    """A second question on the same document starts from the first one's cached pages where the method shares
+    prompt pages (`shares_prefix`: Full KV, selection and prefill eviction), with the tokens of a run without the
+    cache; the pages go back to the pool, the cache keeps them idle."""
+    method = get_method(name, SMALL, **params)
+    document = CONTEXTS[0] * 2
+    prompts = [f"{document}\n\n{q}" for q in QUESTIONS[:2]]
+    want = alone(llm, method, prompts)
+    llm.engine.pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=64)
+    driver.submit(encode(llm, prompts[0]), method)
+    driver.finish()
+    driver.submit(encode(llm, prompts[1]), method)
+    assert driver.finish() == want
+    second, bound = driver.seqs[1], method.bound(llm.config, llm.tokenizer, 16)
+    shares = bound.shares_prefix(second)
+    page = llm.engine.pool.page_size
+    # whole pages of the document, leaving the method's observation window to be computed
+    blocks = min(len(encode(llm, document)), len(second.prompt_ids) - max(bound.window_size(), 1)) // page
+    assert second.stats.cached_tokens == (blocks * page if shares else 0) and (blocks > 2 or not shares)
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+    assert (llm.engine.pool.cached_pages > 0) == shares
+
+
+def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):
+    """On a pool of fixed size, finished requests leave their prompt pages cached (idle, counted as available); a
+    request that needs more than the free pages evicts the least recently used ones and runs."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=40)
+    pool, full = llm.engine.pool, get_method("full")
+    driver = Driver(llm, max_num_batched_tokens=64)
+    for context in [*CONTEXTS, CONTEXTS[0]]:  # the first one again: used most recently
+        driver.submit(encode(llm, context), full, new=4)
+        driver.finish()
+        assert pool.in_use == 0 and pool.cached_pages > 0
+    assert driver.seqs[-1].stats.cached_tokens > 0
+    cached, blocks = pool.cached_pages, set(pool.cache.blocks)
+    assert pool.free_pages < 3 * -(-len(encode(llm, CONTEXTS[0] * 2)) // 16)  # more than the free pages
+    driver.submit(encode(llm, CONTEXTS[0] * 2 + " Another question?"), full, new=4)
+    driver.finish()
+    assert pool.in_use == 0 and pool.touched == pool.num_pages
+    assert not blocks <= set(pool.cache.blocks)  # older blocks went
+    assert driver.seqs[-1].stats.cached_tokens > 0  # the first context's blocks, used most recently, stayed
+    assert pool.cached_pages <= cached + 3 * len(encode(llm, CONTEXTS[0] * 2)) // 16
+
+
+@pytest.mark.parametrize("name, params", [("full", {}), ("quest", {}), ("tokenselect", {}), ("dynsplit", {}),
+                                          ("sentencekv", dict(offload=True)), ("chess", {}), ("infllm", {}),
+                                          ("snapkv", {})])
+def test_a_preempted_request_ends_with_the_tokens_it_would_have_had(tiny_model_dir, name, params):
+    """Three requests that the pool holds at admission but not to their end: the newest is preempted (pages and
+    state freed), recomputed (prompt prefilled again, its output fed back) and ends with the tokens of a run alone,
+    as do the others; nothing is left held."""
+    method = get_method(name, SMALL, **params)
+    new = 40
+    big = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48)
+    want = alone(big, method, PROMPTS, new)
+    prompt_pages = sum(3 * -(-len(encode(big, p)) // 16) for p in PROMPTS)
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=prompt_pages + 8)
+    driver = Driver(llm, max_num_batched_tokens=64, enable_prefix_caching=False)
+    for prompt in PROMPTS:
+        driver.submit(encode(llm, prompt), method, new)
+    assert driver.finish() == want
+    full_kv = method.bound(llm.config, llm.tokenizer, 16).device_tokens(100, new, 16) is None
+    assert driver.session.scheduler.counters.preemptions >= (1 if full_kv else 0)
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_request_that_does_not_fit_now_does_not_hold_the_queue(tiny_model_dir):
+    """A long request waiting for pages lets shorter ones behind it start (at most `BYPASS` of them), then runs."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=70)
+    full = get_method("full")
+    driver = Driver(llm, max_num_batched_tokens=64, enable_prefix_caching=False)
+    driver.submit(encode(llm, CONTEXTS[1] * 2), full, new=32)  # holds most of the pool
+    driver.advance()
+    driver.submit(encode(llm, CONTEXTS[0] * 3), full, new=8)  # cannot fit beside it
+    driver.submit(encode(llm, QUESTIONS[2]), full, new=8)  # can
+    driver.advance()
+    scheduler = driver.session.scheduler
+    assert driver.seqs[1] in scheduler.waiting and driver.seqs[2] not in scheduler.waiting
+    outputs = driver.finish()
+    assert all(len(o) == n for o, n in zip(outputs, (32, 8, 8)))
+    assert llm.engine.memory().held == (0, 0, 0, 0)
