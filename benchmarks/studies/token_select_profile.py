@@ -3,7 +3,7 @@
 missing the Selection Cache (theta above 1), every row hitting it (theta -2), and 4 of the 25 rows missing (theta 0.5
 with those rows' queries alternating between two unrelated ones, the others repeating theirs). Needs a CUDA device.
 
-    PYTHONPATH=$PWD python benchmarks/token_select_profile.py
+    PYTHONPATH=$PWD python benchmarks/studies/token_select_profile.py
 """
 import torch
 from torch.profiler import profile, ProfilerActivity

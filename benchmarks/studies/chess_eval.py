@@ -2,10 +2,10 @@
 the N_c / N_g ablation on the same prefills, re-selections per 100 generated tokens (dynamic vs periodic), and the
 share of a decode step spent selecting at a long context.
 
-    PYTHONPATH=. python benchmarks/chess_eval.py passkey --budget 256 --lengths 2000,3500 --depths 0.1,0.3,0.5,0.7,0.9
-    PYTHONPATH=. python benchmarks/chess_eval.py passkey --sweep-only --lengths 1500,2500,3500 --depths 0.15,0.25,...
-    PYTHONPATH=. python benchmarks/chess_eval.py reselect --context 1000 --new-tokens 400 --samples 4
-    PYTHONPATH=. python benchmarks/chess_eval.py overhead --context 8000 --new-tokens 16
+    PYTHONPATH=. python benchmarks/studies/chess_eval.py passkey --budget 256 --lengths 2000,3500 --depths 0.1,0.3,0.5,0.7,0.9
+    PYTHONPATH=. python benchmarks/studies/chess_eval.py passkey --sweep-only --lengths 1500,2500,3500 --depths 0.15,0.25,...
+    PYTHONPATH=. python benchmarks/studies/chess_eval.py reselect --context 1000 --new-tokens 400 --samples 4
+    PYTHONPATH=. python benchmarks/studies/chess_eval.py overhead --context 8000 --new-tokens 16
 
 Passkey prompts hide "The pass key is N. Remember it. N is the pass key." at several depths of Paul Graham essays
 (shared data, `$SEMKV_SHARED`) and ask for it; every method of a prompt starts from one shared Full-KV prefill
@@ -30,7 +30,7 @@ import semkv
 from semkv.methods import Chess, FullKV, Quest, SnapKV
 from semkv.methods.chess.method import PRESETS
 
-SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[2].parent / "shared"))
 ESSAYS = SHARED / "data" / "paul_graham" / "gkamradt_essays"
 HAYSTACK = ("addiction", "aord", "apple", "avg", "before", "bias", "boss", "copy", "corpdev", "desres")
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"

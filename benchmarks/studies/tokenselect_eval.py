@@ -8,7 +8,7 @@ run of digits of the answer equals the key).
 2. Selection Cache: a theta sweep at `--sweep-tokens` (~4k): hit rate and passkey accuracy per theta. Prefill does
    not depend on theta, so each sample is prefilled once and every theta decodes from a copy of that cache.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/tokenselect_eval.py --out results/tokenselect_eval.json
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/studies/tokenselect_eval.py --out results/tokenselect_eval.json
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Throughput against batch for Full KV and the offloading methods, from `semkv bench` logs (one line per point).
 
-    python benchmarks/offload_plot.py OUT.png LOG...
+    python benchmarks/studies/offload_plot.py OUT.png LOG...
 
 A point is offloaded when its line reports host memory; each log names its card in the results page beside it.
 """

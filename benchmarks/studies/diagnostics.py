@@ -5,8 +5,8 @@ For each task (passkey, NIAH) one sample at the requested length with the needle
 own prefill prefill again); rows go to `--out` as `semkv eval` writes them (resumable, `semkv report` reads it), and
 the summary table with the diagnostics columns is printed at the end.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diagnostics.py --length 4096 --out results/diag_smollm2_4k
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diagnostics.py --model /work/qwen/qwen2.5-coder-0.5b-instruct.gguf \
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/studies/diagnostics.py --length 4096 --out results/diag_smollm2_4k
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/studies/diagnostics.py --model /work/qwen/qwen2.5-coder-0.5b-instruct.gguf \
         --length 8192 --out results/diag_qwen_8k
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     llm = semkv.LLM(args.model, device="cpu")
     arms = runner.make_arms(parse_names(args.methods), parse_budgets(args.budgets), {}, None)
     store = ResultsDir(args.out)
-    store.write_config({"script": "benchmarks/diagnostics.py", "args": vars(args),
+    store.write_config({"script": "benchmarks/studies/diagnostics.py", "args": vars(args),
                         "resolved": {"model_source": llm.source}})
     store.repair()
     for name in parse_names(args.tasks):

@@ -7,7 +7,7 @@ share of Full KV's attention probability that set covers (mass recall, averaged 
 to `--out` (JSON lines, resumable); the summary prints answers, retention and mass recall per variant, then the
 per-layer retention of every variant.
 
-    OMP_NUM_THREADS=2 PYTHONPATH=. python benchmarks/retrieval_study.py --model qwen.gguf --lengths 8192,32768 \\
+    OMP_NUM_THREADS=2 PYTHONPATH=. python benchmarks/studies/retrieval_study.py --model qwen.gguf --lengths 8192,32768 \\
         --tasks ruler_niah_single_2,passkey --samples 5 --out benchmarks/results/retrieval_qwen_8k.jsonl
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ prompt, then every candidate page (neither the sink page nor the last two) score
 The rank of the best-ranked page holding an answer token is printed per prompt (0 = first of ~250 candidates at 8k)
 and written to `--out` as JSON.
 
-    OMP_NUM_THREADS=2 PYTHONPATH=. python benchmarks/chess_anchor_ranks.py --model qwen.gguf --length 8192 \\
+    OMP_NUM_THREADS=2 PYTHONPATH=. python benchmarks/studies/chess_anchor_ranks.py --model qwen.gguf --length 8192 \\
         --samples 3 --out benchmarks/results/2026-11-26-h100-quality/chess_anchor_ranks_qwen_8k.json
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ and every variant decodes from a copy of that cache at the same budget. Besides 
 answer), the script reports a retention signal that does not depend on the model being strong: the share of the
 passkey's tokens among the tokens each KV head of each layer attends to, averaged over the answer's decode steps.
 
-    PYTHONPATH=. python benchmarks/dynsplit_ablation.py --lengths 2000 3000 --depths 0.2 0.5 0.8 --budget 0.1
+    PYTHONPATH=. python benchmarks/studies/dynsplit_ablation.py --lengths 2000 3000 --depths 0.2 0.5 0.8 --budget 0.1
 """
 from __future__ import annotations
 

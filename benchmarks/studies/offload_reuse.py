@@ -2,7 +2,7 @@
 about an essay with SentenceKV and DynSplit-KV at budget 0.1, K/V in host memory; per decode step, how many of the
 selected offloaded tokens were already in the working set and how many were read from the host.
 
-    python benchmarks/offload_reuse.py ESSAYS.txt CHARS OUT.json
+    python benchmarks/studies/offload_reuse.py ESSAYS.txt CHARS OUT.json
 """
 from __future__ import annotations
 

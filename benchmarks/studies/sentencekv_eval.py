@@ -7,8 +7,8 @@
 3. the latency cost of offloading: per-step decode time of SentenceKV with offload on and off (and Full KV, SnapKV),
    on one long prompt, repeated and interleaved so machine noise hits every method alike.
 
-    PYTHONPATH=. python benchmarks/sentencekv_eval.py --out sentencekv_eval.json
-    PYTHONPATH=. python benchmarks/sentencekv_eval.py --model /work/qwen/qwen2.5-coder-0.5b-instruct.gguf --lengths 3000
+    PYTHONPATH=. python benchmarks/studies/sentencekv_eval.py --out sentencekv_eval.json
+    PYTHONPATH=. python benchmarks/studies/sentencekv_eval.py --model /work/qwen/qwen2.5-coder-0.5b-instruct.gguf --lengths 3000
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DynSplit-KV placement: device-resident vs host-offloaded K/V against Full KV on one long prompt (decode speed,
 resident tokens, bytes moved per decode step, reuse across steps). The paper's CPU-GPU setting is the GPU run:
 
-    PYTHONPATH=. python benchmarks/dynsplit_offload.py --model MODEL --device cuda --tokens 32000 --budget 0.1
+    PYTHONPATH=. python benchmarks/studies/dynsplit_offload.py --model MODEL --device cuda --tokens 32000 --budget 0.1
 
 On a CPU-only machine the numbers are the traffic a GPU run would have (nothing crosses a bus).
 """

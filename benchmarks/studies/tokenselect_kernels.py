@@ -5,8 +5,8 @@ For every KV length and page size: a key pool of that many slots with a shuffled
 against the torch reference (`semkv.kernels.reference.paged_dot`), then times the kernel, the gather-then-matmul path
 in the pool's dtype (gather the keys into a contiguous copy, one batched matmul) and the float32 reference.
 
-    python benchmarks/tokenselect_kernels.py                  # CUDA; writes nothing unless --out
-    python benchmarks/tokenselect_kernels.py --smoke          # CPU, Triton interpreter, tiny sizes (runs anywhere)
+    python benchmarks/studies/tokenselect_kernels.py                  # CUDA; writes nothing unless --out
+    python benchmarks/studies/tokenselect_kernels.py --smoke          # CPU, Triton interpreter, tiny sizes (runs anywhere)
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (DynSplit-KV's chunk rows, SentenceKV's sentence rows): every request completes, the batch never holds more than the
 pool and the free memory allow, and the method's rows follow the requests running, not those submitted.
 
-    python benchmarks/continuous_batching.py --tokenizer DIR --text-file BOOK [--shape llama3-8b] [--method dynsplit]
+    python benchmarks/studies/continuous_batching.py --tokenizer DIR --text-file BOOK [--shape llama3-8b] [--method dynsplit]
         [--budget 2048] [--param NAME=VALUE] [--requests 14] [--context 32k] [--new-tokens 16]
         [--gpu-memory-utilization 0.9]
 

@@ -7,7 +7,7 @@ the methods that allow it share one Full-KV prefill. Table 8: latency (prefill +
 time) and throughput of Full KV, ChunkKV and ChunkKV with index reuse on one prompt of `--tokens` tokens, each method
 prefilling on its own, repeats interleaved; plus the time ChunkKV spends scoring and how many layers scored.
 
-    PYTHONPATH=$PWD python benchmarks/chunkkv_index_similarity.py --samples 3 --budget 0.1 --tokens 4096 \
+    PYTHONPATH=$PWD python benchmarks/studies/chunkkv_index_similarity.py --samples 3 --budget 0.1 --tokens 4096 \
         --new-tokens 128 --repeats 2
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from semkv.cli.args import parse_budget, parse_params
 from semkv.engine.sequence import Sequence
 from semkv.methods import METHODS, KVMethod, get_method
 
-SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+SHARED = Path(os.environ.get("SEMKV_SHARED", Path(__file__).resolve().parents[2].parent / "shared"))
 ESSAYS = SHARED / "data" / "paul_graham" / "gkamradt_essays"
 QUESTION = "What is the main point the author makes? Answer in one sentence."
 SIMILARITY_METHODS = ["h2o", "snapkv", "chunkkv", "chunkkv_reuse2=chunkkv:reuse_layers=2"]

@@ -16,8 +16,8 @@ includes the host's launch gaps, which the GPU waits through), and a stream of c
 issues one layer's attention after the last one's without waiting (`*_stream_ms`: GPU time per call; `host_ms`: the
 host's time to issue one call, which bounds it from below when larger). Speedups are given for both.
 
-    python benchmarks/tokenselect_attention.py --out tokenselect_attention.json      # CUDA, 8k..1M
-    python benchmarks/tokenselect_attention.py --smoke                               # CPU, tiny sizes
+    python benchmarks/studies/tokenselect_attention.py --out tokenselect_attention.json      # CUDA, 8k..1M
+    python benchmarks/studies/tokenselect_attention.py --smoke                               # CPU, tiny sizes
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ steadier signal on a weak model, residency: the fraction of (layer, KV head) pai
 of the passkey after prefill-time compression. Each prompt is prefilled once with Full KV for all methods
 (`LLM.compare`), whose `inspect` hook reads each compressed cache before decoding.
 
-    PYTHONPATH=$PWD python benchmarks/chunkkv_chunk_size.py --tokens 3000 --budgets 128 0.1 --depths 10 30 50 70 90
+    PYTHONPATH=$PWD python benchmarks/studies/chunkkv_chunk_size.py --tokens 3000 --budgets 128 0.1 --depths 10 30 50 70 90
 """
 from __future__ import annotations
 
