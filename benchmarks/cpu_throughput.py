@@ -1,116 +1,108 @@
-"""Prefill and decode tokens/s of semkv (Full KV) next to HF transformers, same weights, same machine, one run.
+"""Prefill and decode tokens/s of semkv next to HF transformers (its default attention, sdpa), same weights, same
+prompt ids, same machine, one run: what the set-up run costs on a CPU.
 
-    python benchmarks/cpu_throughput.py --contexts 2048,8192 --new-tokens 64 [--model PATH] [--device cpu]
+    python benchmarks/cpu_throughput.py                                  # the set-up run + a 2,048-token prompt
+    python benchmarks/cpu_throughput.py --contexts 2048,8000 --no-setup --methods full
 
-Both engines get the same token ids (real text, cut to the context length) and decode greedily; HF runs its own
-prefill (one forward over the prompt) and then one forward per token with its KV cache, as `generate` does. Prints a
-markdown table and writes JSON next to it (--out).
+Prompts, on the embedded SmolLM2-135M-Instruct unless --model says otherwise: the set-up run's (the README's
+`semkv generate` command: examples/scandal_in_bohemia.txt and its question in the chat template, about 5,088 tokens)
+and, for each of --contexts, that many tokens of the same text (repeated past its end) as a plain prompt. semkv runs
+each of --methods through `LLM.generate`, as `semkv generate` does, and reports its stats; HF runs one forward over
+the same ids and then one per new token with its KV cache, greedy, in float32 as semkv on the CPU. Both decode
+--new-tokens tokens (EOS ignored), and a rate is the tokens over the time of their steps (decode: the tokens after the
+first). The machine's load average is printed and written beside the rates: other processes on the cores change
+them, so compare rows of one run, and quote a run made on idle cores. Prints a markdown table; --out writes JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
 import torch
 
 import semkv
-from semkv.engine.kv_cache import SeqKV
-from semkv.engine.sequence import SamplingParams, Sequence
-from semkv.methods import FullKV
+from semkv.bench.hf_baseline import hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCUMENT = ROOT / "examples" / "scandal_in_bohemia.txt"
+QUESTION = "What is the name of the woman in this story?"  # the set-up command's
 
 
-def text_ids(llm: semkv.LLM, n: int) -> list[int]:
-    books = ROOT.parent / "shared" / "data" / "books" / "pg1661_adventures_of_sherlock_holmes.txt"
-    source = books if books.is_file() else ROOT / "examples" / "scandal_in_bohemia.txt"
-    text = source.read_text(encoding="utf-8-sig")
+@torch.inference_mode()
+def run_hf(hf, ids: list[int], new_tokens: int) -> dict:
+    """HF's greedy prefill and decode of `ids`: seconds of each and the tokens."""
+    started = time.perf_counter()
+    out = hf(torch.tensor([ids]), use_cache=True)
+    prefill_s = time.perf_counter() - started
+    past, tokens = out.past_key_values, [int(torch.argmax(out.logits[0, -1]))]
+    started = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(torch.argmax(out.logits[0, -1])))
+    return dict(prefill_tps=len(ids) / prefill_s, decode_tps=new_tokens / (time.perf_counter() - started),
+                tokens=tokens)
+
+
+def prompts(llm: semkv.LLM, contexts: list[int], setup: bool) -> list[tuple[str, str, str | None, bool]]:
+    """(label, prompt, question, chat) for each measured prompt."""
+    text = DOCUMENT.read_text(encoding="utf-8")
     ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    while len(ids) < n:
-        ids = ids + ids
-    return ids[:n]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def run_semkv(llm: semkv.LLM, ids: list[int], new_tokens: int) -> dict:
-    engine, method = llm.engine, FullKV()
-    seq = Sequence(0, ids, SamplingParams(max_new_tokens=new_tokens), SeqKV(engine.pool))
-    started = time.perf_counter()
-    logits = engine.prefill(seq, method)
-    sync(engine.device)
-    prefill_s = time.perf_counter() - started
-    tokens = []
-    started = time.perf_counter()
-    for _ in range(new_tokens):
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        seq.output_ids.append(token)
-        logits = engine.decode_step([seq], method)[0]
-    sync(engine.device)
-    decode_s = time.perf_counter() - started
-    seq.kv.release()
-    return dict(prefill_s=prefill_s, decode_s=decode_s, tokens=tokens)
-
-
-@torch.inference_mode()
-def run_hf(hf, ids: list[int], new_tokens: int, device: torch.device) -> dict:
-    started = time.perf_counter()
-    out = hf(torch.tensor([ids], device=device), use_cache=True)
-    sync(device)
-    prefill_s = time.perf_counter() - started
-    past, logits, tokens = out.past_key_values, out.logits[0, -1], []
-    started = time.perf_counter()
-    for _ in range(new_tokens):
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        out = hf(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[0, -1]
-    sync(device)
-    decode_s = time.perf_counter() - started
-    return dict(prefill_s=prefill_s, decode_s=decode_s, tokens=tokens)
+    out = [("set-up run", text, QUESTION, True)] if setup else []
+    while len(ids) < max(contexts, default=0):
+        ids = ids + ids  # the story again, for contexts longer than it
+    for n in contexts:
+        out.append((f"{n} tokens", llm.tokenizer.decode(ids[:n]), None, False))
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--contexts", default="2048,8192")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_throughput.json"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded model)")
+    parser.add_argument("--contexts", default="2048", help="plain prompts of these many tokens (comma-separated)")
+    parser.add_argument("--setup", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the set-up run's prompt")
+    parser.add_argument("--methods", default="full,quest", help="semkv methods (comma-separated)")
+    parser.add_argument("--budget", default=512, type=int, help="budget of the methods other than full (512)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", default=None, help="JSON file for the rows")
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    from semkv.models.loader import _gguf_to_folder, embedded_model_path
-
-    llm = semkv.LLM(args.model, device=args.device)
-    source = Path(args.model) if args.model else embedded_model_path()
-    folder = _gguf_to_folder(source) if source.is_file() else source
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(llm.engine.device).eval()
+    load = os.getloadavg()
+    print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    llm = semkv.LLM(args.model, device="cpu")
+    hf = hf_model(args.model, torch.device("cpu"), torch.float32, "sdpa")
     rows = []
-    for n in (int(c) for c in args.contexts.split(",")):
-        ids = text_ids(llm, n - args.new_tokens)
-        ours, ref = run_semkv(llm, ids, args.new_tokens), run_hf(hf, ids, args.new_tokens, llm.engine.device)
-        rows.append(dict(context=n, prompt_tokens=len(ids), new_tokens=args.new_tokens,
-                         semkv_prefill_tps=len(ids) / ours["prefill_s"], hf_prefill_tps=len(ids) / ref["prefill_s"],
-                         semkv_decode_tps=args.new_tokens / ours["decode_s"],
-                         hf_decode_tps=args.new_tokens / ref["decode_s"], same_tokens=ours["tokens"] == ref["tokens"]))
-    info = dict(device=str(llm.engine.device), torch=torch.__version__, threads=torch.get_num_threads(),
-                model=llm.source)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(info=info, rows=rows), indent=2))
-    print(f"device {info['device']}, torch {info['torch']}, {info['threads']} threads, model {info['model']}\n")
-    print("| context | prefill tok/s semkv | prefill tok/s HF | decode tok/s semkv | decode tok/s HF | same tokens |")
-    print("|---|---|---|---|---|---|")
+    for label, prompt, question, chat in prompts(llm, [int(c) for c in args.contexts.split(",") if c], args.setup):
+        for method in args.methods.split(","):
+            out = llm.generate(prompt, method=method, budget=None if method == "full" else args.budget,
+                               questions=None if question is None else [question], chat=chat,
+                               max_new_tokens=args.new_tokens, ignore_eos=True)[0]
+            rows.append(dict(prompt=label, engine="semkv", method=method, prompt_tokens=out.stats.prompt_tokens,
+                             prefill_tps=out.stats.prefill_tokens_per_s, decode_tps=out.stats.decode_tokens_per_s,
+                             tokens=out.token_ids))
+        ref = run_hf(hf, out.prompt_token_ids, args.new_tokens)
+        rows.append(dict(prompt=label, engine="HF transformers (sdpa)", method="full",
+                         prompt_tokens=len(out.prompt_token_ids), **ref))
+    after = os.getloadavg()
+    info = dict(model=llm.source, torch=torch.__version__, threads=torch.get_num_threads(), cores=os.cpu_count(),
+                cpu=platform.processor() or platform.machine(), load_before=load, load_after=after,
+                new_tokens=args.new_tokens, budget=args.budget)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(info=info, rows=rows), indent=1))
+    print(f"load average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}; torch {info['torch']}, "
+          f"{info['threads']} threads\n")
+    print("| prompt | tokens | engine | method | prefill tok/s | decode tok/s | tokens as HF's |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['semkv_prefill_tps']:.0f} | {r['hf_prefill_tps']:.0f} | "
-              f"{r['semkv_decode_tps']:.1f} | {r['hf_decode_tps']:.1f} | {r['same_tokens']} |")
+        hf_tokens = next(h["tokens"] for h in rows if h["prompt"] == r["prompt"] and h["engine"] != "semkv")
+        same = "" if r["engine"] != "semkv" else ("same" if r["tokens"] == hf_tokens else "differ")
+        method = r["method"] if r["method"] == "full" else f"{r['method']} @ {args.budget}"
+        print(f"| {r['prompt']} | {r['prompt_tokens']} | {r['engine']} | {method} | {r['prefill_tps']:.0f} | "
+              f"{r['decode_tps']:.1f} | {same} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Launch settings of the decode kernels that read the paged cache, swept against their byte floors on random paged
 caches of two real shapes: decode attention (`kernels.triton_decode._partial`, over per-head slot lists and over
 every slot) and TokenSelect's scoring of every candidate key on a Selection Cache miss
-(`kernels.triton_token_select._vote_scores`).
+(`methods/tokenselect/triton_token_select._vote_scores`).
 
 TokenSelect's decode step attends to ~2688 tokens per KV head scattered over a 32k context, so the kernel gathers one
 K row and one V row (head_dim x 2 bytes each) per selected token. This script times, per case and setting (splits,
@@ -25,7 +25,8 @@ import triton
 import triton.testing
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import reference, triton_decode, triton_token_select
+from semkv.kernels import reference, triton_decode
+from semkv.methods.tokenselect import triton_token_select
 
 CASES = {  # name: batch, query heads, KV heads, head_dim, context, selected tokens per KV head (0: every slot)
     "llama3-8b 25x32k, 2688 selected": (25, 32, 8, 128, 32768, 2688),

@@ -9,6 +9,7 @@
 #                                                # TokenSelect's Selection Cache bound (every lookup hits);
 #                                                # a CHESS profile at that batch
 # Llama-3.1-8B shape with random weights, bf16. TOK: a tokenizer folder for the methods that read token text.
+case ${1:-} in -h|--help) sed -n "2,11p" "$0" | sed "s/^# \{0,1\}//"; exit 0;; esac
 set -euo pipefail
 stage=$1 out=$2
 mkdir -p "$out"
@@ -17,11 +18,11 @@ bench="python -m semkv.cli.main bench --shape llama3-8b"
 case $stage in
 kernels)
   python benchmarks/kernel_check.py 2>&1 | tee "$out/kernel_check.log"
-  (cd benchmarks && python tokenselect_kernels.py --lengths 32768 1048576 --out "$out/tokenselect_kernels.json") \
+  (cd benchmarks/studies && python tokenselect_kernels.py --lengths 32768 1048576 --out "$out/tokenselect_kernels.json") \
     2>&1 | tee "$out/tokenselect_kernels.log"
   ;;
 attention)
-  (cd benchmarks && python tokenselect_attention.py --lengths 8192 32768 131072 524288 1048576 \
+  (cd benchmarks/studies && python tokenselect_attention.py --lengths 8192 32768 131072 524288 1048576 \
     --out "$out/tokenselect_attention.json") 2>&1 | tee "$out/tokenselect_attention.log"
   ;;
 grid)

@@ -9,6 +9,7 @@ measured bandwidth (the floor). Llama-3.1-8B head shape: 32 query heads, 8 KV he
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -548,6 +549,8 @@ def check_prefill_context(gen) -> list[dict]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Prints one table; exit code 1 on a mismatch "
+                            "or without a CUDA device.").parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1

@@ -6,6 +6,7 @@
 #   mkdir -p .gpu/orig .gpu/tok && git archive BASE semkv | tar -x -C .gpu/orig
 #   cp ~/.cache/semkv/gguf/*/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/tok/
 # then run `bash benchmarks/layout_check.sh` on the device with `.gpu` carried; files land in $OUT.
+case ${1:-} in -h|--help) sed -n "2,8p" "$0" | sed "s/^# \{0,1\}//"; exit 0;; esac
 set -uo pipefail
 out=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/device.txt"

@@ -27,6 +27,9 @@ from semkv.models.parallel import TensorParallel, check_divisible
 
 @dataclass
 class GenerationOutput:
+    """What `LLM.generate` and `LLM.compare` return for one prompt: the text, its tokens, why it stopped, and the
+    statistics of its prefill, decode steps and KV cache (`stats`)."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "eos", "stop" or "length"

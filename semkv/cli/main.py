@@ -85,20 +85,31 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_methods(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true")
+    p.add_argument("name", nargs="?", help="one method: its paper and each parameter with its default and meaning")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _run_methods(args: argparse.Namespace) -> int:
-    from semkv.methods import METHODS
+    from semkv.methods.specs import SPECS  # plain data: no torch, so the list comes at once
 
-    if args.json:
-        print(json.dumps({name: {"summary": cls.summary, "kind": cls.kind, "parameters": cls.parameters()}
-                          for name, cls in METHODS.items()}, indent=2, default=str))
+    if args.name is not None:
+        if args.name not in SPECS:
+            raise SemkvError(f"unknown method {args.name!r}; available: {', '.join(SPECS)}")
+        spec, docs = SPECS[args.name], SPECS[args.name].parameter_docs()
+        if args.json:
+            print(json.dumps(spec.describe() | {"parameter_docs": docs}, indent=2, default=str))
+            return 0
+        print(f"{spec.name}: {spec.summary}\n[{spec.kind}] {spec.paper or 'the exact reference'}\n")
+        for name, default in ({"budget": None} | spec.params).items():
+            print(f"  {name} = {default!r}\n      {docs.get(name, '')}")
         return 0
-    for name, cls in METHODS.items():
-        print(f"{name:<14} {cls.summary}")
-        params = ", ".join(f"{k}={v!r}" for k, v in cls.parameters().items() if k != "budget")
-        print(f"{'':<14} [{cls.kind}] {params or 'no parameters'}")
+    if args.json:
+        print(json.dumps({name: spec.describe() for name, spec in SPECS.items()}, indent=2, default=str))
+        return 0
+    for name, spec in SPECS.items():
+        print(f"{name:<14} {spec.summary}")
+        params = ", ".join(f"{k}={v!r}" for k, v in spec.params.items())
+        print(f"{'':<14} [{spec.kind}] {params or 'no parameters'}")
     return 0
 
 

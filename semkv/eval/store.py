@@ -3,6 +3,9 @@ sample x method x budget, appended as each finishes) and `traces/` (what each me
 
 Rows are the unit of resumption: a row is written whole, with one `write` and a flush, so a killed run leaves at most
 one torn last line, which `repair` cuts off before new rows are appended.
+
+A finished directory may keep its rows compressed (`predictions.jsonl.gz`, `runs.jsonl.gz`, as the results pages under
+`benchmarks/results/` do): they are read as they are, before the rows of a plain file that a later run appends to.
 """
 from __future__ import annotations
 
@@ -30,12 +33,20 @@ class ResultsDir:
     def predictions(self) -> Path:
         return self.path / PREDICTIONS
 
+    def lines(self, name: str) -> list[str]:
+        """The lines of `name` (predictions or runs): its compressed copy `name.gz` first, then the plain file."""
+        lines = []
+        if (self.path / f"{name}.gz").is_file():
+            with gzip.open(self.path / f"{name}.gz", "rt", encoding="utf-8") as f:
+                lines += f.read().splitlines()
+        if (self.path / name).is_file():
+            lines += (self.path / name).read_text(encoding="utf-8").splitlines()
+        return lines
+
     def rows(self) -> list[dict[str, Any]]:
         """Finished rows, first occurrence of each key, a torn last line ignored."""
-        if not self.predictions.is_file():
-            return []
         seen, rows = set(), []
-        for line in self.predictions.read_text(encoding="utf-8").splitlines():
+        for line in self.lines(PREDICTIONS):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -65,11 +76,8 @@ class ResultsDir:
 
     def runs(self) -> list[dict[str, Any]]:
         """Every recorded batched run, a torn last line ignored."""
-        path = self.path / RUNS
-        if not path.is_file():
-            return []
         runs = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in self.lines(RUNS):
             try:
                 runs.append(json.loads(line))
             except json.JSONDecodeError:

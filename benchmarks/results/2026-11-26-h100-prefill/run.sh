@@ -13,7 +13,7 @@ python benchmarks/results/2026-11-26-h100-prefill/gemm_lib.py > gemm_lib.log
 python -m semkv.cli.main bench --shape llama3-8b --methods full,snapkv,chunkkv,h2o --budget 0.1 --contexts 32k,128k \
   --batches 1 --steps 4 --ttft --out bench_ttft_chunk8192    # then the default chunk was 8192
 python benchmarks/kernel_check.py > kernel_check.log
-python benchmarks/tokenselect_attention.py --lengths 131072 1048576 --out tokenselect_attention_call6.json
+python benchmarks/studies/tokenselect_attention.py --lengths 131072 1048576 --out tokenselect_attention_call6.json
 # Call 7: TokenSelect's selection profile; Full KV TTFT at chunk 16384
 python benchmarks/results/2026-11-26-h100-prefill/tokenselect_profile.py > tokenselect_profile.log
 python -m semkv.cli.main bench --shape llama3-8b --methods full --contexts 32k,128k --batches 1 --steps 2 --ttft \
@@ -23,7 +23,7 @@ python benchmarks/results/2026-11-26-h100-prefill/sparse_sweep.py > sparse_sweep
 # Call 9 (the committed code, default chunk 16384): the TTFT table, TokenSelect, the profile
 python -m semkv.cli.main bench --shape llama3-8b --methods full,snapkv,chunkkv,h2o --budget 0.1 --contexts 32k,128k \
   --batches 1 --steps 4 --ttft --out bench_ttft       # bench_ttft.json / .md / .log
-python benchmarks/tokenselect_attention.py --lengths 131072 1048576 --out tokenselect_attention.json
+python benchmarks/studies/tokenselect_attention.py --lengths 131072 1048576 --out tokenselect_attention.json
 python benchmarks/results/2026-11-26-h100-prefill/profile_full_32k.py > profile_full_32k.log
 # Call 10 (2 x H100): tensor parallelism with the load-time warm-up and the cuDNN path
 python benchmarks/results/2026-11-26-h100-prefill/tp_tokens_tiny.py# a tiny float32 model: every method's tokens with 2 ranks equal one process's

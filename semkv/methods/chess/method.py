@@ -23,7 +23,8 @@ preset: (rho_g, rho_c) from Table 1: "conservative" (0.9, 0.9), "moderate" (0.8,
     default "moderate" (the paper's rho_p of each preset, 0.9 / 0.7 / 0.1, is replaced by the budget).
 block_size: B, tokens per CHESS page; 32 (the paper's setting); a multiple of the engine's KV `page_size` (the
     paper's page, named apart from the engine's; `page_size` is a deprecated alias).
-chunk_pages: N_c, pages per chunk; 4, chosen by ablation (benchmarks/chess_eval.py ablation; the paper gives none).
+chunk_pages: N_c, pages per chunk; 4, chosen by ablation (benchmarks/studies/chess_eval.py ablation; the paper gives
+    none).
 grid_chunks: N_g, chunks per grid; 4, chosen by the same ablation.
 recent_pages: W, recent pages that form the anchor and are always attended; 2 (the paper gives no value: two pages hold
     the question of a prompt and the latest generated tokens). Between re-selections the window grows from where it
@@ -46,8 +47,8 @@ anchor: what the pages are scored against. "keys" (the paper's Eq. 3-4): the mea
     selection is made once, after prefill, and the recent window then grows over the generated tokens (pages
     leave the selection worst first as it grows): `mode` and the thresholds stay at their defaults (else an error).
     On Qwen2.5-0.5B RULER needles at 8k key-key affinity ranks the needle's page below the median of ~254
-    candidates, where this score ranks it first (benchmarks/chess_anchor_ranks.py; retention and answers:
-    benchmarks/retrieval_study.py, benchmarks/results/2026-11-26-h100-quality.md).
+    candidates, where this score ranks it first (benchmarks/studies/chess_anchor_ranks.py; retention and answers:
+    benchmarks/studies/retrieval_study.py, benchmarks/results/2026-11-26-h100-quality.md).
 query_window: prompt queries that score the pages when anchor="queries"; 32 (SnapKV's window).
 neighbours: with anchor="queries", a page scores the most attention of itself and the `neighbours` pages on either
     side (max pooling), so a needle cut by a page boundary is kept whole (SnapKV pools its token scores for the same

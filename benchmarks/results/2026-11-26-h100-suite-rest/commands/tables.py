@@ -7,9 +7,10 @@ suite: the average of all thirteen per method and length, and its share of Full 
 thirteen at that length)."""
 from __future__ import annotations
 
-import json
 import sys
 from collections import defaultdict
+
+from semkv.eval.store import ResultsDir  # reads predictions.jsonl.gz as the pages keep it
 
 TASKS = {"niah": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                   "niah_multikey_3", "niah_multivalue", "niah_multiquery"],
@@ -32,8 +33,7 @@ def read(tasks: list[str], budget: float, dirs: list[str]) -> dict[tuple, list[f
     """(length, method, task) -> the scores of its samples; Full KV's rows (no budget) serve every budget."""
     cells: dict[tuple, list[float]] = defaultdict(list)
     for d in dirs:
-        for line in open(f"{d}/predictions.jsonl"):
-            r = json.loads(line)
+        for r in ResultsDir(d).rows():
             task = r["task"].removeprefix("ruler_")
             if task in tasks and (r["budget"] == budget or r["method"] == "full"):
                 cells[(r["length"], r["method"], task)].append(r["score"])

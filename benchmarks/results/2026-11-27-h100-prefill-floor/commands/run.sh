@@ -24,9 +24,9 @@ nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv,nohead
 # GPU 3: H2O's column-sum tiles; TokenSelect's selective chunk after and before; the kernel equality rows
 (export CUDA_VISIBLE_DEVICES=3 PYTHONPATH=$PWD
  python $HERE/h2o_tiles.py --before .gpu/orig/semkv/methods/h2o/triton_attention_scores.py > $W/h2o_tiles.log 2>&1
- python benchmarks/tokenselect_attention.py --lengths 131072 1048576 --out $W/tokenselect_attention.json \
+ python benchmarks/studies/tokenselect_attention.py --lengths 131072 1048576 --out $W/tokenselect_attention.json \
    > $W/tokenselect_attention.log 2>&1
- (cd .gpu/orig && PYTHONPATH=$PWD python ../../benchmarks/tokenselect_attention.py --lengths 131072 1048576 \
+ (cd .gpu/orig && PYTHONPATH=$PWD python ../../benchmarks/studies/tokenselect_attention.py --lengths 131072 1048576 \
    --out ../../$W/tokenselect_attention_before.json > ../../$W/tokenselect_attention_before.log 2>&1)
  python benchmarks/kernel_check.py > $W/kernel_check.log 2>&1) &
 wait

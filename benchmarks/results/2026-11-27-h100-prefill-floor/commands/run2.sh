@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv,nohead
    > $W/h2o_tiles.log 2>&1) &
 # GPU 3: TokenSelect's selective chunk; its sparse prefill's TTFT in the engine (budget 2688, chunk 512)
 (export CUDA_VISIBLE_DEVICES=3
- python benchmarks/tokenselect_attention.py --lengths 131072 1048576 --out $W/tokenselect_attention.json \
+ python benchmarks/studies/tokenselect_attention.py --lengths 131072 1048576 --out $W/tokenselect_attention.json \
    > $W/tokenselect_attention.log 2>&1
  python -m semkv.cli.main bench --shape llama3-8b --methods tokenselect --budget 2688 --contexts 32k,128k \
    --batches 1 --steps 2 --ttft --out $W/ttft_tokenselect > $W/ttft_tokenselect.log 2>&1) &

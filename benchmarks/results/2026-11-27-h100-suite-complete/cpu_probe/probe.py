@@ -9,8 +9,9 @@ import time
 
 import semkv
 from semkv.eval.runner import make_arms, make_task
+from semkv.eval.store import ResultsDir
 
-GPU = "benchmarks/results/2026-11-26-h100-niah/eval_qwen_8k_16k/predictions.jsonl"
+GPU = "benchmarks/results/2026-11-26-h100-niah/eval_qwen_8k_16k"  # its predictions.jsonl.gz
 PICK = {"ruler_niah_multikey_2": [15, 16, 19], "ruler_niah_multivalue": [3, 4, 5, 6, 17, 18],
         "ruler_niah_multikey_3": [3, 5, 8, 10]}  # sample indices of the 20 drawn per task (seed 0)
 ARMS = ["sentencekv[retain=sentences,score=tokens]", "sentencekv[retain=sentences,score=tokens,query=current]",
@@ -19,7 +20,7 @@ PPL_TOKENS = 64  # make_task's perplexity setting (unused by these tasks)
 
 
 def main(model: str, data: str, out: str) -> None:
-    gpu = {(r["sample_id"], r["method"]): r["score"] for r in map(json.loads, open(GPU))
+    gpu = {(r["sample_id"], r["method"]): r["score"] for r in ResultsDir(GPU).rows()
            if r["length"] == 8192 and r["budget"] in (None, 0.1)}
     llm = semkv.LLM(model, device="cpu")
     arms = make_arms(ARMS, [0.1], {}, None)
