@@ -109,8 +109,10 @@ class GraphRunner:
         self.warned = False  # a batch larger than the largest bucket was said to run eagerly
 
     def _epoch(self) -> tuple[int, int]:
-        """`KVMethod.graph_epoch` and the pool's `coverage_epoch` (its per-page state grew)."""
-        return self.method.graph_epoch, self.engine.pool.coverage_epoch
+        """`KVMethod.graph_epoch` and, for a method with state kept by page, the pool's `coverage_epoch` (that state
+        grew)."""
+        pool = self.engine.pool
+        return self.method.graph_epoch, pool.coverage_epoch if self.method.page_state_bytes(pool) else 0
 
     def fits(self, seqs: list[Sequence]) -> bool:
         if len(seqs) > BUCKETS[-1] and not self.warned:

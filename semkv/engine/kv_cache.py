@@ -108,8 +108,10 @@ class KVPool:
         self.k, self.v, self.pos = (_extended(x, new_pages) for x in (self.k, self.v, self.pos))
 
     def coverage_for(self, pages: int) -> int:
-        """The coverage `cover(pages)` grows to: a quarter more than now at least, so that growth is rare."""
-        return min(max(pages + 16, self.coverage + self.coverage // 4), max(self.num_pages, pages))
+        """The coverage `cover(pages)` grows to: a quarter more than now and a sixteenth of the pool at least, so that
+        it grows rarely (each growth moves the tables captured graphs point at)."""
+        step = max(self.coverage // 4, self.num_pages // 16)
+        return min(max(pages + 16, self.coverage + step), max(self.num_pages, pages))
 
     def cover_bytes(self, pages: int) -> int:
         """Device bytes `cover(pages)` allocates: the grown tables, made beside the old ones."""
@@ -129,7 +131,8 @@ class KVPool:
                               f"({self.page_state_bytes() * (target - self.coverage) / 2**30:.2f} GiB for "
                               f"{target - self.coverage} more pages)") from None
         self.coverage = target
-        self.coverage_epoch += 1
+        if len(self.page_states):
+            self.coverage_epoch += 1
 
     def allocate(self, n: int) -> list[int]:
         """n pages: released ones first, then never-used ones (lowest ids first), then pages of evicted cached
