@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call of the vLLM comparison (issues 54 and 53), from the repository root on the device machine:
+#   bash benchmarks/vllm_device.sh STAGE [SECONDS] [ARGS...]
+# STAGE: status (which carried parts are there), setup (install vLLM, convert the model: benchmarks/vllm_setup.sh),
+# offline (vllm_offline.py; the vLLM run also answers vllm_quality.py's NIAH samples), quality (vllm_quality.py,
+# semkv's side), serve (vllm_serve.py), serve8b (vllm_serve.py on the random Llama-3.1-8B shape). SECONDS (default
+# 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
+# stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
+# is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
+# $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
+set -uo pipefail
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b [SECONDS] [ARGS...]}
+seconds=${2:-540}
+shift $(( $# < 2 ? $# : 2 ))
+W=/tmp/w out=${OUT:-/tmp/out}
+mkdir -p $W $out
+if [ "$stage" = status ]; then bash benchmarks/vllm_setup.sh status; exit 0; fi
+source benchmarks/vllm_setup.sh || exit 1
+[ "$stage" = setup ] && exit 0
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a $W/device.txt
+pack() {  # the stage's folder into $OUT, then its tables
+  tar czf $out/$1.tgz -C $W --exclude=prompts --exclude=prompts.json.gz $1 device.txt && ls -la $out/$1.tgz
+  python3 benchmarks/vllm_page.py --$2 $W/$1
+}
+case $stage in
+offline)
+  python3 benchmarks/vllm_offline.py --model $QWEN --data $DATA --out $W/offline --niah $W/quality \
+    --deadline $((seconds - 15)) "$@"
+  tar czf $out/quality_vllm.tgz -C $W quality 2>/dev/null
+  pack offline offline ;;
+quality)
+  timeout $seconds python3 benchmarks/vllm_quality.py --model $QWEN --data $DATA --out $W/quality --sides semkv "$@"
+  pack quality quality ;;
+serve)
+  python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
+  pack serve serve ;;
+serve8b)
+  python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) "$@"
+  pack serve8b serve ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

@@ -1,0 +1,78 @@
+# The vLLM comparison's set-up on a device machine (issue 54); run from the repository root there:
+#   bash benchmarks/vllm_setup.sh status   # which carried parts are there (after each carrying call)
+#   source benchmarks/vllm_setup.sh        # install once per machine, then export the environment
+# Once every part that benchmarks/vllm_carry.sh made is there (.carry/vllm, .carry/qwen, .carry/data): checks them
+# against SHA256SUMS, installs vLLM 0.26.0's wheels with `pip --target /tmp/site` (no network there, no dependency
+# resolution: the machine's torch 2.11, transformers, numpy... stay), joins the GGUF and converts it once into semkv's
+# HF folder, /tmp/qwen-hf (the folder both vLLM and semkv load: the same weights), and prints vLLM's version and the
+# FlashAttention version it picks on this GPU. A machine that has done it skips to the exports (about a second).
+# Exports: PYTHONPATH, PATH, CUDA_HOME (FlashInfer compiles with its nvcc), QWEN (the HF folder), DATA (.carry/data:
+# the essays, RULER's word lists, a tokenizer for the random 8B shape), SEMKV_CACHE_DIR and offline switches.
+
+_vllm_parts() {  # DIR [quick]: "ok", or which parts are missing or damaged (quick: presence only, no hashing)
+  local dir=$1 missing="" bad=""
+  [ -f "$dir/SHA256SUMS" ] || { echo "no $dir/SHA256SUMS"; return; }
+  while read -r sum name; do
+    [[ $name == *.[0-9][0-9] ]] || continue
+    if [ ! -f "$dir/$name" ]; then missing="$missing ${name##*.}"
+    elif [ -z "${2:-}" ] && [ "$(sha256sum < "$dir/$name" | cut -d' ' -f1)" != "$sum" ]; then bad="$bad ${name##*.}"; fi
+  done < "$dir/SHA256SUMS"
+  if [ -z "$missing$bad" ]; then echo ok; else echo "missing parts:${missing:- none}; damaged:${bad:- none}"; fi
+}
+
+_vllm_join() {  # DIR OUTPUT: the parts joined, checked against the whole file's sum
+  local dir=$1 out=$2
+  cat "$dir"/*.[0-9][0-9] > "$out"
+  [ "$(sha256sum < "$out" | cut -d' ' -f1)" = "$(head -1 "$dir/SHA256SUMS" | cut -d' ' -f1)" ] || {
+    echo "vllm_setup: $out does not match $dir/SHA256SUMS" >&2; rm -f "$out"; return 1; }
+}
+
+if [ "${1:-}" = status ]; then
+  for d in vllm qwen; do echo ".carry/$d: $(_vllm_parts .carry/$d quick)"; done
+  echo ".carry/data: $([ -f .carry/data/SHA256SUMS ] && echo there || echo missing)"
+  [ -f /tmp/site/vllm/__init__.py ] && echo "vLLM installed in /tmp/site"
+  [ -e /tmp/qwen-hf/config.json ] && echo "model folder /tmp/qwen-hf ready"
+  return 0 2>/dev/null || exit 0
+fi
+
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PATH=/tmp/site/bin:$PATH
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FLASHINFER_DISABLE_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export SEMKV_CACHE_DIR=/tmp/semkv-cache QWEN=/tmp/qwen-hf DATA=$PWD/.carry/data
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # kept off, as the machines ask
+
+_vllm_setup() {
+  local t0=$SECONDS state
+  if [ ! -f /tmp/site/vllm/__init__.py ]; then
+    state=$(_vllm_parts .carry/vllm); [ "$state" = ok ] || { echo "vllm_setup: .carry/vllm: $state" >&2; return 1; }
+    _vllm_join .carry/vllm /tmp/wheels.tar || return 1
+    mkdir -p /tmp/wheels && tar -xf /tmp/wheels.tar -C /tmp/wheels && rm /tmp/wheels.tar
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/wheels/*.whl \
+      || { echo "vllm_setup: pip install failed" >&2; return 1; }
+    rm -rf /tmp/wheels
+    echo "vllm_setup: wheels installed in $((SECONDS - t0)) s"
+  fi
+  if [ ! -e /tmp/qwen-hf/config.json ]; then
+    if [ ! -f /tmp/qwen.gguf ]; then
+      state=$(_vllm_parts .carry/qwen); [ "$state" = ok ] || { echo "vllm_setup: .carry/qwen: $state" >&2; return 1; }
+      _vllm_join .carry/qwen /tmp/qwen.gguf || return 1
+    fi
+    local folder
+    folder=$(python3 -c "from semkv.models.loader import model_folder; print(model_folder('/tmp/qwen.gguf')[1])" \
+             2>/tmp/qwen-convert.log) || { tail -5 /tmp/qwen-convert.log >&2; return 1; }
+    ln -sfn "$folder" /tmp/qwen-hf
+    echo "vllm_setup: /tmp/qwen.gguf converted to $folder ($((SECONDS - t0)) s)"
+  fi
+  python3 - <<'EOF' || { echo "vllm_setup: vLLM does not import" >&2; return 1; }
+import json, torch, transformers, vllm
+from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+folder = "/tmp/qwen-hf"
+config = json.load(open(f"{folder}/config.json"))
+print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"{torch.cuda.get_device_name()}, FlashAttention 3 supported: {is_fa_version_supported(3)}")
+print(f"model folder {folder}: {config['model_type']}, {config['num_hidden_layers']} layers, "
+      f"dtype in config: {config.get('dtype', config.get('torch_dtype'))} (both engines load it as bfloat16)")
+EOF
+  echo "vllm_setup: ready in $((SECONDS - t0)) s"
+}
+_vllm_setup
