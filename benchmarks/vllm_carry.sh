@@ -8,7 +8,11 @@
 #   .carry/data/               RULER's essay haystack and word lists (the prompts and NIAH samples) as `semkv eval
 #                              --data-dir` reads them, and the embedded SmolLM2 tokenizer (for the random
 #                              Llama-3.1-8B shape, whose vocabulary Qwen's exceeds)
+#   .carry/vllm-extra/extra.tar.NN  the wheels left out of .carry/vllm (but the video ones): carried only if vLLM
+#                              fails there for want of one; vllm_setup.sh installs them when they are all there
 # Each folder has SHA256SUMS (of the whole file and of every part) that benchmarks/vllm_setup.sh checks there.
+# Carry one part a call (naming the part's path, so the parts already there stay), the SHA256SUMS files and
+# .carry/data with any of them; `bash benchmarks/vllm_device.sh status` there says which parts are missing.
 #
 # Usage: bash benchmarks/vllm_carry.sh [--part-mib 40] [--wheels DIR] [--work DIR]
 #   --part-mib  size of a part: 64 MiB less the working tree that travels with it, less a margin
@@ -22,7 +26,7 @@ while [ $# -gt 0 ]; do
     --part-mib) part_mib=$2; shift 2 ;;
     --wheels) wheels=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     *) echo "unknown argument $1; see --help" >&2; exit 2 ;;
   esac
 done
@@ -41,11 +45,14 @@ if [ -z "$wheels" ]; then
   get="$root/../shared/tools/vllm026/get.sh"
   [ -f "$wheels/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl" ] || bash "$get" "$wheels"
 fi
-stage="$work/vllm-carry"
-rm -rf "$stage" && mkdir -p "$stage"
+stage="$work/vllm-carry" extra="$work/vllm-extra"
+rm -rf "$stage" "$extra" && mkdir -p "$stage" "$extra"
 for whl in "$wheels"/*.whl; do
   name=$(basename "$whl" | cut -d- -f1 | tr 'A-Z' 'a-z')
-  [[ " $(echo $DROP) " == *" $name "* ]] || ln "$whl" "$stage/" 2>/dev/null || cp "$whl" "$stage/"
+  dest=$stage
+  [[ " $(echo $DROP) " == *" $name "* ]] && dest=$extra
+  [[ $name == pynvvideocodec || $name == torchcodec ]] && continue  # video only: never needed here
+  ln "$whl" "$dest/" 2>/dev/null || cp "$whl" "$dest/"
 done
 python3 -m pip download -q --no-deps $PLAT -d "$stage" gguf==0.19.0  # semkv reads the GGUF through it
 
@@ -62,6 +69,10 @@ tar -cf "$work/wheels.tar" -C "$stage" .
 split_into "$work/wheels.tar" "$carry/vllm" wheels.tar
 (cd "$stage" && ls -l *.whl | awk '{print $5, $9}') > "$carry/vllm/MANIFEST"
 rm "$work/wheels.tar"
+# the other left-out wheels, in case vLLM asks for one there after all: carried only then (setup installs them too)
+tar -cf "$work/extra.tar" -C "$extra" .
+split_into "$work/extra.tar" "$carry/vllm-extra" extra.tar
+rm "$work/extra.tar"
 
 qwen="$work/qwen"
 if [ ! -f "$qwen/qwen.gguf" ] || [ "$(sha256sum < "$qwen/qwen.gguf" | cut -d' ' -f1)" != $QWEN_SHA ]; then
@@ -91,8 +102,8 @@ EOF
 (cd "$carry/data" && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum) > "$carry/data/SHA256SUMS"
 
 echo "parts of at most $part_mib MiB:"
-for d in vllm qwen; do
+for d in vllm qwen vllm-extra; do
   n=$(ls "$carry/$d" | grep -c '\.[0-9][0-9]$')
   echo "  .carry/$d: $n parts, $(du -cm "$carry/$d"/*.[0-9][0-9] | tail -1 | cut -f1) MiB"
 done
-echo "  .carry/data: $(du -sm "$carry/data" | cut -f1) MiB (carry it with the first part)"
+echo "  .carry/data: $(du -sm "$carry/data" | cut -f1) MiB; .carry/vllm-extra: only if vLLM asks for a left-out wheel"

@@ -10,8 +10,10 @@
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
 stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b [SECONDS] [ARGS...]}
-seconds=${2:-540}
-shift $(( $# < 2 ? $# : 2 ))
+shift
+case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
+seconds=540
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then seconds=$1; shift; fi
 W=/tmp/w out=${OUT:-/tmp/out}
 mkdir -p $W $out
 if [ "$stage" = status ]; then bash benchmarks/vllm_setup.sh status; exit 0; fi
@@ -34,8 +36,10 @@ quality)
 serve)
   python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
   pack serve serve ;;
-serve8b)
-  python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) "$@"
+serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
+  # a request: 16 at once
+  python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \
+    --servers "full,chess[anchor=queries],chunkkv[neighbours=3]" --prefill 16 --concurrency 16 --requests 32 "$@"
   pack serve8b serve ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_offline import compare  # noqa: E402
-from vllm_quality import table  # noqa: E402
+from vllm_quality import means, scores, table  # noqa: E402
 from vllm_workload import read_json  # noqa: E402
 
 FULL = "semkv-full"  # vllm_serve.py's label of semkv serve with Full KV
@@ -57,9 +58,9 @@ def kv_gib(peak: dict, after: dict, token_bytes: int) -> float | None:
         page_bytes = after.get("semkv_kv_page_bytes") or 16 * token_bytes
         return round(peak["semkv_pages"] * page_bytes / 2**30, 2)
     info = next((k for k in after if k.startswith("vllm:cache_config_info")), "")
-    labels = dict(part.split("=", 1) for part in info[info.find("{") + 1:-1].split(",") if "=" in part)
+    labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', info))
     try:
-        blocks, block = int(labels["num_gpu_blocks"].strip('"')), int(labels["block_size"].strip('"'))
+        blocks, block = int(labels["num_gpu_blocks"]), int(labels["block_size"])
     except (KeyError, ValueError):
         return None
     return round(peak.get("vllm_usage", 0) * blocks * block * token_bytes / 2**30, 2)
@@ -87,7 +88,7 @@ def serve_tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def targets(rows: list[dict], engine_ttft: Path | None) -> str:
+def targets(rows: list[dict], engine_ttft: Path | None, quality: Path | None) -> str:
     """Issue 54's and issue 53's targets, each with its number (missing where its phase did not run)."""
     at = {(r["server"], r["phase"]): r for r in rows}
     full = FULL
@@ -96,6 +97,11 @@ def targets(rows: list[dict], engine_ttft: Path | None) -> str:
     def add(name: str, value: float | None, ok) -> None:
         lines.append(f"| {name} | {'-' if value is None else f'{value:.2f}'} | "
                      f"{'-' if value is None else 'yes' if ok(value) else 'no'} |")
+
+    mean = means(scores(quality)) if quality is not None else {}
+    for method in [m for m in mean if m.startswith(("chess", "chunkkv"))]:
+        add(f"54: {method} NIAH score - vLLM's (points)", mean[method] - mean["vllm"] if "vllm" in mean else None,
+            lambda v: v >= -5)
 
     for phase in [p for p in dict.fromkeys(r["phase"] for r in rows) if p.startswith("c")]:
         base, mine = at.get(("vllm", phase)), at.get((full, phase))
@@ -147,12 +153,14 @@ def main() -> None:
     if args.quality:
         print("\n## Quality (`vllm_quality.py`, score 0-100)\n")
         print(table(Path(args.quality)))
-    if args.serve:
-        rows = serve_rows(Path(args.serve))
+    rows = serve_rows(Path(args.serve)) if args.serve else []
+    if rows:
         print("\n## Serving (`vllm_serve.py`, `vllm bench serve`)")
         print(serve_tables(rows))
+    if rows or args.quality:
         print("\n## Targets\n")
-        print(targets(rows, Path(args.serve) / "engine_ttft" / "results.json"))
+        print(targets(rows, Path(args.serve) / "engine_ttft" / "results.json" if args.serve else None,
+                      Path(args.quality) if args.quality else None))
 
 
 if __name__ == "__main__":

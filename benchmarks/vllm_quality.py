@@ -117,23 +117,34 @@ def run_vllm(args, folder: Path, llm=None) -> int:
     return 0
 
 
-def table(out: Path) -> str:
-    """Mean score per method (semkv's with their budget, vLLM's) and task: a markdown table."""
+def scores(out: Path) -> dict[str, dict[str, list[float]]]:
+    """Scores by method (semkv's with their budget, and "vllm") and task, from both results directories."""
     from semkv.eval.store import ResultsDir
 
-    scores: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    found: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for side in ("vllm", "semkv"):
         for row in ResultsDir(out / side).rows():
             label = row["method"] if row["budget"] is None else f"{row['method']}@{row['budget']}"
-            scores[label][row["task"]].append(row["score"])
-    tasks = sorted({t for by_task in scores.values() for t in by_task})
+            found[label][row["task"]].append(row["score"])
+    return found
+
+
+def means(found: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """Each method's score: the mean over tasks of the mean over samples."""
+    return {m: sum(sum(v) / len(v) for v in by_task.values()) / len(by_task) for m, by_task in found.items()}
+
+
+def table(out: Path) -> str:
+    """Mean score per method and task, and each method's points against vLLM's: a markdown table."""
+    found = scores(out)
+    tasks = sorted({t for by_task in found.values() for t in by_task})
     lines = ["| method | " + " | ".join(t.removeprefix("ruler_") for t in tasks) + " | mean | vs vLLM |",
              "|---" * (len(tasks) + 3) + "|"]
-    means = {m: sum(sum(v) / len(v) for v in by_task.values()) / len(by_task) for m, by_task in scores.items()}
-    for method, by_task in scores.items():
+    mean = means(found)
+    for method, by_task in found.items():
         cells = [f"{sum(by_task[t]) / len(by_task[t]):.1f}" if by_task.get(t) else "-" for t in tasks]
-        ratio = f"{means[method] - means['vllm']:+.1f} pt" if "vllm" in means else "-"
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {means[method]:.1f} | {ratio} |")
+        ratio = f"{mean[method] - mean['vllm']:+.1f} pt" if "vllm" in mean else "-"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean[method]:.1f} | {ratio} |")
     return "\n".join(lines)
 
 

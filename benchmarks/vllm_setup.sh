@@ -27,15 +27,19 @@ _vllm_join() {  # DIR OUTPUT: the parts joined, checked against the whole file's
     echo "vllm_setup: $out does not match $dir/SHA256SUMS" >&2; rm -f "$out"; return 1; }
 }
 
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+  sed -n '1,/^$/p' "${BASH_SOURCE[0]}"; return 0 2>/dev/null || exit 0
+fi
 if [ "${1:-}" = status ]; then
-  for d in vllm qwen; do echo ".carry/$d: $(_vllm_parts .carry/$d quick)"; done
+  for d in vllm qwen vllm-extra; do echo ".carry/$d: $(_vllm_parts .carry/$d quick)"; done
   echo ".carry/data: $([ -f .carry/data/SHA256SUMS ] && echo there || echo missing)"
   [ -f /tmp/site/vllm/__init__.py ] && echo "vLLM installed in /tmp/site"
   [ -e /tmp/qwen-hf/config.json ] && echo "model folder /tmp/qwen-hf ready"
   return 0 2>/dev/null || exit 0
 fi
 
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site-extra:$PWD
+export PATH=/tmp/site/bin:/tmp/site-extra/bin:$PATH
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FLASHINFER_DISABLE_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export SEMKV_CACHE_DIR=/tmp/semkv-cache QWEN=/tmp/qwen-hf DATA=$PWD/.carry/data
@@ -51,6 +55,13 @@ _vllm_setup() {
       || { echo "vllm_setup: pip install failed" >&2; return 1; }
     rm -rf /tmp/wheels
     echo "vllm_setup: wheels installed in $((SECONDS - t0)) s"
+  fi
+  # the left-out wheels, if they were carried, in a folder of their own (--target would skip /tmp/site/nvidia)
+  if [ ! -d /tmp/site-extra ] && [ "$(_vllm_parts .carry/vllm-extra)" = ok ]; then
+    _vllm_join .carry/vllm-extra /tmp/extra.tar && mkdir -p /tmp/extra && tar -xf /tmp/extra.tar -C /tmp/extra \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-extra \
+           /tmp/extra/*.whl && echo "vllm_setup: the left-out wheels installed in /tmp/site-extra"
+    rm -rf /tmp/extra.tar /tmp/extra
   fi
   if [ ! -e /tmp/qwen-hf/config.json ]; then
     if [ ! -f /tmp/qwen.gguf ]; then
