@@ -35,7 +35,8 @@ def serve_rows(folder: Path) -> list[dict]:
             delta = lambda *names: sum(after.get(k, 0) - before.get(k, 0)  # noqa: E731
                                        for k in after if k.split("{")[0] in names)
             rows.append(dict(
-                server=info.get("label", server.name), phase=phase, first=m["phase"]["first"], concurrency=m["phase"]["concurrency"], completed=c["completed"],
+                server=info.get("label", server.name), phase=phase, first=m["phase"]["first"],
+                concurrency=m["phase"]["concurrency"], completed=c["completed"],
                 failed=c["failed"], errors=[e for e in c.get("errors", []) if e][:1], duration_s=c["duration"],
                 output_tok_s=c["output_throughput"], request_s=c["request_throughput"],
                 prompt_tok_s=c["total_input_tokens"] / c["duration"], prompt_tokens=c["total_input_tokens"],

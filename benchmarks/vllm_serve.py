@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_servers import NAME, Server, idle, kv_in_use, kv_shape, metrics, shape_folder  # noqa: E402
+from vllm_servers import NAME, Server, ServerDown, idle, kv_in_use, kv_shape, metrics, shape_folder  # noqa: E402
 from vllm_workload import (CardMemory, Essays, add_common, load_text, method_entry, safe, smoke_model,  # noqa: E402
                            write_json)
 
@@ -148,9 +148,11 @@ def main() -> None:
     left = lambda: args.deadline - (time.time() - t0)  # noqa: E731
     out = Path(args.out)
     prompts = out / "prompts"
-    if not (prompts / "shared_followup.jsonl").is_file():
+    made_for = dict(model=args.model, phases=phases(args), context=args.context, questions=args.questions)
+    if not (prompts / "made_for.json").is_file() or json.loads((prompts / "made_for.json").read_text()) != made_for:
         prompts.mkdir(parents=True, exist_ok=True)
         write_prompts(args, prompts)
+        write_json(prompts / "made_for.json", made_for)
     if args.engine_ttft and not (out / "engine_ttft" / "results.json").is_file():
         cmd = [sys.executable, "-m", "semkv.cli.main", "bench", "--model", args.model, "--methods", "full", "--batches",
                "1", "--contexts", str(args.context), "--steps", "8", "--ttft", "--out", str(out / "engine_ttft")]
@@ -161,8 +163,11 @@ def main() -> None:
         label = "vllm" if spec == "vllm" else "semkv-" + method_entry(spec, args.budget)[3]
         folder = out / safe(label)
         folder.mkdir(parents=True, exist_ok=True)
-        todo = [ph for ph in phases(args) if ph["name"] in wanted and ph["name"] != "warmup"
-                and not (folder / f"{ph['name']}.metrics.json").is_file()]
+        done = {ph["name"] for ph in phases(args) if (folder / f"{ph['name']}.metrics.json").is_file()}
+        want = set(wanted) - done - {"warmup"}
+        if "shared_followup" in want:  # the follow-ups need this server to have cached the documents
+            want.add("shared_first")
+        todo = [ph for ph in phases(args) if ph["name"] in want]
         if not todo or left() < 240:
             print(f"{label}: {'done before' if not todo else 'not started: too little time left'}", flush=True)
             continue
@@ -185,7 +190,7 @@ def main() -> None:
                               f"{client['output_throughput']:.0f} out tok/s, TTFT p50 {client['median_ttft_ms']:.0f} "
                               f"ms, ITL p50 / p99 {client['median_itl_ms']:.1f} / {client['p99_itl_ms']:.1f} ms",
                               flush=True)
-            except SystemError as exc:
+            except ServerDown as exc:
                 print(f"{label}: {exc}; see {folder / 'server.log'}", flush=True)
             finally:
                 server.stop(card)

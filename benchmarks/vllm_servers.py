@@ -18,6 +18,10 @@ from vllm_workload import CardMemory, method_entry
 NAME = "qwen"  # the served model name both servers answer to
 
 
+class ServerDown(Exception):
+    """The server exited or did not answer /health in time."""
+
+
 def metrics(url: str) -> dict[str, float]:
     """The server's Prometheus samples ({'name{labels}': value})."""
     try:
@@ -100,17 +104,17 @@ class Server:
         self.process = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, seconds: float) -> float:
-        """Seconds until /health answered; SystemError if the server exits or does not answer in time."""
+        """Seconds until /health answered; ServerDown if the server exits or does not answer in time."""
         while time.time() - self.started < seconds:
             if self.process.poll() is not None:
-                raise SystemError(f"the server exited with code {self.process.returncode}")
+                raise ServerDown(f"the server exited with code {self.process.returncode}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
                         return round(time.time() - self.started, 1)
             except OSError:
                 time.sleep(2)
-        raise SystemError(f"no answer on /health in {seconds:.0f} s")
+        raise ServerDown(f"no answer on /health in {seconds:.0f} s")
 
     def stop(self, card: CardMemory) -> None:
         """End the server and every process it started; wait until the card's memory is back where it was."""
