@@ -14,10 +14,10 @@ shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then seconds=$1; shift; fi
-W=/tmp/w out=${OUT:-/tmp/out}
+W=${VLLM_WORK:-/tmp/w} out=${OUT:-/tmp/out}
 mkdir -p $W $out
 if [ "$stage" = status ]; then bash benchmarks/vllm_setup.sh status; exit 0; fi
-source benchmarks/vllm_setup.sh || exit 1
+source benchmarks/vllm_setup.sh install || exit 1  # (an argument, so that it does not see this script's)
 [ "$stage" = setup ] && exit 0
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a $W/device.txt
 pack() {  # the stage's folder into $OUT, then its tables

@@ -9,6 +9,8 @@
 # Exports: PYTHONPATH, PATH, CUDA_HOME (FlashInfer compiles with its nvcc), QWEN (the HF folder), DATA (.carry/data:
 # the essays, RULER's word lists, a tokenizer for the random 8B shape), SEMKV_CACHE_DIR and offline switches.
 
+T=${VLLM_TMP:-/tmp}  # where it installs and converts (kept while the machine is warm)
+
 _vllm_parts() {  # DIR [quick]: "ok", or which parts are missing or damaged (quick: presence only, no hashing)
   local dir=$1 missing="" bad=""
   [ -f "$dir/SHA256SUMS" ] || { echo "no $dir/SHA256SUMS"; return; }
@@ -33,57 +35,60 @@ fi
 if [ "${1:-}" = status ]; then
   for d in vllm qwen vllm-extra; do echo ".carry/$d: $(_vllm_parts .carry/$d quick)"; done
   echo ".carry/data: $([ -f .carry/data/SHA256SUMS ] && echo there || echo missing)"
-  [ -f /tmp/site/vllm/__init__.py ] && echo "vLLM installed in /tmp/site"
-  [ -e /tmp/qwen-hf/config.json ] && echo "model folder /tmp/qwen-hf ready"
+  [ -f $T/site/vllm/__init__.py ] && echo "vLLM installed in $T/site"
+  [ -e $T/qwen-hf/config.json ] && echo "model folder $T/qwen-hf ready"
   return 0 2>/dev/null || exit 0
 fi
 
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site-extra:$PWD
-export PATH=/tmp/site/bin:/tmp/site-extra/bin:$PATH
+export PYTHONPATH=$T/site:$T/site/nvidia_cutlass_dsl/dsl_packages:$T/site-extra:$PWD
+export PATH=$T/site/bin:$T/site-extra/bin:$PATH
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FLASHINFER_DISABLE_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export SEMKV_CACHE_DIR=/tmp/semkv-cache QWEN=/tmp/qwen-hf DATA=$PWD/.carry/data
+export SEMKV_CACHE_DIR=$T/semkv-cache QWEN=$T/qwen-hf DATA=$PWD/.carry/data
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # kept off, as the machines ask
 
 _vllm_setup() {
   local t0=$SECONDS state
-  if [ ! -f /tmp/site/vllm/__init__.py ]; then
+  if [ ! -f $T/site/vllm/__init__.py ]; then
     state=$(_vllm_parts .carry/vllm); [ "$state" = ok ] || { echo "vllm_setup: .carry/vllm: $state" >&2; return 1; }
-    _vllm_join .carry/vllm /tmp/wheels.tar || return 1
-    mkdir -p /tmp/wheels && tar -xf /tmp/wheels.tar -C /tmp/wheels && rm /tmp/wheels.tar
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/wheels/*.whl \
+    _vllm_join .carry/vllm $T/wheels.tar || return 1
+    mkdir -p $T/wheels && tar -xf $T/wheels.tar -C $T/wheels && rm $T/wheels.tar
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $T/site $T/wheels/*.whl \
       || { echo "vllm_setup: pip install failed" >&2; return 1; }
-    rm -rf /tmp/wheels
+    rm -rf $T/wheels
     echo "vllm_setup: wheels installed in $((SECONDS - t0)) s"
   fi
-  # the left-out wheels, if they were carried, in a folder of their own (--target would skip /tmp/site/nvidia)
-  if [ ! -d /tmp/site-extra ] && [ "$(_vllm_parts .carry/vllm-extra)" = ok ]; then
-    _vllm_join .carry/vllm-extra /tmp/extra.tar && mkdir -p /tmp/extra && tar -xf /tmp/extra.tar -C /tmp/extra \
-      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-extra \
-           /tmp/extra/*.whl && echo "vllm_setup: the left-out wheels installed in /tmp/site-extra"
-    rm -rf /tmp/extra.tar /tmp/extra
+  # the left-out wheels, if they were carried, in a folder of their own (--target would skip $T/site/nvidia)
+  if [ ! -d $T/site-extra ] && [ "$(_vllm_parts .carry/vllm-extra)" = ok ]; then  # tried once
+    mkdir -p $T/site-extra $T/extra
+    _vllm_join .carry/vllm-extra $T/extra.tar && tar -xf $T/extra.tar -C $T/extra \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $T/site-extra \
+           $T/extra/*.whl && echo "vllm_setup: the left-out wheels installed in $T/site-extra"
+    rm -rf $T/extra.tar $T/extra
   fi
-  if [ ! -e /tmp/qwen-hf/config.json ]; then
-    if [ ! -f /tmp/qwen.gguf ]; then
+  if [ ! -e $T/qwen-hf/config.json ]; then
+    if [ ! -f $T/qwen.gguf ]; then
       state=$(_vllm_parts .carry/qwen); [ "$state" = ok ] || { echo "vllm_setup: .carry/qwen: $state" >&2; return 1; }
-      _vllm_join .carry/qwen /tmp/qwen.gguf || return 1
+      _vllm_join .carry/qwen $T/qwen.gguf || return 1
     fi
     local folder
-    folder=$(python3 -c "from semkv.models.loader import model_folder; print(model_folder('/tmp/qwen.gguf')[1])" \
-             2>/tmp/qwen-convert.log) || { tail -5 /tmp/qwen-convert.log >&2; return 1; }
-    ln -sfn "$folder" /tmp/qwen-hf
-    echo "vllm_setup: /tmp/qwen.gguf converted to $folder ($((SECONDS - t0)) s)"
+    folder=$(python3 -c "from semkv.models.loader import model_folder; print(model_folder('$T/qwen.gguf')[1])" \
+             2>$T/qwen-convert.log) || { tail -5 $T/qwen-convert.log >&2; return 1; }
+    ln -sfn "$folder" $T/qwen-hf
+    echo "vllm_setup: $T/qwen.gguf converted to $folder ($((SECONDS - t0)) s)"
   fi
-  python3 - <<'EOF' || { echo "vllm_setup: vLLM does not import" >&2; return 1; }
-import json, torch, transformers, vllm
+  if [ -f $T/site/.checked ]; then cat $T/site/.checked; return 0; fi
+  python3 - <<'EOF' > $T/site/.checking || { echo "vllm_setup: vLLM does not import" >&2; return 1; }
+import json, os, torch, transformers, vllm
 from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
-folder = "/tmp/qwen-hf"
+folder = os.environ["QWEN"]
 config = json.load(open(f"{folder}/config.json"))
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"{torch.cuda.get_device_name()}, FlashAttention 3 supported: {is_fa_version_supported(3)}")
 print(f"model folder {folder}: {config['model_type']}, {config['num_hidden_layers']} layers, "
       f"dtype in config: {config.get('dtype', config.get('torch_dtype'))} (both engines load it as bfloat16)")
 EOF
+  mv $T/site/.checking $T/site/.checked && cat $T/site/.checked
   echo "vllm_setup: ready in $((SECONDS - t0)) s"
 }
 _vllm_setup
