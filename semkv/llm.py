@@ -18,7 +18,7 @@ from semkv.engine.memory import MemoryUsage
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
 from semkv.engine.trace import Trace
-from semkv.errors import SemkvError, check_range
+from semkv.errors import SemkvError, check_range, check_text
 from semkv.launch import Ranks, check_size, receive
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
@@ -95,8 +95,10 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
                  page_size: int = 16, prefill_chunk: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1):
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int (or None: the device's default)")
+        if prefill_chunk is not None:  # None: the device's default
+            check_range("prefill_chunk", prefill_chunk, 1, None, int)
+        if num_pages is not None:  # None: sized from the free GPU memory, or grown on demand on the CPU
+            check_range("num_pages", num_pages, 2, None, int)
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
             raise SemkvError(f"page_size={page_size!r} is out of range; allowed: 1..256")
         check_range("gpu_memory_utilization", gpu_memory_utilization, 0.05, 1.0)
@@ -185,12 +187,19 @@ class LLM:
 
     def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
         """Token ids of `chat_text(messages)`."""
+        for i, message in enumerate(messages):
+            check_text(f"message {i}'s content", message.get("content") if isinstance(message, dict) else message)
         text = self.chat_text(messages, "send a completion prompt instead")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode(self, prompt: str, question: str | None = None, chat: bool = True,
                answer_prefix: str = "") -> tuple[list[int], int | None]:
-        """Token ids of `prompt_text` and where the question starts in them (None without a question)."""
+        """Token ids of `prompt_text` and where the question starts in them (None without a question). SemkvError
+        for what is not text a tokenizer takes."""
+        check_text("the prompt", prompt)
+        if question is not None:
+            check_text("the question", question)
+        check_text("the answer prefix", answer_prefix)
         text = self.prompt_text(prompt, question, chat, answer_prefix)
         special = not chat  # the chat template writes its own special tokens
         if question is None:
@@ -242,7 +251,8 @@ class LLM:
         seqs = []
         for i, prompt in enumerate(prompts):
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            if not isinstance(prompt, str) or not prompt.strip():
+            check_text(which, prompt)
+            if not prompt.strip():
                 raise SemkvError(f"{which} is empty; give some text")
             ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat,
                                               "" if answer_prefixes is None else answer_prefixes[i])
@@ -362,9 +372,11 @@ class LLM:
     def token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
         """Token ids of a text (no special tokens added) or checked ids; SemkvError names `what` if they are bad."""
         if isinstance(tokens, str):
+            check_text(f"the {what}", tokens)
             tokens = self.tokenizer(tokens, add_special_tokens=False)["input_ids"]
-        ids, vocab = list(tokens), self.config.vocab_size
-        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        vocab = self.config.vocab_size
+        ids = list(tokens) if isinstance(tokens, Seq) else []
+        if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise SemkvError(f"the {what} must be non-empty text or a list of token ids in [0, {vocab})")
         return ids
 
@@ -389,10 +401,14 @@ class LLM:
     def sampling_params(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
                         logprobs: int | None = None, spell: Callable[[str], str] = str) -> SamplingParams:
         """Checked sampling parameters (SemkvError names the first bad one as `spell` writes it: `check_sampling`)."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p, spell)
-        stops = tuple(stop or ())
+        check_sampling(max_new_tokens, temperature, top_k, top_p, spell, seed)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
+        for s in stops:
+            check_text("a stop string", s)
+        if not isinstance(ignore_eos, bool):
+            raise SemkvError(f"ignore_eos={ignore_eos!r} must be True or False")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= 20):
             raise SemkvError(f"logprobs={logprobs!r} must be an int in 0..20 (the most likely tokens to list)")
