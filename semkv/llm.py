@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import inspect as pyinspect
 import os
-import traceback
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,8 +17,8 @@ from semkv.engine.memory import MemoryUsage
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
 from semkv.engine.trace import Trace
-from semkv.errors import SemkvError, check_range, check_text
-from semkv.launch import Ranks, check_size, receive
+from semkv.errors import RankError, SemkvError, check_range, check_text
+from semkv.launch import Ranks, check_size, raise_judged, receive, report
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
 from semkv.models.parallel import TensorParallel, check_divisible
@@ -40,7 +39,9 @@ class GenerationOutput:
 def on_every_rank(fn):
     """An LLM call that, with tensor parallelism, rank 0 first sends to the other ranks (`Ranks.call`), which replay
     it in step (their collectives must meet). They get no progress bars and no `inspect` callback. A generator is
-    run to its end on rank 0 too when its caller stops early, because the other ranks run it to its end."""
+    run to its end on rank 0 too when its caller stops early, because the other ranks run it to its end. A call that
+    fails for another reason than bad input ends every rank; the caller gets the error of the rank that failed
+    (`Ranks.judge`: a RankError naming another rank)."""
     signature = pyinspect.signature(fn)
 
     def send(self, args, kwargs) -> None:
@@ -60,20 +61,31 @@ def on_every_rank(fn):
                 return
             send(self, args, kwargs)
             items = fn(self, *args, **kwargs)
-            for item in items:
-                try:
-                    yield item
-                except GeneratorExit:
-                    for _ in items:
-                        pass
-                    raise
+            try:
+                for item in items:
+                    try:
+                        yield item
+                    except GeneratorExit:
+                        for _ in items:
+                            pass
+                        raise
+            except GeneratorExit:
+                raise
+            except BaseException as error:
+                raise_judged(self.ranks, error)
+                raise
         return generator
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        if self.ranks is not None:
-            send(self, args, kwargs)
-        return fn(self, *args, **kwargs)
+        if self.ranks is None:
+            return fn(self, *args, **kwargs)
+        send(self, args, kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException as error:
+            raise_judged(self.ranks, error)
+            raise
     return call
 
 
@@ -116,7 +128,12 @@ class LLM:
         self.ranks = Ranks(tensor_parallel_size, dev, _replay, (settings,))
         self._closer = weakref.finalize(self, self.ranks.close)  # at the latest when the program ends
         try:
-            self._load(self.ranks.device, self.ranks.tp, **settings)
+            try:
+                self._load(self.ranks.device, self.ranks.tp, **settings)
+                self.ranks.wait_ready()  # every rank has loaded its shard, or one failed
+            except BaseException as error:
+                raise_judged(self.ranks, error)
+                raise
         except BaseException:
             self.close()
             raise
@@ -495,6 +512,9 @@ class Session:
     def submit(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod, key: str) -> Sequence:
         """A new request (method: unbound; its key names its method, budget and parameters)."""
         self._everywhere("submit", seq_id, ids, params, method, key)
+        return self._judged(self._submit, seq_id, ids, params, method, key)
+
+    def _submit(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod, key: str) -> Sequence:
         bound = self.bound.get(key)
         if bound is None:
             bound = method.bound(self.llm.config, self.llm.tokenizer, self.llm.engine.pool.page_size)
@@ -507,14 +527,32 @@ class Session:
     def advance(self) -> None:
         """`Scheduler.advance`; then forget ended requests and the methods no live request uses."""
         self._everywhere("advance")
-        self.scheduler.advance()
+        self._judged(self.scheduler.advance)
         self._sweep()
 
     def cancel(self, seq_id: int) -> None:
         self._everywhere("cancel", seq_id)
         if seq_id in self.requests:
-            self.scheduler.cancel(self.requests[seq_id][0])
+            self._judged(self.scheduler.cancel, self.requests[seq_id][0])
         self._sweep()
+
+    def _judged(self, call: Callable, *args: Any) -> Any:
+        """`call(*args)`; with tensor parallelism, an error (raised, or contained in a request that failed) that is
+        not bad input or memory ends every rank, which may no longer be in step: the session raises RankError (or
+        rank 0's own error), as a call of the LLM does."""
+        ranks = self.llm.ranks
+        if ranks is None:
+            return call(*args)
+        seen = len(self.scheduler.failed)
+        try:
+            result = call(*args)
+        except BaseException as error:
+            raise_judged(ranks, error)
+            raise
+        for _, error in self.scheduler.failed[seen:]:
+            if ranks.judge(error) is not None:
+                raise RankError(ranks.failure) from error
+        return result
 
     def _sweep(self) -> None:
         for seq_id in [i for i, (s, _) in self.requests.items() if s.finished]:
@@ -526,21 +564,27 @@ class Session:
 
 def _replay(tp: TensorParallel, device: torch.device, calls, settings: dict) -> None:
     """A rank other than 0 of a tensor-parallel LLM: load its shard, then replay rank 0's calls until None. A call
-    that fails here fails on rank 0 too (the same checks on the same input), where the caller sees it."""
+    that fails here for bad input (SemkvError) or a request that does not fit (MemoryError) fails on rank 0 too (the
+    same checks on the same input), where the caller sees it; any other failure ends this rank, and its text goes to
+    rank 0 (`launch.report`), which ends the others."""
     llm = LLM.__new__(LLM)
     llm.ranks, llm.session, llm.closed = None, None, False
     llm._load(device, tp, **settings)
+    report("ready")
     while (what := receive(calls)) is not None:
         try:
             if what[0] == "session":
+                failed = llm.session.scheduler.failed  # contained on this rank; rank 0's session reports its own
                 getattr(llm.session, what[1])(*what[2])
+                errors = [error for _, error in failed if not isinstance(error, (SemkvError, MemoryError))]
+                failed.clear()
+                if errors:
+                    raise errors[0]
                 continue
             name, args, kwargs = what
             result = getattr(llm, name)(*args, **kwargs)
             if pyinspect.isgenerator(result):
                 for _ in result:
                     pass
-        except SemkvError:  # bad input: rank 0 raises the same error to its caller
+        except (SemkvError, MemoryError):  # rank 0 raises the same error to its caller
             pass
-        except Exception:  # noqa: BLE001 - shown, as rank 0 may not see it
-            traceback.print_exc()

@@ -29,7 +29,8 @@ SENT = {"requests": 0}  # HTTP requests sent, every one checked
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    """`semkv serve` on the tiny Llama with a 256-token context; its log goes to a file (read when it fails)."""
+    """`semkv serve` on the tiny Llama with a 256-token context, one thread (its operations are too small to share);
+    its log goes to a file (read when it fails)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -38,7 +39,7 @@ def server(tiny_model_dir, tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "semkv.cli.main", "serve", "--model", str(tiny_model_dir("llama_short")), "--device",
          "cpu", "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning", "--prefill-chunk", "64"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     deadline = time.time() + 300
     while True:

@@ -87,7 +87,11 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             method = self._method[seq]
-            blocked = self.engine.blocked(seq, self.running, method)
+            try:
+                blocked = self.engine.blocked(seq, self.running, method)
+            except Exception as error:  # noqa: BLE001 - a method's admission hook failed: contained or re-raised
+                self._fail([seq], error)
+                continue
             if blocked is not None:
                 if self.running:
                     break  # it waits for pages or state memory that running requests give back
