@@ -51,29 +51,30 @@ def llm(tiny_model_dir):
 
 
 # -- the paths a request takes ------------------------------------------------------------------------------------------
-def generate(llm, method) -> list[list[int]]:
+def generate(llm, method, want=None) -> list[list[int]]:
     out = llm.generate(CONTEXTS[:1], method=method, questions=QUESTIONS[:1], max_new_tokens=NEW, chat=False,
                        ignore_eos=True)
     return [o.token_ids for o in out]
 
 
-def batching(llm, method) -> list[list[int]]:
+def batching(llm, method, want=None) -> list[list[int]]:
     out = llm.generate(CONTEXTS * 2, method=method, questions=QUESTIONS * 2, max_new_tokens=NEW, chat=False,
                        ignore_eos=True, **SAMPLED)
     return [o.token_ids for o in out]
 
 
-def compare(llm, method) -> list[list[int]]:
+def compare(llm, method, want=None) -> list[list[int]]:
     out = llm.compare(CONTEXTS[1], [method, get_method("full")], question=QUESTIONS[1], max_new_tokens=NEW,
                       chat=False)
     return [o.token_ids for o in out]
 
 
-def session(llm, method) -> list[list[int]]:
+def session(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
     """The server's path: requests of the method and one of Full KV (cancelled after its first token) arrive, and
     another of the method once the first has its first token, so it is admitted beside a running one; the session
     advances until none is left. An injected failure must end its request(s) alone: it raises from `submit`, or
-    the request ends with it in `failed`; `advance` never raises, and the other requests end as they would have."""
+    the request ends with it in `failed`; `advance` never raises, and the other requests end as they would have
+    (with the tokens `want` of a clean run)."""
     s = llm.new_session(enable_prefix_caching=False)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=1)
     seqs, errors = {}, []
@@ -102,6 +103,8 @@ def session(llm, method) -> list[list[int]]:
         llm.session = None
     for i, q in seqs.items():  # the others end as they would have
         assert q.finished and (len(q.output_ids) == NEW) == (q.finish_reason == "length"), (i, q.finish_reason)
+        if want is not None and i != 2 and q.finish_reason == "length":
+            assert q.output_ids == want[(0, 1, 3).index(i)], f"request {i} gave other tokens beside the failure"
     for error in errors[1:]:  # a request that failed after the injected failure, for what it left behind
         assert named(error), f"a later request failed with {type(error).__name__}: {error}"
     if errors:
@@ -130,11 +133,11 @@ def named(error: BaseException) -> bool:
     return isinstance(error, Injected) or isinstance(error, MemoryError) and "injected" in str(error)
 
 
-def failing_run(llm, path: str, method, points, fail) -> BaseException | None:
+def failing_run(llm, path: str, method, points, fail, want) -> BaseException | None:
     """Run a path with one point failing; the error the caller got (None if none)."""
     with Injector(points, fail):
         try:
-            PATHS[path](llm, method)
+            PATHS[path](llm, method, want)
         except BaseException as error:  # noqa: BLE001 - judged by the caller
             return error
     return None
@@ -166,7 +169,7 @@ def test_every_injected_failure_cleans_up(llm, config):
         baseline = live_tensor_bytes()
         for path, point, call in plan(calls):
             where = f"{config} / {path} / {point.name} call {call}"
-            error = failing_run(llm, path, method, points, (point, call))
+            error = failing_run(llm, path, method, points, (point, call), want[path])
             assert error is not None, f"{where}: no error reached the caller"
             assert named(error), f"{where}: the caller got {type(error).__name__}: {error}"
             del error
