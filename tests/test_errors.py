@@ -89,7 +89,9 @@ def test_help_does_not_load_torch():
 def test_serve_checks_its_flags_before_the_model_loads():
     for flags, needle in [(["--method", "nope"], "unknown method 'nope'"), (["--port", "70000"], "--port 70000"),
                           (["--method", "snapkv", "--budget", "-1"], "budget"),
-                          (["--max-concurrent-requests", "0"], "--max-concurrent-requests 0")]:
+                          (["--max-concurrent-requests", "0"], "--max-concurrent-requests 0"),
+                          (["--timeout-keep-alive", "nan"], "--timeout-keep-alive=nan must be a finite number"),
+                          (["--param", "window=1e999", "--method", "snapkv", "--budget", "8"], "window=inf")]:
         code, err = run_cli("serve", *flags)
         assert code == 2 and err.startswith("semkv: error:") and needle in err, err
 
