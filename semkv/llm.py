@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import inspect as pyinspect
 import os
-import traceback
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,8 +17,8 @@ from semkv.engine.memory import MemoryUsage
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
 from semkv.engine.trace import Trace
-from semkv.errors import SemkvError, check_range
-from semkv.launch import Ranks, check_size, receive
+from semkv.errors import RankError, SemkvError, check_range, check_text
+from semkv.launch import Ranks, check_size, raise_judged, receive, report
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
 from semkv.models.parallel import TensorParallel, check_divisible
@@ -43,7 +42,9 @@ class GenerationOutput:
 def on_every_rank(fn):
     """An LLM call that, with tensor parallelism, rank 0 first sends to the other ranks (`Ranks.call`), which replay
     it in step (their collectives must meet). They get no progress bars and no `inspect` callback. A generator is
-    run to its end on rank 0 too when its caller stops early, because the other ranks run it to its end."""
+    run to its end on rank 0 too when its caller stops early, because the other ranks run it to its end. A call that
+    fails for another reason than bad input ends every rank; the caller gets the error of the rank that failed
+    (`Ranks.judge`: a RankError naming another rank)."""
     signature = pyinspect.signature(fn)
 
     def send(self, args, kwargs) -> None:
@@ -63,20 +64,31 @@ def on_every_rank(fn):
                 return
             send(self, args, kwargs)
             items = fn(self, *args, **kwargs)
-            for item in items:
-                try:
-                    yield item
-                except GeneratorExit:
-                    for _ in items:
-                        pass
-                    raise
+            try:
+                for item in items:
+                    try:
+                        yield item
+                    except GeneratorExit:
+                        for _ in items:
+                            pass
+                        raise
+            except GeneratorExit:
+                raise
+            except BaseException as error:
+                raise_judged(self.ranks, error)
+                raise
         return generator
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        if self.ranks is not None:
-            send(self, args, kwargs)
-        return fn(self, *args, **kwargs)
+        if self.ranks is None:
+            return fn(self, *args, **kwargs)
+        send(self, args, kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException as error:
+            raise_judged(self.ranks, error)
+            raise
     return call
 
 
@@ -101,8 +113,10 @@ class LLM:
                  page_size: int = 16, prefill_chunk: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = False):
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise SemkvError(f"prefill_chunk={prefill_chunk!r} must be a positive int (or None: the device's default)")
+        if prefill_chunk is not None:  # None: the device's default
+            check_range("prefill_chunk", prefill_chunk, 1, None, int)
+        if num_pages is not None:  # None: sized from the free GPU memory, or grown on demand on the CPU
+            check_range("num_pages", num_pages, 2, None, int)
         if not isinstance(page_size, int) or not 1 <= page_size <= 256:
             raise SemkvError(f"page_size={page_size!r} is out of range; allowed: 1..256")
         check_range("gpu_memory_utilization", gpu_memory_utilization, 0.05, 1.0)
@@ -122,7 +136,12 @@ class LLM:
         self.ranks = Ranks(tensor_parallel_size, dev, _replay, (settings,))
         self._closer = weakref.finalize(self, self.ranks.close)  # at the latest when the program ends
         try:
-            self._load(self.ranks.device, self.ranks.tp, **settings)
+            try:
+                self._load(self.ranks.device, self.ranks.tp, **settings)
+                self.ranks.wait_ready()  # every rank has loaded its shard, or one failed
+            except BaseException as error:
+                raise_judged(self.ranks, error)
+                raise
         except BaseException:
             self.close()
             raise
@@ -199,12 +218,19 @@ class LLM:
 
     def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
         """Token ids of `chat_text(messages)`."""
+        for i, message in enumerate(messages):
+            check_text(f"message {i}'s content", message.get("content") if isinstance(message, dict) else message)
         text = self.chat_text(messages, "send a completion prompt instead")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode(self, prompt: str, question: str | None = None, chat: bool = True,
                answer_prefix: str = "") -> tuple[list[int], int | None]:
-        """Token ids of `prompt_text` and where the question starts in them (None without a question)."""
+        """Token ids of `prompt_text` and where the question starts in them (None without a question). SemkvError
+        for what is not text a tokenizer takes."""
+        check_text("the prompt", prompt)
+        if question is not None:
+            check_text("the question", question)
+        check_text("the answer prefix", answer_prefix)
         text = self.prompt_text(prompt, question, chat, answer_prefix)
         special = not chat  # the chat template writes its own special tokens
         if question is None:
@@ -256,7 +282,8 @@ class LLM:
         seqs = []
         for i, prompt in enumerate(prompts):
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            if not isinstance(prompt, str) or not prompt.strip():
+            check_text(which, prompt)
+            if not prompt.strip():
                 raise SemkvError(f"{which} is empty; give some text")
             ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat,
                                               "" if answer_prefixes is None else answer_prefixes[i])
@@ -377,9 +404,11 @@ class LLM:
     def token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
         """Token ids of a text (no special tokens added) or checked ids; SemkvError names `what` if they are bad."""
         if isinstance(tokens, str):
+            check_text(f"the {what}", tokens)
             tokens = self.tokenizer(tokens, add_special_tokens=False)["input_ids"]
-        ids, vocab = list(tokens), self.config.vocab_size
-        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        vocab = self.config.vocab_size
+        ids = list(tokens) if isinstance(tokens, Seq) else []
+        if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise SemkvError(f"the {what} must be non-empty text or a list of token ids in [0, {vocab})")
         return ids
 
@@ -404,10 +433,14 @@ class LLM:
     def sampling_params(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
                         logprobs: int | None = None, spell: Callable[[str], str] = str) -> SamplingParams:
         """Checked sampling parameters (SemkvError names the first bad one as `spell` writes it: `check_sampling`)."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p, spell)
-        stops = tuple(stop or ())
+        check_sampling(max_new_tokens, temperature, top_k, top_p, spell, seed)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
+        for s in stops:
+            check_text("a stop string", s)
+        if not isinstance(ignore_eos, bool):
+            raise SemkvError(f"ignore_eos={ignore_eos!r} must be True or False")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= 20):
             raise SemkvError(f"logprobs={logprobs!r} must be an int in 0..20 (the most likely tokens to list)")
@@ -494,6 +527,9 @@ class Session:
     def submit(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod, key: str) -> Sequence:
         """A new request (method: unbound; its key names its method, budget and parameters)."""
         self._everywhere("submit", seq_id, ids, params, method, key)
+        return self._judged(self._submit, seq_id, ids, params, method, key)
+
+    def _submit(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod, key: str) -> Sequence:
         bound = self.bound.get(key)
         if bound is None:
             bound = method.bound(self.llm.config, self.llm.tokenizer, self.llm.engine.pool.page_size)
@@ -506,14 +542,32 @@ class Session:
     def advance(self) -> None:
         """`Scheduler.advance`; then forget ended requests and the methods no live request uses."""
         self._everywhere("advance")
-        self.scheduler.advance()
+        self._judged(self.scheduler.advance)
         self._sweep()
 
     def cancel(self, seq_id: int) -> None:
         self._everywhere("cancel", seq_id)
         if seq_id in self.requests:
-            self.scheduler.cancel(self.requests[seq_id][0])
+            self._judged(self.scheduler.cancel, self.requests[seq_id][0])
         self._sweep()
+
+    def _judged(self, call: Callable, *args: Any) -> Any:
+        """`call(*args)`; with tensor parallelism, an error (raised, or contained in a request that failed) that is
+        not bad input or memory ends every rank, which may no longer be in step: the session raises RankError (or
+        rank 0's own error), as a call of the LLM does."""
+        ranks = self.llm.ranks
+        if ranks is None:
+            return call(*args)
+        seen = len(self.scheduler.failed)
+        try:
+            result = call(*args)
+        except BaseException as error:
+            raise_judged(ranks, error)
+            raise
+        for _, error in self.scheduler.failed[seen:]:
+            if ranks.judge(error) is not None:
+                raise RankError(ranks.failure) from error
+        return result
 
     def _sweep(self) -> None:
         for seq_id in [i for i, (s, _) in self.requests.items() if s.finished]:
@@ -525,21 +579,27 @@ class Session:
 
 def _replay(tp: TensorParallel, device: torch.device, calls, settings: dict) -> None:
     """A rank other than 0 of a tensor-parallel LLM: load its shard, then replay rank 0's calls until None. A call
-    that fails here fails on rank 0 too (the same checks on the same input), where the caller sees it."""
+    that fails here for bad input (SemkvError) or a request that does not fit (MemoryError) fails on rank 0 too (the
+    same checks on the same input), where the caller sees it; any other failure ends this rank, and its text goes to
+    rank 0 (`launch.report`), which ends the others."""
     llm = LLM.__new__(LLM)
     llm.ranks, llm.session, llm.closed = None, None, False
     llm._load(device, tp, **settings)
+    report("ready")
     while (what := receive(calls)) is not None:
         try:
             if what[0] == "session":
+                failed = llm.session.scheduler.failed  # contained on this rank; rank 0's session reports its own
                 getattr(llm.session, what[1])(*what[2])
+                errors = [error for _, error in failed if not isinstance(error, (SemkvError, MemoryError))]
+                failed.clear()
+                if errors:
+                    raise errors[0]
                 continue
             name, args, kwargs = what
             result = getattr(llm, name)(*args, **kwargs)
             if pyinspect.isgenerator(result):
                 for _ in result:
                     pass
-        except SemkvError:  # bad input: rank 0 raises the same error to its caller
+        except (SemkvError, MemoryError):  # rank 0 raises the same error to its caller
             pass
-        except Exception:  # noqa: BLE001 - shown, as rank 0 may not see it
-            traceback.print_exc()

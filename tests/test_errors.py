@@ -38,6 +38,29 @@ def run_cli(*args: str) -> tuple[int, str]:
          r"--temperature=-1.0 must be >= 0 \(0 = greedy\)"),
         (["--prompt", "hi", "--top-p", "0", "--model", "/no/such/model"], r"--top-p=0.0 must be in \(0, 1\]"),
         (["--prompt", "hi", "--method", "nope", "--model", "/no/such/model"], "unknown method 'nope'"),
+        # non-finite numbers, integers out of range and text that is not Unicode, also before the model loads
+        (["--prompt", "hi", "--temperature", "nan", "--model", "/no/such/model"],
+         r"--temperature=nan must be >= 0 \(0 = greedy\) and finite"),
+        (["--prompt", "hi", "--temperature", "inf", "--model", "/no/such/model"], "--temperature=inf must be"),
+        (["--prompt", "hi", "--top-p", "nan", "--model", "/no/such/model"], r"--top-p=nan must be in \(0, 1\]"),
+        (["--prompt", "hi", "--seed", str(2**80), "--model", "/no/such/model"],
+         r"--seed=1208925819614629174706176 must be an int in \[-2\*\*63, 2\*\*64 - 1\]"),
+        (["--prompt", "hi", "--max-new-tokens", str(2**40), "--model", "/no/such/model"],
+         "--max-new-tokens=1099511627776 must be an int >= 1 and <= 2147483647"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "nan", "--model", "/no/such/model"],
+         "budget 'nan' is not a number"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "1e999", "--model", "/no/such/model"],
+         r"budget=inf as a fraction must be in \(0, 1\]"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", str(2**40), "--model", "/no/such/model"],
+         "budget=1099511627776 must be a positive number of tokens"),
+        (["--prompt", "hi", "--method", "h2o", "--budget", "8", "--param", "recent_ratio=1e999", "--model",
+          "/no/such/model"], "recent_ratio=inf must be a finite number"),
+        (["--prompt", "hi", "--method", "snapkv", "--budget", "8", "--param", "window=2**80"],
+         "window='2\\*\\*80' must be of type int"),
+        (["--prompt", "hi", "--method", "snapkv", "--param", "budget=8", "--param", f"window={2**80}", "--model",
+          "/no/such/model"], r"window=1208925819614629174706176 is out of range; allowed: \[0, 2147483647\]"),
+        (["--prompt", "bad \udcff", "--model", "/no/such/model"], r"--prompt holds '\\udcff' at character 4"),
+        (["--prompt", "hi", "--stop", "\ud800", "--model", "/no/such/model"], r"--stop holds '\\ud800'"),
     ],
 )
 def test_cli_bad_input(args, message, capsys):
@@ -66,7 +89,9 @@ def test_help_does_not_load_torch():
 def test_serve_checks_its_flags_before_the_model_loads():
     for flags, needle in [(["--method", "nope"], "unknown method 'nope'"), (["--port", "70000"], "--port 70000"),
                           (["--method", "snapkv", "--budget", "-1"], "budget"),
-                          (["--max-concurrent-requests", "0"], "--max-concurrent-requests 0")]:
+                          (["--max-concurrent-requests", "0"], "--max-concurrent-requests 0"),
+                          (["--timeout-keep-alive", "nan"], "--timeout-keep-alive=nan must be a finite number"),
+                          (["--param", "window=1e999", "--method", "snapkv", "--budget", "8"], "window=inf")]:
         code, err = run_cli("serve", *flags)
         assert code == 2 and err.startswith("semkv: error:") and needle in err, err
 
@@ -109,6 +134,72 @@ def test_overlong_prompt_can_be_allowed(tiny_model_dir):
 def test_bad_sampling_parameters(tiny_llm, kw, message):
     with pytest.raises(semkv.SemkvError, match=message):
         tiny_llm.generate("hello", **kw)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=NAN), r"temperature=nan must be >= 0 \(0 = greedy\) and finite"),
+    (dict(temperature=INF), r"temperature=inf must be >= 0 \(0 = greedy\) and finite"),
+    (dict(temperature=True), "temperature=True must be"),
+    (dict(top_p=NAN), r"top_p=nan must be in \(0, 1\]"),
+    (dict(seed=2**80), r"seed=1208925819614629174706176 must be an int in \[-2\*\*63, 2\*\*64 - 1\]"),
+    (dict(seed=1.5), "seed=1.5 must be an int"),
+    (dict(max_new_tokens=2**80), "max_new_tokens=1208925819614629174706176 must be an int >= 1 and <= 2147483647"),
+    (dict(max_new_tokens=True), "max_new_tokens=True must be an int"),
+    (dict(top_k=2**40), "top_k=1099511627776 must be an int >= 0"),
+    (dict(top_k=-1), "top_k=-1 must be an int >= 0"),
+    (dict(logprobs=True), "logprobs=True must be an int in 0..20"),
+    (dict(ignore_eos="yes"), "ignore_eos='yes' must be True or False"),
+    (dict(method="snapkv", budget=NAN), r"budget=nan as a fraction must be in \(0, 1\]"),
+    (dict(method="snapkv", budget=INF), r"budget=inf as a fraction must be in \(0, 1\]"),
+    (dict(method="snapkv", budget=2**80), "budget=1208925819614629174706176 must be a positive number of tokens "
+                                          r"\(at most 2147483647\)"),
+    (dict(method="snapkv", budget=True), "budget=True must be an int"),
+    (dict(method="h2o", budget=8, method_params=dict(recent_ratio=NAN)), "recent_ratio=nan must be a finite number"),
+    (dict(method="sentencekv", budget=8, method_params=dict(keep_factor=INF)), "keep_factor=inf must be a finite"),
+    (dict(method="snapkv", budget=8, method_params=dict(window=2**80)),
+     r"window=1208925819614629174706176 is out of range; allowed: \[0, 2147483647\]"),
+    (dict(method="snapkv", budget=8, method_params=dict(window=True)), "window=True must be of type int"),
+    (dict(method="snapkv", budget=8, method_params=dict(budget=5)), r"the budget is given twice \(8 and the "),
+    (dict(stop=["\udcff"]), r"a stop string holds '\\udcff' at character 0, a lone UTF-16 surrogate"),
+    (dict(stop=[3]), r"stop=\[3\] must be a list of non-empty strings"),
+    (dict(prompts="hello \udcff"), r"the prompt holds '\\udcff' at character 6, a lone UTF-16 surrogate that is not "
+                                    "Unicode text; send valid UTF-8"),
+    (dict(prompts=["fine", 7]), r"prompt 1 must be text \(str\), not int: 7"),
+    (dict(questions=["what \ud800?"]), r"the question holds '\\ud800' at character 5"),
+    (dict(answer_prefixes=[b"bytes"]), r"the answer prefix must be text \(str\), not bytes"),
+])
+def test_non_finite_out_of_range_and_non_text_values_are_named(tiny_llm, kw, message):
+    """What a user may pass by mistake, or a client on purpose (issue 52: NaN temperature, seed 2**80 and a lone
+    surrogate got past the checks): one SemkvError naming the value and what is allowed, before the engine runs."""
+    prompts = kw.pop("prompts", "hello")
+    with pytest.raises(semkv.SemkvError, match=message):
+        tiny_llm.generate(prompts, max_new_tokens=kw.pop("max_new_tokens", 2), chat=False, **kw)
+    assert tiny_llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_other_entry_points_check_text_and_token_ids(tiny_llm):
+    with pytest.raises(semkv.SemkvError, match=r"the prompt holds '\\udcff'"):
+        tiny_llm.compare("a \udcff", [semkv.get_method("snapkv", 8)], max_new_tokens=2)
+    with pytest.raises(semkv.SemkvError, match=r"the continuation holds '\\ud800'"):
+        tiny_llm.score_continuation("Hello there", "\ud800")
+    with pytest.raises(semkv.SemkvError, match=r"list of token ids in \[0, "):
+        tiny_llm.compare([1, True, 3], [semkv.get_method("snapkv", 8)], max_new_tokens=2)
+    with pytest.raises(semkv.SemkvError, match=r"message 0's content holds '\\udfff'"):
+        tiny_llm.encode_chat([{"role": "user", "content": "\udfff"}])
+    assert tiny_llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(tiny_llm):
+    """A temperature of 1e-300 divides the logits past float32's range (it gave NaN probabilities before): sampling
+    in float64 from the shifted logits gives the most likely token."""
+    kw = dict(max_new_tokens=6, chat=False, ignore_eos=True)
+    greedy = tiny_llm.generate("The capital of France is", **kw)[0].token_ids
+    for temperature in (1e-300, 5e-324):
+        assert tiny_llm.generate("The capital of France is", temperature=temperature, seed=1, **kw)[0].token_ids == \
+            greedy
 
 
 def test_corrupted_weight_files(tmp_path, tiny_model_dir):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from semkv.cli.args import add_model_args, parse_budget, parse_params
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_text
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -49,11 +49,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompt = path.read_text(encoding="utf-8", errors="replace")
     else:
         prompt = args.prompt
+    source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
+    check_text(source, prompt)  # an argument of bytes that are not UTF-8 comes as lone surrogates
     if not prompt.strip():
-        source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
         raise SemkvError(f"{source} is empty; give some text")
+    for what, text in [("--question", args.question), *(("--stop", s) for s in args.stop or [])]:
+        if text is not None:
+            check_text(what, text)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   lambda name: "--" + name.replace("_", "-"))
+                   lambda name: "--" + name.replace("_", "-"), args.seed)
     llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                     prefill_chunk=args.prefill_chunk, tensor_parallel_size=args.tensor_parallel_size)
     out = llm.generate(

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from semkv.errors import SemkvError
+from semkv.errors import INT_MAX, SemkvError
 
 if TYPE_CHECKING:
     from semkv.engine.kv_cache import KVPool
@@ -144,8 +144,8 @@ def validate_budget(budget: Any) -> None:
         raise SemkvError(f"budget={budget!r} must be an int (tokens) or a float in (0, 1] (fraction of the context)")
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
         raise SemkvError(f"budget={budget} as a fraction must be in (0, 1]; give an int for a number of tokens")
-    if isinstance(budget, int) and budget <= 0:
-        raise SemkvError(f"budget={budget} must be a positive number of tokens")
+    if isinstance(budget, int) and not 0 < budget <= INT_MAX:
+        raise SemkvError(f"budget={budget} must be a positive number of tokens (at most {INT_MAX})")
 
 
 class BatchedHooks:

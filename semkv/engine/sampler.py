@@ -10,7 +10,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits [vocab] (float32) -> token id. Filters apply in the order transformers uses: temperature, top-k, top-p."""
     if params.temperature <= 0:
         return int(torch.argmax(logits))
-    logits = logits.float().cpu() / params.temperature
+    logits = logits.cpu().double()  # in float64, shifted first: no inf or nan from any temperature > 0
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

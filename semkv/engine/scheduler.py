@@ -160,7 +160,11 @@ class Scheduler:
         reserved = self._reserved() + (self.engine.pool.num_pages // WATERMARK if self._admitted else 0)
         for i, seq in enumerate(itertools.islice(self.waiting, SCAN)):
             method = self._method[seq]
-            blocked = self.engine.blocked(seq, method, reserved, limit)
+            try:
+                blocked = self.engine.blocked(seq, method, reserved, limit)
+            except Exception as error:  # noqa: BLE001 - a method's admission hook failed: contained or re-raised
+                self._fail([seq], error)
+                return self._admit()
             if blocked is None:
                 break
             if not self._admitted:  # it cannot fit even alone

@@ -1,6 +1,7 @@
 """Per-request state: token ids, sampling parameters, the request's page tables and its statistics."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -8,7 +9,7 @@ import torch
 
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.trace import Trace
-from semkv.errors import SemkvError
+from semkv.errors import INT_MAX, SemkvError
 
 
 @dataclass(slots=True)
@@ -24,17 +25,25 @@ class SamplingParams:
 
 
 def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
-                   spell: Callable[[str], str] = str) -> None:
+                   spell: Callable[[str], str] = str, seed: Any = 0) -> None:
     """Raise SemkvError for the first bad sampling value; `spell(name)` writes a name as the caller's user does
     (`--max-new-tokens` on the command line)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise SemkvError(f"{spell('max_new_tokens')}={max_new_tokens!r} must be an int >= 1")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise SemkvError(f"{spell('temperature')}={temperature!r} must be >= 0 (0 = greedy)")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise SemkvError(f"{spell('top_k')}={top_k!r} must be an int >= 0 (0 = off)")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def integer(value: Any, low: int, high: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+    if not integer(max_new_tokens, 1, INT_MAX):
+        raise SemkvError(f"{spell('max_new_tokens')}={max_new_tokens!r} must be an int >= 1 and <= {INT_MAX}")
+    if not number(temperature) or not 0 <= temperature < math.inf:
+        raise SemkvError(f"{spell('temperature')}={temperature!r} must be >= 0 (0 = greedy) and finite")
+    if not integer(top_k, 0, INT_MAX):
+        raise SemkvError(f"{spell('top_k')}={top_k!r} must be an int >= 0 (0 = off) and <= {INT_MAX}")
+    if not number(top_p) or not 0 < top_p <= 1:
         raise SemkvError(f"{spell('top_p')}={top_p!r} must be in (0, 1]")
+    if not integer(seed, -(2**63), 2**64 - 1):
+        raise SemkvError(f"{spell('seed')}={seed!r} must be an int in [-2**63, 2**64 - 1] (a torch generator's seed)")
 
 
 @dataclass(slots=True)

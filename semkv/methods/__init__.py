@@ -46,7 +46,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'semkv.methods' has no attribute {name!r}")
 
 
-def get_method(method: str | KVMethod, budget: int | float | None = None, **params: Any) -> KVMethod:
+def get_method(method: str | KVMethod, budget: int | float | None = None, /, **params: Any) -> KVMethod:
     """A method object from a name, or a given object (a copy with `budget` filled in if it had none; the object
     itself is never changed). Old parameter names (`KVMethod.renamed`) are accepted with a DeprecationWarning."""
     from semkv.engine.hooks import KVMethod
@@ -61,6 +61,11 @@ def get_method(method: str | KVMethod, budget: int | float | None = None, **para
     if not isinstance(method, str) or method not in methods:
         raise SemkvError(f"unknown method {method!r}; available: {', '.join(methods)}")
     cls = methods[method]
+    if "budget" in params:  # a caller's dict of parameters (kv_params, --param) may hold it
+        if budget is not None:
+            raise SemkvError(f"the budget is given twice ({budget!r} and the parameter budget={params['budget']!r}); "
+                             "give one")
+        budget = params.pop("budget")
     for old in set(params) & set(cls.renamed):
         new = cls.renamed[old]
         warnings.warn(f"{method} parameter {old!r} is now {new!r}", DeprecationWarning, stacklevel=2)

@@ -50,6 +50,11 @@ class TensorParallel:
         dist.all_gather_object(out, obj, group=self.host)
         return out
 
+    def abort(self) -> None:
+        """Leave the process groups at once, without waiting for the other ranks: NCCL's collectives in flight here
+        return (their communicators are aborted) and the process may join a new group."""
+        dist.distributed_c10d._abort_process_group()
+
     def host_min(self, value: float) -> float:
         """The smallest of the ranks' values of a host-side number (so that every rank takes the same decision)."""
         t = torch.tensor([value], dtype=torch.float64)

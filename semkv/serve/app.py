@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from semkv.cli.args import parse_budget
 from semkv.engine.sequence import TokenLogprob
@@ -65,6 +66,14 @@ def create_app(llm: LLM, worker: Worker, config: ServerConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(SemkvError)
+    async def bad_input(request: Request, exc: SemkvError):  # a check the handler left to the LLM (prompt text...)
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown route or method, a body that is no JSON
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

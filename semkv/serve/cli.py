@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from semkv.cli.args import add_model_args, parse_budget, parse_params
-from semkv.errors import SemkvError
+from semkv.errors import SemkvError, check_range
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise SemkvError(f"--port {args.port} is out of range; allowed: 0..65535")
     if args.max_concurrent_requests < 1:
         raise SemkvError(f"--max-concurrent-requests {args.max_concurrent_requests} must be >= 1")
+    check_range("--timeout-keep-alive", args.timeout_keep_alive, 0, None)
     from semkv.methods import get_method
 
     budget, params = parse_budget(args.budget), parse_params(args.param)

@@ -3,24 +3,29 @@
 Fields follow the OpenAI API (completions and chat completions); `top_k` and `ignore_eos` follow vLLM; `kv_method`,
 `kv_budget` and `kv_params` choose the request's KV method (the server's flags give the default). An unknown field is
 an error (400) rather than silently ignored; accepted fields semkv cannot honour (n > 1, penalties, echo...) are errors
-that say so.
+that say so. Types are strict, as the OpenAI API's are (true is not 1, "5" is not 5) and numbers finite (NaN and
+Infinity, which Python's JSON reader takes, are errors); the ranges of the sampling values are checked once for the
+Python API, the command line and the server (`LLM.sampling_params`).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str
     temperature: float = 1.0
     top_p: float = 1.0
@@ -38,6 +43,13 @@ class Sampling(BaseModel):
     kv_method: str | None = None
     kv_budget: int | float | str | None = None  # tokens (512), a fraction (0.1) or a percentage ("10%")
     kv_params: dict[str, Any] | None = None
+
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _finite(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("a budget must be a finite number")
+        return value
 
     def unsupported(self) -> str | None:
         """The first field whose value semkv cannot honour, described, or None."""
@@ -72,13 +84,13 @@ class CompletionRequest(Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -97,5 +109,9 @@ class ChatRequest(Sampling):
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    """The OpenAI API's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """The OpenAI API's error object. A lone surrogate that a client sent, and that the message or param quotes, is
+    written as its escape (JSON's UTF-8 cannot hold it)."""
+    def text(value: str | None) -> str | None:
+        return None if value is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+    return {"error": {"message": text(message), "type": kind, "param": text(param), "code": code}}

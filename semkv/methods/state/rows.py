@@ -36,8 +36,10 @@ class RowOwners:
 class DeviceRows:
     """Tensors whose shapes follow a few sizes (rows first): a subclass names its sizes now (`sizes`), the minimum
     growth of each (`slack`) and the shape of every tensor for given sizes (`shapes`). A name in `layered` is a list
-    of one tensor per layer (its shape's first size): a growth replaces them one at a time, so it needs one old
-    layer beside the new tensors, not a whole old copy (DynSplit-KV's chunk summaries, 0.29 GB a 32k sequence)."""
+    of one tensor per layer (its shape's first size; DynSplit-KV's chunk summaries, 0.29 GB a 32k sequence). A
+    growth is all or nothing: every new tensor is made before any replaces its old one, so a growth that runs out
+    of memory leaves the rows as they were for the requests that hold them (admission counts the new tensors:
+    `growth_bytes`)."""
 
     slack: tuple[int, ...]
     layered: tuple[str, ...] = ()
@@ -56,13 +58,13 @@ class DeviceRows:
         size = grown_sizes(needs, self.sizes(), self.slack)
         if size is None:
             return False
-        for name, shape in self.shapes(*size).items():
+        grown = {name: [regrown(t, shape[1:]) for t in getattr(self, name)] if name in self.layered
+                 else regrown(getattr(self, name), shape) for name, shape in self.shapes(*size).items()}
+        for name, value in grown.items():
             if name in self.layered:
-                layers = getattr(self, name)
-                for layer in range(len(layers)):
-                    layers[layer] = regrown(layers[layer], shape[1:])
+                getattr(self, name)[:] = value
             else:
-                setattr(self, name, regrown(getattr(self, name), shape))
+                setattr(self, name, value)
         return True
 
     def ensure(self, needs: tuple[int, ...], pool: KVPool) -> bool:
@@ -171,7 +173,7 @@ def grown_sizes(needs: tuple[int, ...], have: tuple[int, ...], slack: tuple[int,
 
 def regrown(old: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A zero tensor of `shape` (dtype and device of `old`) holding `old` in its leading corner: a normal tensor,
-    written outside generation too. One tensor at a time, so growing needs the memory of one new tensor at most."""
+    written outside generation too."""
     with torch.inference_mode(False):
         new = torch.zeros(shape, dtype=old.dtype, device=old.device)
         new[tuple(slice(0, n) for n in old.shape)] = old

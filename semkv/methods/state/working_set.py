@@ -68,9 +68,11 @@ class WorkingSets(DeviceRows):
         self.stores[row] = store
 
     def drop(self, row: int) -> None:
-        """The row's request ended: forget its store (its pinned memory goes back)."""
+        """The row's request ended: forget its store (its pinned memory goes back). The row may lie past the tensors
+        when the growth for it failed at admission."""
         self.stores.pop(row, None)
-        self.host[row] = 0
+        if row < self.host.shape[0]:
+            self.host[row] = 0
 
     def hold_first(self, layer: int, row: int, count: int) -> None:
         """The working set's first `count` slots hold offloaded tokens 0..count-1 (what prefill left there)."""
