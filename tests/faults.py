@@ -41,6 +41,8 @@ POINTS = [
     Point("allocation", "DeviceRows growth, one tensor (rows.regrown)", rows, "regrown"),
     Point("allocation", "PageStorage.ensure", PageStorage, "ensure"),
     Point("allocation", "PageSummaries.ensure", PageSummaries, "ensure"),
+    Point("allocation", "state kept by page, grown with the pool (PageStorage.cover)", PageStorage, "cover"),
+    Point("allocation", "page summaries, grown with the pool (PageSummaries.cover)", PageSummaries, "cover"),
     Point("allocation", "HostKVStore (pinned host buffer)", HostKVStore, "__init__"),
     Point("offload", "HostKVStore.put (device to host)", HostKVStore, "put"),
     Point("offload", "working-set load (kernels.working_set)", semkv.kernels, "working_set"),

@@ -2,7 +2,8 @@
 host memory), failures injected into the allocations of method state and KV pages, the host-offload copies, each hook
 the method implements and the sampling step (`faults.Injector`: the N-th call of one point raises), through
 `LLM.generate` (one request), continuous batching (six requests through `generate`, two at a time in a small pool,
-sampled, with log-probabilities), `LLM.compare` and the server's `Session` (submit, advance, cancel).
+sampled, with log-probabilities), `LLM.compare` and the server's `Session` (submit, advance, cancel), with whole
+prompts and as `semkv serve` runs it (chunked prefill between decode steps, prefix caching).
 
 After each injected failure:
 - the caller sees the injected error (or a MemoryError naming it), not a second one raised while cleaning up; the
@@ -69,13 +70,13 @@ def compare(llm, method, want=None) -> list[list[int]]:
     return [o.token_ids for o in out]
 
 
-def session(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
+def session(llm, method, want: list[list[int]] | None = None, **options) -> list[list[int]]:
     """The server's path: requests of the method and one of Full KV (cancelled after its first token) arrive, and
     another of the method once the first has its first token, so it is admitted beside a running one; the session
     advances until none is left. An injected failure must end its request(s) alone: it raises from `submit`, or
     the request ends with it in `failed`; `advance` never raises, and the other requests end as they would have
-    (with the tokens `want` of a clean run)."""
-    s = llm.new_session(enable_prefix_caching=False)
+    (with the tokens `want` of a clean run). options: `LLM.new_session`'s (whole prompts, no prefix cache)."""
+    s = llm.new_session(**{"enable_prefix_caching": False, **options})
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=1)
     seqs, errors = {}, []
 
@@ -112,7 +113,15 @@ def session(llm, method, want: list[list[int]] | None = None) -> list[list[int]]
     return [seqs[i].output_ids for i in (0, 1, 3)]
 
 
-PATHS = {"batching": batching, "generate": generate, "compare": compare, "session": session}
+def serving(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
+    """The session as `semkv serve` runs it: prompts prefilled 16 tokens a step between decode steps, and the prefix
+    cache on (the fourth request starts from the first one's cached pages where the method shares them), cold at the
+    start, so that every run makes the same calls."""
+    llm.reset_prefix_cache()
+    return session(llm, method, want, max_num_batched_tokens=16, enable_prefix_caching=True)
+
+
+PATHS = {"batching": batching, "generate": generate, "compare": compare, "session": session, "serving": serving}
 
 
 def plan(calls: dict[str, dict]) -> list[tuple[str, object, int]]:

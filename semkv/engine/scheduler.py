@@ -123,14 +123,13 @@ class Scheduler:
             while (seq := self._admit()) is not None:
                 tokens += self._prefill(seq, 0, progress)
         for batch in [b for b in self.batches.values() if b.running]:
-            self._make_room(batch)
-            if not batch.running:
-                continue
             try:
+                self._make_room(batch)
+                if not batch.running:
+                    continue
                 self.engine.step(batch.running, batch.method, batch.graphs, self._stop_any)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
-                self._fail(list(batch.running), error)
-                continue
+                self._fail([s for s in batch.running if not s.finished], error)  # not those it finished before
             tokens += len(batch.running)
             for seq in [s for s in batch.running if s.finished]:
                 self._end(seq)
@@ -218,10 +217,16 @@ class Scheduler:
         return seq.num_computed - before
 
     def _reserved(self) -> int:
-        """Pages promised to the prompts being prefilled (their prefill's pages not taken yet)."""
-        engine, limit = self.engine, self.max_num_batched_tokens
-        return sum(max(engine.pages_needed(s, self._method[s], prefill=True, limit=limit) - s.kv.held_pages, 0)
-                   for s in self.prefilling)
+        """Pages promised to the prompts being prefilled (their prefill's pages not taken yet); a request whose
+        method fails to say ends with the error."""
+        engine, limit, total = self.engine, self.max_num_batched_tokens, 0
+        for seq in list(self.prefilling):
+            try:
+                total += max(engine.pages_needed(seq, self._method[seq], prefill=True, limit=limit)
+                             - seq.kv.held_pages, 0)
+            except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+                self._fail([seq], error)
+        return total
 
     def _protect(self, seq: Sequence) -> None:
         """With prefix caching, a request whose method shares prompt pages keeps its full prompt pages intact for the
