@@ -69,10 +69,16 @@ def _free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def end_with_parent() -> None:
+    """Have this process end (SIGTERM) when the process that started it ends, even when that one is killed and has no
+    chance to say so, and even while this one waits inside a collective (Linux; elsewhere the callers poll)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _worker(target: Callable, rank: int, size: int, address: str, device: torch.device,
             calls: multiprocessing.Queue, args: tuple) -> None:
-    if sys.platform == "linux":  # end with rank 0 even when it is killed (no chance to send None), even mid-collective
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    end_with_parent()  # end with rank 0
     tp = join(rank, size, address, device)
     try:
         target(tp, rank_device(device, rank), calls, *args)
@@ -117,7 +123,7 @@ class Ranks:
     def call(self, what: Any) -> None:
         """Send a call to every other rank. It is pickled here, so that what cannot be sent fails in the caller (a
         queue would fail in its feeder thread, and the ranks would wait for ever)."""
-        dead = [p.name for p in self.procs if not p.is_alive()]
+        dead = self.dead()
         if dead:
             raise SemkvError(f"tensor-parallel rank process(es) {', '.join(dead)} ended; make a new LLM")
         try:
@@ -127,6 +133,10 @@ class Ranks:
                              f"cannot be pickled ({type(exc).__name__}: {exc}); pass importable objects") from None
         for q in self.calls:
             q.put(data)
+
+    def dead(self) -> list[str]:
+        """The names of the rank processes that have ended."""
+        return [p.name for p in self.procs if not p.is_alive()]
 
     def close(self) -> None:
         """End the other ranks and leave the group."""
