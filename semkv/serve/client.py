@@ -76,6 +76,7 @@ class EngineClient:
         try:
             self.process.start()
             self.ready = self._wait_ready()
+            metrics.memory(self.ready.memory)
         except BaseException:
             self.close()
             raise
