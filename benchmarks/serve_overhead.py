@@ -4,8 +4,9 @@
    ipc, the sockets as `EngineClient` and `run_engine` set them) between two processes: one `Outputs` message of B
    requests' new tokens (what the engine sends each loop iteration) and one `Submit` of a 32k-token prompt.
 2. `slow-clients`: a real `semkv serve`; one client streams a long answer and records its inter-token latencies,
-   alone and then beside clients that stall (open a stream and read nothing) or read slowly; the engine's own
-   numbers come from /metrics (steps, the lag from the engine sending an iteration to the web process routing it).
+   alone, beside as many clients that read at once (the engine's batch grows), and beside clients that stall (open a
+   stream and read nothing) or read slowly (the same batch: the engine must not notice); the engine's own numbers
+   come from /metrics (steps, the lag from the engine sending an iteration to the web process routing it).
 
     python benchmarks/serve_overhead.py transport
     python benchmarks/serve_overhead.py slow-clients [--model PATH] [--device cpu] [--tokens 200] [--stalled 16]
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import pickle
 import socket
 import statistics
@@ -80,7 +82,27 @@ def metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"{url}/metrics").read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    totals: dict[str, float] = {}  # summed over the labels (methods, outcomes); histogram buckets left out
+    for sample in (s for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels):
+        totals[sample.name] = totals.get(sample.name, 0) + sample.value
+    return totals
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux): what it computed, whatever else the machine runs."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pid(server_pid: int) -> int:
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                    if b"spawn_main" in cmd.read():
+                        return int(child)
+    raise RuntimeError("no engine process")
 
 
 def stalled(port: int, body: bytes) -> socket.socket:
@@ -114,7 +136,7 @@ def slow_clients(args) -> None:
                 time.sleep(0.5)
         request = dict(model="m", prompt="Once upon a time", max_tokens=args.tokens, temperature=0,
                        extra_body={"ignore_eos": True})
-        body = (b'{"model": "m", "prompt": "Once upon a time", "max_tokens": %d, "stream": true, '
+        body = (b'{"model": "m", "prompt": "Once upon a time", "max_tokens": %d, "stream": true, "temperature": 0, '
                 b'"ignore_eos": true}' % (8 * args.tokens))
 
         def measured() -> list[float]:
@@ -125,37 +147,49 @@ def slow_clients(args) -> None:
                 last = now
             return gaps[2:]  # from the second token on
 
-        def slow_reader(stop: threading.Event) -> None:
+        def reader(pause: float, stop: threading.Event) -> None:
             stream = client.completions.create(stream=True, **dict(request, max_tokens=8 * args.tokens))
             for _ in stream:
-                if stop.wait(0.2):
+                if stop.wait(pause):
                     break
             stream.close()
 
         measured()  # warm up
-        for label, n_stalled, n_slow in [("alone", 0, 0), (f"beside {args.stalled} stalled + {args.stalled} slow "
-                                                            "readers", args.stalled, args.stalled), ("alone", 0, 0)]:
+        engine = engine_pid(server.pid)
+        n = args.stalled
+        fast, slow = (f"beside {2 * n} clients reading at once", 0, 0, 2 * n), \
+            (f"beside {n} stalled clients + {n} reading every 0.2 s", n, n, 0)
+        phases = [("alone", 0, 0, 0), fast, slow, slow, fast, ("alone", 0, 0, 0)]  # twice, against drifts
+        for label, n_stalled, n_slow, n_fast in phases:
             socks = [stalled(port, body) for _ in range(n_stalled)]
             stop = threading.Event()
-            readers = [threading.Thread(target=slow_reader, args=(stop,)) for _ in range(n_slow)]
+            readers = [threading.Thread(target=reader, args=(0.2 if i < n_slow else 0, stop))
+                       for i in range(n_slow + n_fast)]
             for r in readers:
                 r.start()
-            time.sleep(2 if n_stalled else 0)
+            time.sleep(2 if readers or socks else 0)
             before, start = metrics(url), time.perf_counter()
+            cpu = (cpu_seconds(engine), cpu_seconds(server.pid))
             gaps = sorted(measured())
             after, took = metrics(url), time.perf_counter() - start
+            cpu = (cpu_seconds(engine) - cpu[0], cpu_seconds(server.pid) - cpu[1])
+            tokens = after["semkv_generation_tokens_total"] - before["semkv_generation_tokens_total"]
             stop.set()
             for sock in socks:
                 sock.close()
             for r in readers:
                 r.join()
             steps = after["semkv_decode_batch_size_count"] - before["semkv_decode_batch_size_count"]
+            batch = (after["semkv_decode_batch_size_sum"] - before["semkv_decode_batch_size_sum"]) / max(steps, 1)
             lag_n = after["semkv_engine_output_lag_seconds_count"] - before["semkv_engine_output_lag_seconds_count"]
             lag = after["semkv_engine_output_lag_seconds_sum"] - before["semkv_engine_output_lag_seconds_sum"]
             print(f"{label}: ITL p50 {1e3 * statistics.median(gaps):.2f} ms, p99 "
-                  f"{1e3 * gaps[int(0.99 * len(gaps))]:.2f} ms; engine batch steps {steps / took:.0f}/s; "
-                  f"mean output lag {1e3 * lag / max(lag_n, 1):.3f} ms over {lag_n:.0f} iterations")
-            time.sleep(3)  # the cancelled streams end
+                  f"{1e3 * gaps[int(0.99 * len(gaps))]:.2f} ms; engine steps {steps / took:.1f}/s of "
+                  f"{batch:.1f} requests; "
+                  f"engine CPU {1e3 * cpu[0] / max(steps, 1):.1f} ms a step, web CPU {1e3 * cpu[1] / max(tokens, 1):.2f} "
+                  f"ms a token; output lag {1e3 * lag / max(lag_n, 1):.2f} ms")
+            while metrics(url)["semkv_requests_in_flight"]:  # the cancelled streams end
+                time.sleep(0.5)
     finally:
         server.terminate()
         server.wait(120)
