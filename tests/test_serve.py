@@ -1,6 +1,7 @@
-"""`semkv serve` end to end: a real server process on the embedded model, spoken to with the official `openai` client.
-Greedy answers equal `LLM.generate` one by one, also for 8 concurrent clients and per-request KV methods; every bad
-request gets a 400 that names it; a cancelled stream frees its pages; 429 past the concurrency limit; SIGTERM drains."""
+"""`semkv serve` end to end: a real server (its web process and its engine process) on the embedded model, spoken to
+with the official `openai` client. Greedy answers equal `LLM.generate` one by one, also for 8 concurrent clients and
+per-request KV methods; every bad request gets a 400 that names it; a cancelled stream frees its pages; 429 past the
+concurrency limit; SIGTERM drains."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ PROMPTS = [
 
 
 class Server:
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, api_key: str = "none"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -45,7 +46,7 @@ class Server:
              "--served-model-name", MODEL, "--log-level", "warning", *flags],
             stdout=self.log, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=300)
         deadline = time.time() + 300
         while True:
             assert self.process.poll() is None, self.process.stderr.read()
@@ -56,6 +57,10 @@ class Server:
                 pass
             assert time.time() < deadline, "the server did not start"
             time.sleep(0.5)
+
+    def engine_pid(self) -> int:
+        """The engine process: the web process's child that multiprocessing spawned (not its resource tracker)."""
+        return children(self.process.pid, "spawn_main")[0]
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         with urllib.request.urlopen(f"{self.url}/metrics") as response:
@@ -68,6 +73,18 @@ class Server:
             self.process.terminate()
             self.process.wait(60)
         self.log.close()
+
+
+def children(pid: int, marker: str) -> list[int]:
+    """The child processes of `pid` whose command line holds `marker` (Linux)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                    if marker.encode() in cmd.read():
+                        found.append(child)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +103,7 @@ def test_completion_and_chat_equal_generate(server, smol_llm):
     ref = smol_llm.generate(PROMPTS[0], max_new_tokens=16, chat=False)[0]
     assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ref.prompt_token_ids), 16)
+    assert 0 <= out.usage.prompt_tokens_details.cached_tokens <= out.usage.prompt_tokens  # as OpenAI and vLLM fill it
     question = "What is the capital of France?"
     chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
                                                  max_tokens=24, temperature=0)
@@ -106,6 +124,7 @@ def test_streams_equal_whole_answers_and_stop_strings_cut(server):
     assert "\n\n" not in whole.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens is not None
     messages = [{"role": "user", "content": "Name three colors."}]
     whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
     chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
@@ -137,6 +156,12 @@ def test_eight_concurrent_clients_equal_one_by_one(server, smol_llm):
 
     wide = steps("semkv_decode_batch_size_count") - steps("semkv_decode_batch_size_bucket", (("le", "4.0"),))
     assert wide > 0  # requests that arrived while others decoded joined their batch: steps of 5 to 8 requests
+    assert steps("semkv_request_queue_time_seconds_count") == steps("semkv_time_to_first_token_seconds_count") == 8
+    assert steps("semkv_generation_tokens_total", (("method", "full"),)) == 8 * 24
+    assert steps("semkv_engine_output_lag_seconds_count") > 0  # the engine process's outputs reached the web process
+    for name in ("semkv_prefix_cache_queries_total", "semkv_prefix_cache_hits_total", "semkv_prefix_cache_hit_rate",
+                 "semkv_preemptions_total", "semkv_engine_step_tokens_count"):
+        assert (name, ()) in after, name
 
 
 def test_a_request_chooses_its_kv_method(server, smol_llm):
@@ -196,6 +221,25 @@ def test_bad_chats_and_models(server):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(bad)
     assert err.value.code == 400 and json.loads(err.value.read())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.xfail(strict=True, reason="until the scheduler's prefix cache fills cached_tokens and its Counters "
+                   "(issue 53, the lead's part); then remove this mark")
+def test_a_repeated_prompt_reads_its_prefix_from_the_cache(server, essay_text):
+    """The second request with the same 600-token document prefills it from the prefix cache: usage says how many
+    prompt tokens were cached (as OpenAI and vLLM), /metrics counts them, and the answer is the same."""
+    prompt = essay_text[:2400] + "\n\nQuestion: what is this text about? Answer:"
+    before = server.metrics()
+    first, second = (complete(server, prompt, max_tokens=8) for _ in range(2))
+    after = server.metrics()
+    n = first.usage.prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert n - 16 <= second.usage.prompt_tokens_details.cached_tokens < n  # every whole page of the prompt
+    hits = after[("semkv_prefix_cache_hits_total", ())] - before.get(("semkv_prefix_cache_hits_total", ()), 0)
+    queries = after[("semkv_prefix_cache_queries_total", ())] - before.get(("semkv_prefix_cache_queries_total", ()), 0)
+    assert (hits, queries) == (second.usage.prompt_tokens_details.cached_tokens, 2 * n)
+    assert 0 < after[("semkv_prefix_cache_hit_rate", ())] <= 1
 
 
 def wait_until_idle(server, timeout=60):

@@ -94,9 +94,18 @@ def test_bad_sizes_are_named(tiny_model_dir):
 
 def test_a_server_with_two_ranks_answers_as_one_process(pair, tiny_model_dir):
     """`semkv serve --tensor-parallel-size 2`: concurrent requests with per-request methods, and a cancelled stream
-    (which every rank must end), answered as the one-process LLM's `generate`."""
+    (which every rank must end), answered as the one-process LLM's `generate`. When a rank dies, the server says so:
+    503 and /health."""
     pytest.importorskip("fastapi", reason="semkv serve needs its extra: pip install 'semkv[serve]'")
-    from test_serve import MODEL, Server
+    import json
+    import os
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    import openai
+    from test_serve import MODEL, Server, children
 
     one, _ = pair
     server = Server("--model", str(tiny_model_dir("llama")), "--tensor-parallel-size", "2", "--prefill-chunk", "48")
@@ -120,6 +129,20 @@ def test_a_server_with_two_ranks_answers_as_one_process(pair, tiny_model_dir):
         expected = [one.generate(p, method=m, budget=None if m == "full" else SMALL, max_new_tokens=NEW, chat=False,
                                  ignore_eos=True)[0].text for p, m in cases]
         assert answers == expected
+        rank1 = children(server.engine_pid(), "spawn_main")  # the engine process (rank 0) started rank 1
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{server.url}/health")
+            except urllib.error.HTTPError as err:
+                assert err.code == 503 and "semkv-rank1 ended" in json.loads(err.read())["reason"]
+                break
+            assert time.time() < deadline, "/health did not notice the dead rank"
+            time.sleep(0.2)
+        with pytest.raises(openai.InternalServerError, match="semkv-rank1 ended"):
+            server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     finally:
         server.close()
 

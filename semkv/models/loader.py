@@ -193,21 +193,27 @@ def model_config(model: str | os.PathLike | None) -> ModelConfig:
     return ModelConfig.from_hf(AutoConfig.from_pretrained(model_folder(model)[1]))
 
 
-def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None) -> LoadedModel:
-    """Load weights and tokenizer; `model=None` is the embedded SmolLM2-135M-Instruct. With `tp`, this rank's shard
-    of the weights (`models.parallel`)."""
+def load_text(model: str | os.PathLike | None) -> tuple[object, ModelConfig]:
+    """The tokenizer and configuration (eos ids included) without the weights: what a front end needs."""
     from transformers import AutoConfig, AutoTokenizer
 
     path, folder = model_folder(model)
-    hf_config = AutoConfig.from_pretrained(folder)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise SemkvError(f"could not load the tokenizer from {folder}: {exc}") from None
     cfg.eos_token_ids = _eos_ids(folder, cfg, tokenizer)
     cfg.source = str(path)
+    return tokenizer, cfg
+
+
+def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallel | None = None) -> LoadedModel:
+    """Load weights and tokenizer; `model=None` is the embedded SmolLM2-135M-Instruct. With `tp`, this rank's shard
+    of the weights (`models.parallel`)."""
+    path, folder = model_folder(model)
+    tokenizer, cfg = load_text(model)
     if tp is not None:
         cfg = local_config(cfg, tp)
     state = _read_safetensors(folder, cfg if tp is not None else None)

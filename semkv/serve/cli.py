@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -26,17 +27,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", type=float, default=30,
                    help="seconds an idle client connection stays open (uvicorn's default is 5)")
     p.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+                   help="tokens one engine step computes at most: a decode token per running request, then chunks "
+                        "of prompts (default 8192, vLLM's on an H100)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="requests running at once (default: as many as memory holds)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of a prompt prefix an earlier request computed (default: on)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log throughput, queue and KV pool use this often while busy (0: never)")
+    p.add_argument("--api-key", default=os.environ.get("SEMKV_API_KEY"),
+                   help="/v1 requests must send 'Authorization: Bearer KEY' (default: $SEMKV_API_KEY; none: open)")
 
 
-def run(args: argparse.Namespace) -> int:
-    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+def check(args: argparse.Namespace) -> None:
+    """SemkvError (exit code 2) for a bad flag, before the engine process starts."""
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client", "zmq")
+               if importlib.util.find_spec(name) is None]
     if missing:
         raise SemkvError(f"semkv serve needs {', '.join(missing)}: pip install 'semkv[serve]'")
     if not 0 <= args.port <= 65535:
         raise SemkvError(f"--port {args.port} is out of range; allowed: 0..65535")
-    if args.max_concurrent_requests < 1:
-        raise SemkvError(f"--max-concurrent-requests {args.max_concurrent_requests} must be >= 1")
+    for flag in ("max_concurrent_requests", "max_num_batched_tokens", "max_num_seqs"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SemkvError(f"--{flag.replace('_', '-')} {value} must be a positive int")
+    if args.log_stats_interval < 0:
+        raise SemkvError(f"--log-stats-interval {args.log_stats_interval} must be >= 0 (0: never)")
     check_range("--timeout-keep-alive", args.timeout_keep_alive, 0, None)
+    if args.api_key is not None and not args.api_key:
+        raise SemkvError("--api-key is empty; give a key or leave the flag out")
+
+
+def banner(name: str, args: argparse.Namespace, budget, ready) -> str:
+    """The start's log lines: what is served, how, and where."""
+    on = f"{ready.device} x{ready.tensor_parallel_size}" if ready.tensor_parallel_size > 1 else ready.device
+    step = f"{ready.max_num_batched_tokens} tokens" if ready.max_num_batched_tokens else "one prefill chunk"
+    running = ready.max_num_seqs or "as many as memory holds"
+    return (f"semkv serve: {name} on {on}, KV pool of {ready.memory.pool_pages} pages of {args.page_size} tokens; "
+            f"default KV method {args.method} (budget {budget})\n"
+            f"semkv serve: engine steps of at most {step}; requests running at once: {running}; prefix caching "
+            f"{'on' if ready.prefix_caching else 'off'}\n"
+            f"semkv serve: OpenAI API at http://{args.host}:{args.port}/v1 (also /health, /metrics, /version)"
+            + ("; /v1 needs the API key" if args.api_key else ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    check(args)
     from semkv.methods import get_method
 
     budget, params = parse_budget(args.budget), parse_params(args.param)
@@ -44,19 +81,26 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    import semkv
     from semkv.serve.app import ServerConfig, create_app
+    from semkv.serve.client import EngineClient
+    from semkv.serve.messages import EngineSettings
     from semkv.serve.metrics import Metrics
-    from semkv.serve.worker import Worker
+    from semkv.text import TextModel
 
-    llm = semkv.LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    prefill_chunk=args.prefill_chunk, gpu_memory_utilization=args.gpu_memory_utilization,
-                    tensor_parallel_size=args.tensor_parallel_size)
-    name = args.served_model_name or Path(llm.source).name.removesuffix(".gguf")
-    config = ServerConfig(name, args.method, budget, params, args.max_concurrent_requests)
-    app = create_app(llm, Worker(llm, Metrics()), config)
-    print(f"semkv serve: {name} on {llm.engine.device}, KV method {args.method} (budget {budget}); "
-          f"OpenAI API at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=None)
+    settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
+                              args.gpu_memory_utilization, args.tensor_parallel_size, args.max_num_batched_tokens,
+                              args.max_num_seqs, args.enable_prefix_caching)
+    client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
+    try:
+        ready = client.ready
+        text = TextModel.load(ready.folder)
+        name = args.served_model_name or Path(ready.source).name.removesuffix(".gguf")
+        config = ServerConfig(name, args.method, budget, params, args.max_concurrent_requests, args.api_key,
+                              args.log_stats_interval)
+        app = create_app(text, client, config)
+        print(banner(name, args, budget, client.ready), file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=None)
+    finally:
+        client.close()
     return 0
