@@ -223,8 +223,6 @@ def test_bad_chats_and_models(server):
     assert err.value.code == 400 and json.loads(err.value.read())["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.xfail(strict=True, reason="until the scheduler's prefix cache fills cached_tokens and its Counters "
-                   "(issue 53, the lead's part); then remove this mark")
 def test_a_repeated_prompt_reads_its_prefix_from_the_cache(server, essay_text):
     """The second request with the same 600-token document prefills it from the prefix cache: usage says how many
     prompt tokens were cached (as OpenAI and vLLM), /metrics counts them, and the answer is the same."""

@@ -121,8 +121,6 @@ def test_engine_death_errors_every_open_request_and_health_says_why(tiny_model_d
         server.close()
 
 
-@pytest.mark.xfail(strict=True, reason="until the scheduler honours max_num_seqs and max_num_batched_tokens and "
-                   "counts its steps (issue 53, the lead's part); then remove this mark")
 def test_the_step_budget_and_the_running_limit_bind(tiny_model_dir, tiny_llm):
     """--max-num-seqs 2 --max-num-batched-tokens 64: six concurrent requests of about 150 prompt tokens run two at a
     time, every engine step computes at most 64 tokens (long prompts prefilled over several steps), and the answers

@@ -245,13 +245,15 @@ def create_app(text: TextModel, client: EngineClient, config: ServerConfig) -> F
         sent = 0  # characters of the text sent
         stops = pending.params.stop
         holdback = max((len(s) for s in stops), default=1) - 1  # a stop string may be forming
+        opening = render.opening  # sent with the first tokens, as vLLM does: clients time the first token by it
         try:
-            if render.opening is not None:
-                yield sse(render.opening())
             while True:
                 items = [await pending.queue.get()]
                 while not pending.queue.empty():  # a client that reads slowly gets what piled up in one event
                     items.append(pending.queue.get_nowait())
+                if opening is not None:
+                    yield sse(opening())
+                    opening = None
                 try:
                     done = [answer.add(item) for item in items][-1]
                 except ApiError as error:

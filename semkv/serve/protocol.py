@@ -37,6 +37,7 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension (its load client sends 1.0); 1 = off
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
@@ -57,6 +58,8 @@ class Sampling(BaseModel):
             return f"n={self.n}: semkv returns one choice per request (n=1)"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty and frequency_penalty are not supported (give 0)"
+        if self.repetition_penalty != 1.0:
+            return f"repetition_penalty={self.repetition_penalty} is not supported (give 1)"
         if self.logit_bias:
             return "logit_bias is not supported"
         return None
