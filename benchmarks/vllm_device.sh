@@ -22,7 +22,7 @@ mkdir -p $W $out
 if [ "$stage" = status ]; then bash benchmarks/vllm_setup.sh status; exit 0; fi
 source benchmarks/vllm_setup.sh install || exit 1  # (an argument, so that it does not see this script's)
 [ "$stage" = setup ] && exit 0
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a $W/device.txt
+nvidia-smi -i ${CUDA_VISIBLE_DEVICES:-0} --query-gpu=index,name,memory.used,memory.total --format=csv,noheader | tee -a $W/device.txt
 pack() {  # the stage's folder into $OUT, then its tables
   tar czf $out/$1.tgz -C $W --exclude=prompts --exclude=prompts.json.gz $1 device.txt && ls -la $out/$1.tgz
   python3 benchmarks/vllm_page.py --$2 $W/$1

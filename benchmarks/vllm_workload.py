@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import threading
@@ -125,7 +126,8 @@ def safe(label: str) -> str:
 
 class CardMemory:
     """The card's memory in use (nvidia-smi, MiB), polled on a thread: its peak over a run less what was in use
-    before, which counts every process the run started (vLLM's engine core, semkv's engine process)."""
+    before, which counts every process the run started (vLLM's engine core, semkv's engine process). The card is
+    the first of CUDA_VISIBLE_DEVICES (several runs side by side on a machine of several GPUs)."""
 
     def __init__(self, every: float = 0.25):
         self.every, self.samples = every, []
@@ -137,7 +139,7 @@ class CardMemory:
     def read() -> int | None:
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                  "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+                                  "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]], capture_output=True, text=True, timeout=10).stdout
             return int(out.split()[0])
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
             return None

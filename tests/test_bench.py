@@ -88,22 +88,20 @@ def test_synthetic_kv_is_evicted_layer_by_layer_as_one_prefill_chunk_is(tiny_llm
 
 
 @pytest.mark.parametrize("name", ["quest", "infllm"])
-def test_a_table_over_the_pool_counts_once_whatever_the_batch(tiny_llm, name):
-    """Quest's page summaries and InfLLM's block scores are tables over the pool's pages (`pool_state`): `--batches
-    max` fits them once in the state room, not once per sequence, so these methods reach Full KV's batch."""
-    from semkv.bench.run import synthetic_ids
-    from semkv.engine.kv_cache import SeqKV
-    from semkv.engine.sequence import SamplingParams, Sequence
-
+def test_state_kept_by_page_counts_once_whatever_the_batch(tiny_llm, name):
+    """Quest's page summaries and InfLLM's block keys are kept by physical page (`page_state_bytes`): `--batches
+    max` counts them once for each page the batch holds, not once per sequence, so with room for them over the whole
+    pool these methods reach Full KV's batch; with room for a tenth of the pool, a smaller batch."""
     model, cfg, device, dtype = tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype
-    context, steps = 100, 3
-    probe = Engine(model, cfg, device, dtype, num_pages=400)
-    seq = Sequence(0, synthetic_ids(probe, 0, context), SamplingParams(max_new_tokens=16), SeqKV(probe.pool))
-    table = bound_method(probe, name, 32).admission_bytes(seq)
-    assert table > 0
-    engine = Engine(model, cfg, device, dtype, num_pages=400, state_memory=int(1.5 * table))
+    context, steps, pages = 100, 3, 400
+    probe = Engine(model, cfg, device, dtype, num_pages=pages)
+    per_page = bound_method(probe, name, 32).page_state_bytes(probe.pool)
+    assert per_page > 0
+    engine = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=int(1.5 * per_page * pages))
     full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
     assert full > 1 and largest_batch(engine, bound_method(engine, name, 32), context, steps) == full
+    small = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=per_page * pages // 10)
+    assert 1 <= largest_batch(small, bound_method(small, name, 32), context, steps) < full
 
 
 def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):

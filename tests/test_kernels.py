@@ -192,6 +192,7 @@ def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim,
     pool.k[:] = k_pool
     summaries = PageSummaries(("min", "max"))
     summaries.ensure(pool)
+    pool.cover(150)  # the tables over every page, as the pool grows them for the pages it hands out
     summaries.data["min"][:], summaries.data["max"][:] = folded[0]
     summaries.add_tokens(pool, tables, (num_slots - 1)[:, None].expand(-1, kv_heads))
     want = reference.page_bound(q, *folded[1], tables, num_slots, 16, group_reduce, k_pool=k_pool)
