@@ -39,23 +39,8 @@ quality)
 serve)
   python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
   pack serve serve ;;
-reliability)
-  R=$W/reliability; mkdir -p $R; end=$(( $(date +%s) + seconds - 20 )); parts=" ${*:-soak qwen 8b} "
-  [ -f $R/essays.txt ] || python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
-    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $R/essays.txt
-  left() { echo $(( end - $(date +%s) )); }
-  B="python3 -m semkv.cli.main bench --batches max --contexts 32000 --budget 0.1 --steps 8"
-  OFF="--methods sentencekv,dynsplit --param sentencekv.offload=True --param dynsplit.offload=True"
-  run() { [ -f $R/$1.done ] && return; [ $(left) -lt 60 ] && { echo "skip $1"; return; }; echo "== $1"
-          timeout $(left) "${@:2}" > $R/$1.log 2>&1 && touch $R/$1.done; tail -n 25 $R/$1.log; }
-  [[ $parts == *" soak "* ]] && run soak python3 benchmarks/memory_soak.py --model $QWEN --text-file $R/essays.txt \
-    --requests 5 --per-call 1 --prompts 3 --context 32000 --new-tokens 16 --time-limit 200 --out $R/soak
-  [[ $parts == *" qwen "* ]] && run bench_qwen $B --model $QWEN --out $R/bench_qwen
-  [[ $parts == *" qwen "* ]] && run bench_qwen_offload $B --model $QWEN $OFF --out $R/bench_qwen_offload
-  T8="--shape llama3-8b --tokenizer $DATA/smollm2-tokenizer"
-  [[ $parts == *" 8b "* ]] && run bench_8b $B $T8 --out $R/bench_8b
-  [[ $parts == *" 8b "* ]] && run bench_8b_offload $B $T8 $OFF --out $R/bench_8b_offload
-  tar czf $out/reliability.tgz -C $W --exclude=essays.txt reliability device.txt && ls -la $out/reliability.tgz ;;
+reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
+  bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \

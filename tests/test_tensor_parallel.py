@@ -137,11 +137,11 @@ def test_a_server_with_two_ranks_answers_as_one_process(pair, tiny_model_dir):
             try:
                 urllib.request.urlopen(f"{server.url}/health")
             except urllib.error.HTTPError as err:
-                assert err.code == 503 and "semkv-rank1 ended" in json.loads(err.read())["reason"]
+                assert err.code == 503 and "tensor-parallel rank 1 was killed by SIGKILL" in json.loads(err.read())["reason"]
                 break
             assert time.time() < deadline, "/health did not notice the dead rank"
             time.sleep(0.2)
-        with pytest.raises(openai.InternalServerError, match="semkv-rank1 ended"):
+        with pytest.raises(openai.InternalServerError, match="tensor-parallel rank 1 was killed by SIGKILL"):
             server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     finally:
         server.close()

@@ -180,7 +180,10 @@ def prefill(llm, method, prompt=PROMPT):
 
 
 def prefilled(llm, method, prompt=PROMPT):
-    return prefill(llm, method, prompt)[0]
+    """The sequence prefilled, with its first output token (greedy), ready for a decode step."""
+    seq, logits = prefill(llm, method, prompt)
+    seq.output_ids.append(int(logits.argmax()))
+    return seq
 
 
 @pytest.mark.parametrize("path", ["host", "device"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -217,7 +218,9 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
                     row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
                                        tokenizer=tokenizer, text=text)
                 except (MemoryError, torch.OutOfMemoryError) as exc:  # the pool's pages, or the device itself
-                    say(f"{name} B={batch} ctx={context}: skipped ({str(exc).splitlines()[0]})")
+                    frames = traceback.extract_tb(exc.__traceback__)[-4:]  # where it ran out, innermost first
+                    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+                    say(f"{name} B={batch} ctx={context}: skipped ({str(exc).splitlines()[0]}; at {where})")
                     continue
                 results["decode"].append(asdict(row))
                 say(report.decode_line(row))

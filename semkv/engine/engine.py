@@ -51,6 +51,8 @@ class PrefillPlan:
     ids: torch.Tensor  # [n] the prompt on the device
     record_window: int  # the last chunk keeps this many queries per layer (`Sequence.window_queries`)
     by_layer: bool  # every chunk through one layer before the next (`KVMethod.prefill_by_layer`)
+    cut: int | None  # chunks may be cut to a step's budget when the piece after the cut keeps this many tokens (the
+    # method's window); None: the method prefills in chunks of its own, which stay whole
     layers: Generator[int, None, torch.Tensor] | None = None  # a prefill by layer under way (`LlamaModel.by_layer`)
 
 
@@ -146,8 +148,9 @@ class Engine:
                    leave=False)
         logits = None
         while logits is None:
-            done = seq.num_computed
-            logits = self.continue_prefill(seq, 1)  # a chunk a call, for the progress bar
+            done, plan = seq.num_computed, seq.prefill
+            # a chunk (or a layer) a call, for the progress bar
+            logits = self.continue_prefill(seq, 1 if plan.by_layer else plan.spans[0][1] - plan.spans[0][0])
             bar.update(seq.num_computed - done)
         bar.close()
         return logits
@@ -166,18 +169,23 @@ class Engine:
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases if hi > start
                  for a, b in plan_chunks(max(lo, start), hi, chunk, window if evict else 0)]
         seq.prefill = PrefillPlan(method, spans, torch.tensor(seq.prompt_ids, device=self.device), record_window,
-                                  len(spans) > 1 and method.prefill_by_layer())
+                                  len(spans) > 1 and method.prefill_by_layer(),
+                                  None if method.prefill_chunk() is not None else window)
 
     @torch.inference_mode()
     def continue_prefill(self, seq: Sequence, budget: int) -> torch.Tensor | None:
-        """Run the next planned chunks of a prefill, as many as `budget` tokens allow (at least one; 0: all of them;
-        a prefill by layer runs layers, a layer counting as its share of the prompt's tokens); the logits of the
+        """Run the next planned chunks of a prefill, as many as `budget` tokens allow (0: all of them; a chunk
+        longer than the budget is cut to it where the plan allows, else it runs whole: at least one chunk a call; a
+        prefill by layer runs layers, a layer counting as its share of the prompt's tokens); the logits of the
         prompt's last token [vocab] once the prompt is done, after the method's `finish_prefill`, else None."""
         plan, started, n = seq.prefill, time.perf_counter(), len(seq.prompt_ids)
         logits = None
         if plan.by_layer:
             logits = self._prefill_layers(seq, budget)
         else:
+            a, b, evict = plan.spans[0]
+            if budget and plan.cut is not None and b - a > budget and b - (a + budget) >= plan.cut:
+                plan.spans[:1] = [(a, a + budget, False), (a + budget, b, evict)]
             count, tokens = 0, 0
             while count < len(plan.spans) and (count == 0 or not budget
                                                or tokens + plan.spans[count][1] - plan.spans[count][0] <= budget):
@@ -280,6 +288,7 @@ class Engine:
         seq.kv.release()
         seq.method_state = None
         seq.window_queries = {}
+        seq.prefill = None  # a prefill cut short: its prompt on the device, a prefill by layer's hidden states
 
     def end(self, seqs: list[Sequence], method: KVMethod) -> None:
         """After a run, however it ended (`run` and `generate` call it; a caller of the lower-level steps calls it

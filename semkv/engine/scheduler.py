@@ -2,8 +2,8 @@
 
 Requests of one method object decode in one batch; the batches of different methods take turns, one decode step each
 per `advance`. With a token budget (`max_num_batched_tokens`, the server) a step is: one decode step of every batch,
-then prompt chunks up to what the budget has left (at least one chunk, so prompts always progress), so a long prompt
-is prefilled over several steps while the running requests keep decoding; without one (`Engine.run`), waiting
+then prompt chunks up to what the budget has left (a chunk cut to it; a method's own chunks stay whole), so a long
+prompt is prefilled over several steps while the running requests keep decoding; without one (`Engine.run`), waiting
 requests are admitted and prefilled whole before the decode steps.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
@@ -133,16 +133,16 @@ class Scheduler:
             tokens += len(batch.running)
             for seq in [s for s in batch.running if s.finished]:
                 self._end(seq)
-        if budget is not None:
-            left, chunks = budget - tokens, 0
+        if budget is not None:  # what the decode steps left of the budget goes to prompts
+            left = budget - tokens
             for seq in list(self.prefilling):  # prompts being prefilled first, then new ones
-                if left <= 0 and chunks:
+                if left <= 0:
                     break
                 done = self._prefill(seq, left)
-                left, tokens, chunks = left - done, tokens + done, chunks + 1
-            while (left > 0 or not chunks) and (seq := self._admit()) is not None:
+                left, tokens = left - done, tokens + done
+            while left > 0 and (seq := self._admit()) is not None:
                 done = self._prefill(seq, left)
-                left, tokens, chunks = left - done, tokens + done, chunks + 1
+                left, tokens = left - done, tokens + done
         self.engine.reserved = 0  # the promises hold while this scheduler steps
         if tokens:
             self.counters.steps += 1

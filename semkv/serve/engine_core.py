@@ -134,15 +134,15 @@ class EngineCore:
 
 
 def watch_ranks(ranks: Ranks, address: str, done: threading.Event) -> None:
-    """A thread of the engine process with tensor parallelism: when a rank process ends, rank 0 may wait for it inside
-    a collective for ever, so tell the web process why and end this process (the other ranks end with it)."""
+    """A thread of the engine process with tensor parallelism: once a rank has failed (`Ranks.failure`: the ranks'
+    watchdog has ended them all), rank 0 may wait inside a collective for ever, or idle until the next request, so
+    tell the web process why and end this process."""
     while not done.wait(RANK_CHECK_S):
-        dead = ranks.dead()
-        if dead:
+        if ranks.failure is not None:
             context = zmq.Context()  # a socket of its own: the loop's sockets belong to the loop's thread
             sock = context.socket(zmq.PUSH)
             sock.connect(address)
-            sock.send(pickle.dumps(EngineDied(f"tensor-parallel rank process(es) {', '.join(dead)} ended")))
+            sock.send(pickle.dumps(EngineDied(ranks.failure)))
             sock.close(linger=5000)
             context.term()  # waits until the message is out
             os._exit(1)

@@ -78,15 +78,25 @@ class RowSplit:
     window: torch.Tensor  # W
 
 
-def band_scores(q: torch.Tensor, keys: torch.Tensor, q_start: int, k_start: int, window: int) -> torch.Tensor:
+def band_scores(q: torch.Tensor, keys: torch.Tensor, q_start: int, k_start: int, window: int,
+                block: int = 1024) -> torch.Tensor:
     """Representative-score contributions: q [C, heads, D] at positions q_start.., keys [kv_heads, K, D] at k_start..
-    -> [kv_heads, K], the sum over queries j and the group's heads of q_j . k_m for j - window <= m < j."""
-    kv_heads = keys.shape[0]
-    qg = q.float().view(q.shape[0], kv_heads, -1, q.shape[-1]).sum(2).transpose(0, 1)  # [kv_heads, C, D]
-    dots = torch.matmul(qg, keys.float().transpose(1, 2))  # [kv_heads, C, K]
-    j = torch.arange(q_start, q_start + q.shape[0], device=q.device)[:, None]
-    m = torch.arange(k_start, k_start + keys.shape[1], device=q.device)[None, :]
-    return dots.masked_fill(~((m < j) & (m >= j - window)), 0.0).sum(1)
+    -> [kv_heads, K], the sum over queries j and the group's heads of q_j . k_m for j - window <= m < j. Queries go
+    `block` at a time against the keys their band reaches, so the workspace is [kv_heads, block, block + window],
+    not [kv_heads, C, K] (7.6 GiB for a 32k prompt of Qwen2.5-0.5B in one chunk)."""
+    kv_heads, n = keys.shape[0], q.shape[0]
+    qg = q.float().view(n, kv_heads, -1, q.shape[-1]).sum(2).transpose(0, 1)  # [kv_heads, C, D]
+    out = torch.zeros(kv_heads, keys.shape[1], device=q.device)
+    for a in range(0, n, block):
+        b = min(a + block, n)
+        lo, hi = max(q_start + a - window - k_start, 0), min(q_start + b - 1 - k_start, keys.shape[1])
+        if hi <= lo:
+            continue
+        dots = torch.matmul(qg[:, a:b], keys[:, lo:hi].float().transpose(1, 2))  # [kv_heads, b - a, hi - lo]
+        j = torch.arange(q_start + a, q_start + b, device=q.device)[:, None]
+        m = torch.arange(k_start + lo, k_start + hi, device=q.device)[None, :]
+        out[:, lo:hi] += dots.masked_fill(~((m < j) & (m >= j - window)), 0.0).sum(1)
+    return out
 
 
 @dataclass

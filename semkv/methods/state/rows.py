@@ -6,6 +6,7 @@ method that keeps such rows (`RowHolder`)."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -74,8 +75,21 @@ class DeviceRows:
     def growth_bytes(self, needs: tuple[int, ...], pool: KVPool) -> int:
         """Device bytes `ensure(needs, pool)` allocates (every grown tensor; each old one is freed once replaced)."""
         size = grown_sizes(needs, self.sizes(), self.slack)
-        if size is None:
-            return 0
+        return 0 if size is None else self._bytes(size)
+
+    def peak_bytes(self, needs: Callable[[int], tuple[int, ...]], rows: int, pool: KVPool) -> int:
+        """Device bytes beside what the tensors hold now that admitting requests into rows 1..`rows` (row r needing
+        `needs(r)`) takes at its peak: each growth makes the new tensors while the old ones are still alive, so the
+        peak is a growth's new tensors beside those an earlier growth of this count made."""
+        have, peak, earlier = self.sizes(), 0, 0
+        for row in range(1, rows + 1):
+            size = grown_sizes(needs(row), have, self.slack)
+            if size is not None:
+                new = self._bytes(size)
+                peak, earlier, have = max(peak, new + earlier), new, tuple(size)
+        return peak
+
+    def _bytes(self, size: list[int]) -> int:
         return sum(math.prod(shape) * self._tensors(name)[0].element_size()
                    for name, shape in self.shapes(*size).items() if math.prod(shape))
 
@@ -123,16 +137,23 @@ class RowHolder(BatchedHooks):
             self._sets.attach(row, store)
 
     def admission_bytes(self, seq: Sequence) -> int:
-        return self.batch_state_bytes(seq, self._rows.owners.next_row()) if self.takes_row(seq) else 0
-
-    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
-        """The rows (and working sets) of `batch` requests like `seq`: what growing to rows 1..batch allocates (a
-        request admitted now takes row `next_row`: `admission_bytes`)."""
+        """What admitting `seq` into row `next_row` allocates: the grown rows and working sets."""
         if not self.takes_row(seq):
             return 0
-        needs = self.set_needs(seq, batch)
-        sets = 0 if needs is None else self._sets.growth_bytes(needs, seq.kv.pool)
-        return self._rows.growth_bytes(self.row_needs(seq, batch), seq.kv.pool) + sets
+        row, pool = self._rows.owners.next_row(), seq.kv.pool
+        needs = self.set_needs(seq, row)
+        sets = 0 if needs is None else self._sets.growth_bytes(needs, pool)
+        return self._rows.growth_bytes(self.row_needs(seq, row), pool) + sets
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        """The rows (and working sets) of `batch` requests like `seq`: the peak of growing them to rows 1..batch, a
+        growth's new tensors beside the old ones (a request admitted now takes row `next_row`: `admission_bytes`)."""
+        if not self.takes_row(seq):
+            return 0
+        pool = seq.kv.pool
+        sets = 0 if self.set_needs(seq, batch) is None else self._sets.peak_bytes(
+            lambda row: self.set_needs(seq, row), batch, pool)
+        return self._rows.peak_bytes(lambda row: self.row_needs(seq, row), batch, pool) + sets
 
     def admission_host_bytes(self, seq: Sequence) -> int:
         needs = self.set_needs(seq, self._rows.owners.next_row()) if self.takes_row(seq) else None
