@@ -2,8 +2,9 @@
 weights, each run in a process of its own (so each peak of memory is its own), one after the other on one card.
 
 The prompts are windows of Paul Graham's essays (RULER's haystack) with a question, in the model's chat template;
-semkv's encoding makes the token ids and vLLM is given exactly those (the semkv runs check that `generate` made the
-same). Greedy, EOS ignored, every prompt in one `generate` call; vLLM with prefix caching off, its other settings its
+semkv's encoding makes the token ids once, and both engines are given exactly those ids (`prompt_token_ids`; semkv's
+`generate` takes ids too), so that neither run times the tokenizer (on the 2026-11-28 H200 run semkv was given the
+text and tokenized 2M tokens on one thread inside its timed prefill pass). Greedy, EOS ignored, every prompt in one `generate` call; vLLM with prefix caching off, its other settings its
 defaults. A short warm-up call first, then the timed call, then (unless --no-prefill-pass) the same prompts with one
 new token, which times prefill alone. Per run: wall time, output tokens/s, the card's peak memory (nvidia-smi, the
 engine's footprint: both take `--gpu-memory-utilization` of the card), the engine process's peak allocation and the
@@ -126,20 +127,19 @@ def run_semkv(args, prompts: list[dict]) -> tuple[dict, list[list[int]]]:
     llm = semkv.LLM(args.model, gpu_memory_utilization=args.gpu_memory_utilization)
     load_s = time.perf_counter() - started
     cuda = llm.engine.device.type == "cuda"
-    docs, questions = [x["document"] for x in prompts], [x["question"] for x in prompts]
 
     def generate(n: int, new: int, short: bool = False):
-        # short: each document's last 4,000 characters (~1k tokens), no prefix of a timed prompt
-        return llm.generate([d[-4000:] for d in docs[:n]] if short else docs[:n], name, budget, max_new_tokens=new,
-                            questions=questions[:n], ignore_eos=True, method_params=params)
+        # short: each prompt's last 1,000 tokens, no prefix of a timed prompt
+        ids = [x["ids"][-1000:] if short else x["ids"] for x in prompts[:n]]
+        return llm.generate(ids, name, budget, max_new_tokens=new, ignore_eos=True, method_params=params)
 
-    generate(len(docs), 4, short=True)  # compiles what the method's first batch compiles, captures its graphs
+    generate(len(prompts), 4, short=True)  # compiles what the method's first batch compiles, captures its graphs
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     llm.engine.pool.peak_in_use = llm.engine.pool.in_use
-    wall, outputs = timed(lambda: generate(len(docs), args.new_tokens), cuda)
+    wall, outputs = timed(lambda: generate(len(prompts), args.new_tokens), cuda)
     row = dict(run=label, engine="semkv", method=name, params=params, budget=budget, load_s=round(load_s, 1),
-               wall_s=round(wall, 3), prompts=len(docs), prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+               wall_s=round(wall, 3), prompts=len(prompts), prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
                new_tokens=sum(len(o.token_ids) for o in outputs),
                cached_tokens=sum(getattr(o.stats, "cached_tokens", 0) for o in outputs),
                same_prompt_ids=sum(o.prompt_token_ids == x["ids"] for o, x in zip(outputs, prompts)),
@@ -153,7 +153,7 @@ def run_semkv(args, prompts: list[dict]) -> tuple[dict, list[list[int]]]:
                     allocated_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                     reserved_gib=round(torch.cuda.memory_reserved() / 2**30, 2))
     if not args.no_prefill_pass:
-        row["prefill_wall_s"] = round(timed(lambda: generate(len(docs), 1), cuda)[0], 3)
+        row["prefill_wall_s"] = round(timed(lambda: generate(len(prompts), 1), cuda)[0], 3)
     return row, [o.token_ids for o in outputs]
 
 

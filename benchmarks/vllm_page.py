@@ -25,8 +25,8 @@ def serve_rows(folder: Path) -> list[dict]:
     rows = []
     for server in [p for p in folder.iterdir() if (p / "server.json").is_file()]:
         info = read_json(server / "server.json")
-        for client_file in sorted(server.glob("*.client.json")):
-            phase = client_file.name.removesuffix(".client.json")
+        for client_file in sorted([*server.glob("*.client.json"), *server.glob("*.client.json.gz")]):
+            phase = client_file.name.removesuffix(".gz").removesuffix(".client.json")  # gzipped on results pages
             metrics_file = server / f"{phase}.metrics.json"
             if phase == "warmup" or not metrics_file.is_file():
                 continue

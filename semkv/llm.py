@@ -186,7 +186,7 @@ class LLM(TextModel):
     @torch.inference_mode()
     def generate(
         self,
-        prompts: str | Seq[str],
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
         method: str | KVMethod = "full",
         budget: int | float | None = None,
         max_new_tokens: int = 64,
@@ -208,8 +208,11 @@ class LLM(TextModel):
         question starts, so prefill-eviction methods can run query-agnostic (`query_aware=False`). logprobs: k >= 0
         gives each output the log-probability of every new token and the k most likely tokens of each step.
         `answer_prefixes[i]`: text the answer starts with, after the chat template (as in `compare`). The prompts run
-        together through continuous batching."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        together through continuous batching. A prompt may be token ids (a list of ints, as vLLM's
+        `prompt_token_ids`): they are used as they are, without the chat template, a question or an answer prefix."""
+        single = isinstance(prompts, str) or (isinstance(prompts, Seq) and bool(prompts)
+                                               and all(type(t) is int for t in prompts))
+        prompts = [prompts] if single else list(prompts)
         if not prompts:
             raise SemkvError("no prompts given")
         if questions is not None and len(questions) != len(prompts):
@@ -222,11 +225,16 @@ class LLM(TextModel):
         seqs = []
         for i, prompt in enumerate(prompts):
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            check_text(which, prompt)
-            if not prompt.strip():
-                raise SemkvError(f"{which} is empty; give some text")
-            ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat,
-                                              "" if answer_prefixes is None else answer_prefixes[i])
+            if isinstance(prompt, str) or not isinstance(prompt, Seq):
+                check_text(which, prompt)
+                if not prompt.strip():
+                    raise SemkvError(f"{which} is empty; give some text")
+                ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat,
+                                                  "" if answer_prefixes is None else answer_prefixes[i])
+            elif questions is not None or answer_prefixes is not None:
+                raise SemkvError(f"{which} is token ids: questions and answer prefixes go with text prompts")
+            else:
+                ids, question_start = self.token_ids(prompt, which.removeprefix("the ")), None
             self.check_length(which, len(ids), max_new_tokens, allow_overlong, kv_method)
             seqs.append(self.request(i, ids, params, kv_method, question_start))
         self.engine.run(seqs, kv_method, self.stop_test(params), progress,  # frees every request, however it ends

@@ -11,6 +11,7 @@ from semkv.engine.memory import held_bytes
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import METHODS, get_method
+from semkv.errors import SemkvError
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 12,
@@ -506,3 +507,19 @@ def test_a_method_caps_the_prefill_chunk(tiny_model_dir):
     starts.clear()
     llm.generate([prompt], Recording(budget=32, chunk=100), max_new_tokens=1)
     assert starts == list(range(0, n, 64))
+
+
+def test_prompts_as_token_ids_give_the_tokens_of_their_text(tiny_llm):
+    """`generate` takes token ids as vLLM's `prompt_token_ids` (one prompt or several, beside text prompts): the same
+    tokens as the text they encode; ids out of the vocabulary, or ids with a question, are refused by name."""
+    text = "The cat sat on the mat. Where did the cat sit?"
+    ids, _ = tiny_llm.encode(text, None, chat=False)
+    want = tiny_llm.generate(text, chat=False, max_new_tokens=6)[0].token_ids
+    assert tiny_llm.generate(ids, max_new_tokens=6)[0].token_ids == want
+    both = tiny_llm.generate([ids, text], chat=False, max_new_tokens=6)
+    assert [o.token_ids for o in both] == [want, want] and both[0].prompt_token_ids == ids
+    vocab = tiny_llm.config.vocab_size
+    with pytest.raises(SemkvError, match=rf"prompt 1 must be non-empty text or a list of token ids in \[0, {vocab}\)"):
+        tiny_llm.generate([ids, [vocab]], max_new_tokens=2)
+    with pytest.raises(SemkvError, match="token ids: questions and answer prefixes go with text prompts"):
+        tiny_llm.generate([ids], questions=["Where?"], max_new_tokens=2)
