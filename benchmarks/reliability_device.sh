@@ -10,6 +10,7 @@
 set -uo pipefail
 case ${1:-} in -h|--help|"") sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=$1; shift
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the scripts import semkv from this checkout
 W=${VLLM_WORK:-/tmp/w} out=${OUT:-/tmp/out} DATA=${DATA:-$PWD/.carry/data} MODEL=${MODEL:-${QWEN:-}}
 R=$W/reliability; mkdir -p $R $out; end=$(( $(date +%s) + seconds - 20 ))
 [ -f $R/essays.txt ] || python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
@@ -22,7 +23,9 @@ run() { [ -f $R/$1.done ] && return; [ $(left) -lt 60 ] && { echo "skip $1"; ret
         timeout $(left) "${@:2}" > $R/$1.log 2>&1 && touch $R/$1.done; grep -v '^{' $R/$1.log | tail -n 40; }
 for part in "$@"; do
   name=${part%%:*} shape=${part#*:}
-  if [ "$shape" = "$part" ]; then src="--model $MODEL" tag=model; else
+  if [ "$shape" = "$part" ]; then
+    [ -n "$MODEL" ] || { echo "part $part needs MODEL (or QWEN: a model folder), or name a shape: $part:SHAPE" >&2; exit 2; }
+    src="--model $MODEL" tag=model; else
     src="--shape $shape --tokenizer $DATA/smollm2-tokenizer" tag=$shape; fi
   case $name in
   soak) run soak_$tag python3 benchmarks/memory_soak.py $src --text-file $R/essays.txt --requests 5 --per-call 1 \

@@ -50,6 +50,42 @@ def test_an_offloading_method_reaches_a_larger_batch_and_reports_its_traffic(tin
     assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("name, params", [("sentencekv", dict(n_sink=4, n_recent=4, offload=True)),
+                                          ("dynsplit", dict(offload=True))])
+def test_a_batch_counts_each_row_growth_beside_the_old_rows(tiny_llm, monkeypatch, name, params):
+    """Admitting a batch grows an offloading method's rows and working sets now and then, each growth making the new
+    tensors while the old ones are alive: the state `--batches max` fits for the batch (`batch_state_bytes`) is at
+    least the largest such moment of the real run, which is more than the final tensors (what it counted before, and
+    where the offloading modes ran out of memory on an H200 at 32k)."""
+    from semkv.bench.run import synthetic_ids
+    from semkv.engine.kv_cache import SeqKV
+    from semkv.engine.sequence import SamplingParams, Sequence
+    from semkv.methods.state.rows import DeviceRows
+
+    model, cfg = tiny_llm.engine.model, tiny_llm.config
+    engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
+    context, steps, batch, moments = 320, 2, 12, []
+    grow = DeviceRows.grow
+
+    def recording(self, needs):
+        before = self._bytes(list(self.sizes()))
+        moved = grow(self, needs)
+        if moved:  # the old tensors and the new ones, alive together while it grew
+            moments.append(before + self._bytes(list(self.sizes())))
+        return moved
+
+    monkeypatch.setattr(DeviceRows, "grow", recording)
+    bench_decode(engine, name, 32, batch, context, steps=steps, params=params, tokenizer=tiny_llm.tokenizer)
+    method = bound_method(engine, name, 32, params, tiny_llm.tokenizer)
+    seq = Sequence(0, synthetic_ids(engine, 0, context), SamplingParams(max_new_tokens=4 + steps + 8),
+                   SeqKV(engine.pool))
+    seq.method_state = method.new_state(seq)
+    sets = method.set_needs(seq, batch)
+    final = method._rows.growth_bytes(method.row_needs(seq, batch), engine.pool) + (
+        0 if sets is None else method._sets.growth_bytes(sets, engine.pool))  # rows and working sets at the end
+    assert len(moments) > 2 and final < max(moments) <= method.batch_state_bytes(seq, batch)
+
+
 @pytest.mark.parametrize("name", ["snapkv", "chunkkv", "pyramidkv"])
 def test_an_evicting_method_is_counted_at_what_it_keeps(tiny_llm, name):
     """A method that compresses the prompt at prefill holds its budget and its generated tokens afterwards
