@@ -285,6 +285,25 @@ def test_infllm_attends_initial_local_and_the_top_blocks_by_representative_keys(
 
 
 # -- every method on a real model: batches of very different lengths ---------------------------------------------------
+@pytest.mark.parametrize("q_start, k_start, window", [(0, 0, 33), (100, 40, 50), (500, 300, 120), (10, 0, 1000)])
+def test_infllm_band_scores_go_a_block_of_queries_at_a_time(q_start, k_start, window):
+    """InfLLM's representative scores: sum over queries j and the group's heads of q_j . k_m for j - window <= m < j,
+    computed `block` queries at a time against the keys their band reaches (a 32k prompt in one chunk asked 7.6 GiB
+    of workspace at once on the H200), equal to the whole [kv_heads, C, K] product by hand."""
+    from semkv.methods.infllm.method import band_scores
+
+    gen = torch.Generator().manual_seed(window)
+    n = 300
+    q = torch.randn(n, 4, 8, generator=gen)  # 2 KV heads of 2 query heads
+    keys = torch.randn(2, q_start + n - k_start, 8, generator=gen)
+    qg = q.view(n, 2, 2, 8).sum(2).transpose(0, 1)
+    j = torch.arange(q_start, q_start + n)[:, None]
+    m = torch.arange(k_start, k_start + keys.shape[1])[None, :]
+    want = (qg @ keys.transpose(1, 2)).masked_fill(~((m < j) & (m >= j - window)), 0.0).sum(1)
+    got = band_scores(q, keys, q_start, k_start, window, block=64)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o", "snapkv", "pyramidkv", "quest", "keydiff", "infllm"])
 def test_a_batch_of_a_short_and_a_long_prompt_equals_one_by_one(tiny_llm, name):
     prompts = ["Hello there.", "Numbers: " + " ".join(str(i) for i in range(90))]  # ~10 and ~190 tokens
