@@ -225,16 +225,8 @@ class LLM(TextModel):
         seqs = []
         for i, prompt in enumerate(prompts):
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            if isinstance(prompt, str) or not isinstance(prompt, Seq):
-                check_text(which, prompt)
-                if not prompt.strip():
-                    raise SemkvError(f"{which} is empty; give some text")
-                ids, question_start = self.encode(prompt, None if questions is None else questions[i], chat,
-                                                  "" if answer_prefixes is None else answer_prefixes[i])
-            elif questions is not None or answer_prefixes is not None:
-                raise SemkvError(f"{which} is token ids: questions and answer prefixes go with text prompts")
-            else:
-                ids, question_start = self.token_ids(prompt, which.removeprefix("the ")), None
+            ids, question_start = self._prompt_ids(prompt, None if questions is None else questions[i], chat,
+                                                   "" if answer_prefixes is None else answer_prefixes[i], which)
             self.check_length(which, len(ids), max_new_tokens, allow_overlong, kv_method)
             seqs.append(self.request(i, ids, params, kv_method, question_start))
         self.engine.run(seqs, kv_method, self.stop_test(params), progress,  # frees every request, however it ends
@@ -340,14 +332,18 @@ class LLM(TextModel):
         kv_method = get_method(method, budget, **(method_params or {}))
         return self.compare(prefix, [kv_method], chat=chat, continuation=continuation)[0].logprobs
 
-    def _prompt_ids(self, prompt, question, chat, answer_prefix) -> tuple[list[int], int | None]:
-        if isinstance(prompt, str):
+    def _prompt_ids(self, prompt, question, chat, answer_prefix, which: str = "the prompt"
+                    ) -> tuple[list[int], int | None]:
+        """A prompt's token ids and where its question starts: text encoded (`encode`), or token ids checked and used
+        as they are; SemkvError names `which` for what is neither."""
+        if isinstance(prompt, str) or not isinstance(prompt, Seq):
+            check_text(which, prompt)
             if not prompt.strip():
-                raise SemkvError("the prompt is empty; give some text")
+                raise SemkvError(f"{which} is empty; give some text")
             return self.encode(prompt, question, chat, answer_prefix)
         if question is not None or answer_prefix:
-            raise SemkvError("a question or answer prefix goes with a text prompt, not with token ids")
-        return self.token_ids(prompt, "prompt"), None
+            raise SemkvError(f"{which} is token ids: questions and answer prefixes go with text prompts")
+        return self.token_ids(prompt, which.removeprefix("the ")), None
 
     def _decode(self, seq: Sequence, method: KVMethod, first: torch.Tensor, stopper,
                 continuation: list[int] | None) -> GenerationOutput:

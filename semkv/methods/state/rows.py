@@ -77,7 +77,7 @@ class DeviceRows:
         size = grown_sizes(needs, self.sizes(), self.slack)
         return 0 if size is None else self._bytes(size)
 
-    def peak_bytes(self, needs: Callable[[int], tuple[int, ...]], rows: int, pool: KVPool) -> int:
+    def peak_bytes(self, needs: Callable[[int], tuple[int, ...]], rows: int) -> int:
         """Device bytes beside what the tensors hold now that admitting requests into rows 1..`rows` (row r needing
         `needs(r)`) takes at its peak: each growth makes the new tensors while the old ones are still alive, so the
         peak is a growth's new tensors beside those an earlier growth of this count made."""
@@ -150,10 +150,9 @@ class RowHolder(BatchedHooks):
         growth's new tensors beside the old ones (a request admitted now takes row `next_row`: `admission_bytes`)."""
         if not self.takes_row(seq):
             return 0
-        pool = seq.kv.pool
         sets = 0 if self.set_needs(seq, batch) is None else self._sets.peak_bytes(
-            lambda row: self.set_needs(seq, row), batch, pool)
-        return self._rows.peak_bytes(lambda row: self.row_needs(seq, row), batch, pool) + sets
+            lambda row: self.set_needs(seq, row), batch)
+        return self._rows.peak_bytes(lambda row: self.row_needs(seq, row), batch) + sets
 
     def admission_host_bytes(self, seq: Sequence) -> int:
         needs = self.set_needs(seq, self._rows.owners.next_row()) if self.takes_row(seq) else None
