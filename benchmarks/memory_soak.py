@@ -85,12 +85,17 @@ class Recorder:
                 f"{rows[-1]['host_rss_gib']:.2f} GiB; engine holds {max(held)} pages + requests at most after a call")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model (a local one, or a shape with random weights) and the texts prompts are cut from."""
     p.add_argument("--model", help="a local model (HF folder or GGUF); else --shape with random weights")
     p.add_argument("--shape", default="qwen2.5-0.5b")
     p.add_argument("--tokenizer", help="folder with the tokenizer files, for --shape")
     p.add_argument("--text-file", action="append", required=True, help="texts the prompts are cut from")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_arguments(p)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--context", type=int, default=32_000, help="prompt tokens")

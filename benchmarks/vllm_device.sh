@@ -6,13 +6,14 @@
 # semkv's side), serve (vllm_serve.py), serve8b (vllm_serve.py on the random Llama-3.1-8B shape), reliability
 # (issue 52: memory_soak.py's 5 generates of 32k a method and compare of every method over 3 prompts, then
 # `semkv bench --batches max` at 32k for every method and both offloading modes, on the model and the 8B shape;
-# ARGS: which of soak, qwen, 8b, default all). SECONDS (default
+# ARGS: reliability_device.sh's parts, default all), profile (session_prefill.py on the model: the engine's rate
+# against the server's scheduler without the web process, with cProfile and torch.profiler). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -41,6 +42,11 @@ serve)
   pack serve serve ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
+profile)  # where the server's time goes, without the web process
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
+    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+  timeout $seconds python3 benchmarks/session_prefill.py --model $QWEN --text-file $W/essays.txt --out $W/profile "$@"
+  tar czf $out/profile.tgz -C $W profile device.txt ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \

@@ -152,6 +152,35 @@ class TextModel:
         return out
 
 
+class Detokenizer:
+    """A request's output text as its tokens arrive, each token decoded once (`tokenizers`' `DecodeStream`, as vLLM
+    streams); a tokenizer it cannot follow (no Rust backend, or one that cleans up spaces after decoding) decodes the
+    whole output again each time."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self.backend = None
+        if self.backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(skip_special_tokens=True)
+        self.seen = 0  # tokens decoded
+        self.text = ""
+
+    def text_of(self, token_ids: Seq[int]) -> str:
+        """The text of the output so far (`token_ids`: all its tokens, the ones of earlier calls first), a character
+        still split across tokens left out."""
+        if self.backend is None:
+            self.text = self.tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        else:
+            for token in token_ids[self.seen:]:
+                self.text += self.stream.step(self.backend, token) or ""
+        self.seen = len(token_ids)
+        return self.text
+
+
 def cut_at_stop(text: str, stops: Seq[str]) -> str:
     """The text before the first stop string in it (all of it when none occurs)."""
     return text[: min((text.find(s) for s in stops if s in text), default=len(text))]

@@ -32,6 +32,17 @@ def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
         largest_batch(tiny_llm.engine, bound_method(tiny_llm.engine, "full", None), context, steps)  # grows on demand
 
 
+def test_the_largest_batch_counts_its_decode_steps_logits(tiny_llm):
+    """A decode step's logits ([batch, vocabulary], the head's dtype, then float32) take memory beside the pool: with
+    room for those of 5 rows only, `--batches max` gives 5, not the 19 the pool holds (on an H200 SnapKV's batch of
+    3,295 at 32k ran out of memory making them), and that batch runs."""
+    model, cfg, device, dtype = tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype
+    per_row = cfg.vocab_size * (dtype.itemsize + 4)
+    engine = Engine(model, cfg, device, dtype, num_pages=400, state_memory=5 * per_row + per_row // 2)
+    assert largest_batch(engine, bound_method(engine, "full", None), 100, 3) == 5
+    assert bench_decode(engine, "full", None, 5, 100, steps=3).batch == 5
+
+
 def test_an_offloading_method_reaches_a_larger_batch_and_reports_its_traffic(tiny_llm):
     """`--batches max` per method: offloading SentenceKV holds its budget per layer on the device, so the same pool
     runs more sequences than Full KV; the run reports the host memory it held and the K/V it read from the host per
@@ -133,10 +144,12 @@ def test_state_kept_by_page_counts_once_whatever_the_batch(tiny_llm, name):
     probe = Engine(model, cfg, device, dtype, num_pages=pages)
     per_page = bound_method(probe, name, 32).page_state_bytes(probe.pool)
     assert per_page > 0
-    engine = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=int(1.5 * per_page * pages))
+    rows = (pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 2) // 16))  # Full KV's batch in the pool
+    logits = rows * cfg.vocab_size * (dtype.itemsize + 4)  # their decode step's
+    engine = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=int(1.5 * per_page * pages) + logits)
     full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
     assert full > 1 and largest_batch(engine, bound_method(engine, name, 32), context, steps) == full
-    small = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=per_page * pages // 10)
+    small = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=per_page * pages // 10 + logits)
     assert 1 <= largest_batch(small, bound_method(small, name, 32), context, steps) < full
 
 

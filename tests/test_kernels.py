@@ -692,3 +692,34 @@ def test_cudnn_prefill_turns_itself_off_with_one_warning_when_cudnn_refuses():
         assert not cudnn_prefill.usable(q, None)
     finally:
         cudnn_prefill._failed.clear()
+
+
+@pytest.mark.parametrize("start, chunk", [(0, 40), (0, 1100), (700, 300), (1024, 50), (1500, 1200), (2048, 1024)])
+def test_cudnn_prefill_calls_have_padded_lengths_and_equal_the_reference(monkeypatch, start, chunk):
+    """The cuDNN path at any start and chunk length (a server's step budget cuts chunks anywhere): every fused call it
+    makes has query and key lengths that are multiples of PAD (so cuDNN reuses its plans), and the output and lse
+    equal the reference's. cuDNN's call is stood in for by the same attention in plain torch (causal: query i sees
+    keys up to i), the merge kernel runs in Triton's interpreter."""
+    from semkv.kernels import cudnn_prefill, reference
+
+    shapes = []
+
+    def attend(q, k, v, causal, scale, lse=True):  # q [1, H, M, D], k/v [1, KH, N, D]
+        shapes.append((q.shape[2], k.shape[2]))
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        logits = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+        return (torch.softmax(logits, -1) @ v.float()).to(q.dtype), torch.logsumexp(logits, -1) if lse else None
+
+    monkeypatch.setattr(cudnn_prefill, "_attend", attend)
+    gen = torch.Generator().manual_seed(9)
+    page, kv_heads, heads, dim = 16, 2, 4, 16
+    pages = -(-(start + chunk) // page) + 1
+    k_pool, v_pool = (torch.randn(pages + 1, page, kv_heads, dim, generator=gen) for _ in range(2))
+    table = torch.randperm(pages, generator=gen)[: pages - 1] + 1  # page 0: scratch
+    q = torch.randn(chunk, heads, dim, generator=gen)
+    want, want_lse = reference.prefill_attention(q, k_pool, v_pool, table, start, None, 0.25, lse=True)
+    got, got_lse = cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, 0.25, lse=True)
+    assert (got - want).abs().max() < 1e-4 and (got_lse - want_lse).abs().max() < 1e-4
+    assert shapes and all(m % cudnn_prefill.PAD == 0 and n % cudnn_prefill.PAD == 0 for m, n in shapes)

@@ -157,3 +157,25 @@ def test_a_request_that_does_not_fit_now_does_not_hold_the_queue(tiny_model_dir)
     outputs = driver.finish()
     assert all(len(o) == n for o, n in zip(outputs, (32, 8, 8)))
     assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_step_keeps_to_its_budget_while_requests_decode_and_takes_the_engine_chunk_when_none_does(llm):
+    """Budget 16, engine chunk 48: every step in which a request decodes computes at most 16 tokens; a step in
+    which none does prefills up to 48 (the budget bounds the wait between a running request's tokens), so the first
+    prompt starts in fewer steps than 16 a step would take; the tokens are those of whole prompts."""
+    full = get_method("full")
+    prompts = PROMPTS[:3]
+    want = alone(llm, full, prompts, 8)
+    driver = Driver(llm, max_num_batched_tokens=16, enable_prefix_caching=False)
+    for prompt in prompts:
+        driver.submit(encode(llm, prompt), full, new=8)
+    scheduler, idle, busy = driver.session.scheduler, [], []
+    while scheduler.busy:
+        decoding = len(scheduler.running)
+        driver.advance()
+        (busy if decoding else idle).append(scheduler.counters.step_tokens)
+    assert [s.output_ids for s in driver.seqs] == want
+    first = len(encode(llm, prompts[0]))
+    assert busy and max(busy) <= 16
+    assert idle and max(idle) == 48 and len(idle) == -(-first // 48) < -(-first // 16)
+    assert llm.engine.memory().held == (0, 0, 0, 0)

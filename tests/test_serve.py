@@ -134,6 +134,26 @@ def test_streams_equal_whole_answers_and_stop_strings_cut(server):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_a_stream_decodes_each_token_once_into_the_whole_text(smol_llm):
+    """The streamed text (`Detokenizer`: each token decoded once) is at every token a prefix of the whole text, with
+    no half character, and ends equal to it; a tokenizer that cleans up spaces after decoding decodes it all again."""
+    import copy
+
+    from semkv.text import Detokenizer
+
+    tokenizer = smol_llm.tokenizer
+    text = "Héllo wörld — 東京 🎉 café, naïve résumé.\n\n" + PROMPTS[1]
+    ids = tokenizer.encode(text, add_special_tokens=False) + [smol_llm.config.eos_token_ids[0]]
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    cleaning = copy.copy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    for detokenizer in (Detokenizer(tokenizer), Detokenizer(cleaning)):
+        texts = [detokenizer.text_of(ids[:n]) for n in range(1, len(ids) + 1)]
+        assert all(whole.startswith(t) and "\ufffd" not in t for t in texts) and texts[-1] == whole
+        assert len(set(texts)) > len(ids) // 2  # text comes as the tokens come
+    assert Detokenizer(tokenizer).backend is not None and Detokenizer(cleaning).backend is None
+
+
 def test_logprobs_are_the_models(server, smol_llm):
     out = complete(server, PROMPTS[0], max_tokens=4, logprobs=2).choices[0]
     ref = smol_llm.generate(PROMPTS[0], max_new_tokens=4, chat=False, logprobs=2)[0]

@@ -157,14 +157,17 @@ class Engine:
 
     def start_prefill(self, seq: Sequence, method: KVMethod, limit: int | None = None, record_window: int = 0) -> None:
         """Admit a request (its method takes its state) and plan its prefill from `seq.num_computed` (the tokens
-        found in the prefix cache) in chunks of at most `limit` tokens (the method's own chunk when it has one);
+        found in the prefix cache): in the method's own chunks when it has them, in chunks of at most `limit` tokens
+        when it prefills by layer, else in the engine's chunks, which `continue_prefill` cuts to a step's budget;
         `continue_prefill` then runs them."""
         self._admit(seq, method)
         n = len(seq.prompt_ids)
         split = seq.question_start if method.uses_question_split() and seq.question_start else n
         phases = [(0, split, True)] + ([(split, n, False)] if split < n else [])
         window = max(method.window_size(), record_window)
-        chunk = self.chunk_of(method, limit)
+        # chunks that a step may cut to its budget are planned at the engine's size: a step with room runs them whole
+        chunk = self.chunk_of(method, None if method.prefill_chunk() is None and not method.prefill_by_layer()
+                              else limit)
         start = seq.num_computed
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases if hi > start
                  for a, b in plan_chunks(max(lo, start), hi, chunk, window if evict else 0)]

@@ -3,8 +3,10 @@
 Requests of one method object decode in one batch; the batches of different methods take turns, one decode step each
 per `advance`. With a token budget (`max_num_batched_tokens`, the server) a step is: one decode step of every batch,
 then prompt chunks up to what the budget has left (a chunk cut to it; a method's own chunks stay whole), so a long
-prompt is prefilled over several steps while the running requests keep decoding; without one (`Engine.run`), waiting
-requests are admitted and prefilled whole before the decode steps.
+prompt is prefilled over several steps while the running requests keep decoding; a step in which no request decodes
+prefills up to the engine's own chunk (`Engine.prefill_chunk`) when it is larger than the budget, which bounds the
+time between a running request's tokens, not a prefill's. Without a budget (`Engine.run`), waiting requests are
+admitted and prefilled whole before the decode steps.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
@@ -133,8 +135,9 @@ class Scheduler:
             tokens += len(batch.running)
             for seq in [s for s in batch.running if s.finished]:
                 self._end(seq)
-        if budget is not None:  # what the decode steps left of the budget goes to prompts
-            left = budget - tokens
+        if budget is not None:  # what the decode steps left of the budget goes to prompts; a step in which no
+            # request decodes keeps no one from a token: it prefills up to the engine's own chunk when that is larger
+            left = budget - tokens if tokens else max(budget, self.engine.prefill_chunk)
             for seq in list(self.prefilling):  # prompts being prefilled first, then new ones
                 if left <= 0:
                     break

@@ -86,8 +86,8 @@ def _merge(OA, LA, OB, LB, OUT, LSE, stride_ah, stride_am, stride_bh, stride_bm,
 
 
 def merged(out_a, lse_a, out_b, lse_b, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_merge` of [1, heads, C', D] outputs and [1, heads, C'] lses, cut to the first `chunk` queries:
-    out [C, heads, D], lse [C, heads] float32."""
+    """`_merge` of [1, heads, C', D] outputs and [1, heads, C'] lses (views of any strides but the last), cut to the
+    first `chunk` queries: out [C, heads, D], lse [C, heads] float32."""
     _, heads, _, dim = out_a.shape
     out = torch.empty(chunk, heads, dim, dtype=out_a.dtype, device=out_a.device)
     lse = torch.empty(chunk, heads, dtype=torch.float32, device=out_a.device)
@@ -102,24 +102,32 @@ def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
     """`reference.prefill_attention` with context None: q [C, heads, D] of slots [start, start + C) over every slot
     below start + C. Returns out [C, heads, D] (and the natural-log lse [C, heads] float32 with lse=True).
 
-    cuDNN builds an execution plan for each new shape (about 50 ms on an H100), so the chunk is padded with zero
-    queries and keys to a multiple of `PAD` (the causal mask keeps the real queries off the padded keys): a chunk of
-    any length then reuses one of a few plans per context length (`warm_up` builds the full chunks' ones)."""
+    cuDNN builds an execution plan for each new shape (about 50 ms on an H100), so every call's lengths are multiples
+    of `PAD`: the context call reads slots [0, base), base = start rounded down to a multiple of PAD; the causal call
+    reads [base, start + C) with zero queries before the chunk's (`lead` = start - base of them) and after it (to a
+    multiple of PAD; the causal mask keeps the real queries off the padded keys), and only the chunk's rows are kept.
+    A chunk of any length at any start, as a server's step budget cuts them, then reuses one of a few plans per
+    context length (`warm_up` builds the full chunks' ones)."""
     chunk, heads, dim = q.shape
     n = start + chunk
     _, page, kv_heads, _ = k_pool.shape
-    pad = -chunk % PAD
+    base = start - start % PAD
+    lead = start - base
+    pad = -(lead + chunk) % PAD
     pages = table[: -(-n // page)]
     k, v = (x[pages].view(-1, kv_heads, dim)[:n].transpose(0, 1)[None] for x in (k_pool, v_pool))  # [1, KH, n, D]
-    qt, own_k, own_v = q.transpose(0, 1)[None], k[:, :, start:], v[:, :, start:]  # [1, heads or KH, C, D] views
-    if pad:
-        qt, own_k, own_v = (F.pad(x, (0, 0, 0, pad)) for x in (qt, own_k, own_v))  # [.., C + pad, D]
-    out, total = _attend(qt, own_k, own_v, True, scale, lse=lse or start > 0)
-    if start:
-        out, total = merged(*_attend(qt, k[:, :, :start], v[:, :, :start], False, scale), out, total, chunk)
-    else:  # the chunk is the whole context: one call, no merge
-        out = out[0, :, :chunk].transpose(0, 1)
-        total = None if total is None else total[0, :, :chunk].transpose(0, 1)
+    qt, own_k, own_v = q.transpose(0, 1)[None], k[:, :, base:], v[:, :, base:]  # [1, heads or KH, lead + C, D]
+    if lead or pad:
+        qt = F.pad(qt, (0, 0, lead, pad))  # [1, heads, lead + C + pad, D]
+        own_k, own_v = (F.pad(x, (0, 0, 0, pad)) for x in (own_k, own_v))
+    out, total = _attend(qt, own_k, own_v, True, scale, lse=lse or base > 0)
+    if base:
+        context, context_lse = _attend(qt, k[:, :, :base], v[:, :, :base], False, scale)
+        out, total = merged(context[:, :, lead:], context_lse[:, :, lead:], out[:, :, lead:], total[:, :, lead:],
+                            chunk)
+    else:  # the chunk's keys begin at slot 0: one call, no merge
+        out = out[0, :, lead:lead + chunk].transpose(0, 1)
+        total = None if total is None else total[0, :, lead:lead + chunk].transpose(0, 1)
     return (out, total) if lse else out
 
 

@@ -32,7 +32,7 @@ from semkv.serve.client import EngineClient, EngineDead, Pending, RequestOutput
 from semkv.serve.messages import Ended, MethodChoice
 from semkv.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
 from semkv.serve.render import FINISH, Chat, Completion, Render, sse, usage
-from semkv.text import GenerationOutput, TextModel, cut_at_stop
+from semkv.text import Detokenizer, GenerationOutput, TextModel, cut_at_stop
 
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format and its --log-level
@@ -242,6 +242,7 @@ def create_app(text: TextModel, client: EngineClient, config: ServerConfig) -> F
     async def stream(pending: Pending, render: Render, include_usage: bool) -> AsyncIterator[str]:
         ended = False
         answer = Answer(pending)
+        detokenizer = Detokenizer(text.tokenizer)
         sent = 0  # characters of the text sent
         stops = pending.params.stop
         holdback = max((len(s) for s in stops), default=1) - 1  # a stop string may be forming
@@ -262,10 +263,8 @@ def create_app(text: TextModel, client: EngineClient, config: ServerConfig) -> F
                     yield "data: [DONE]\n\n"
                     return
                 if not done:
-                    decoded = cut_at_stop(text.tokenizer.decode(answer.ids, skip_special_tokens=True), stops)
+                    decoded = cut_at_stop(detokenizer.text_of(answer.ids), stops)
                     safe = len(decoded) - holdback
-                    while safe > sent and decoded[safe - 1] == "\ufffd":  # a character still split across tokens
-                        safe -= 1
                     if safe > sent:
                         yield sse(render.chunk(decoded[sent:safe], None, None))
                         sent = safe

@@ -125,7 +125,9 @@ class EngineCore:
                     ended.append(Ended(request_id, seq.finish_reason, seq.stats))
         now = time.monotonic()
         memory = None
-        if changed or now - self.measured >= MEASURE_EVERY_S:
+        # under load at most every MEASURE_EVERY_S (a method with many small tensors takes milliseconds); at once
+        # when requests came or went and the engine is idle, so that what it holds afterwards is known
+        if now - self.measured >= MEASURE_EVERY_S or changed and not self.scheduler.busy:
             memory, self.measured = self.llm.engine.memory(), now
         if ids or ended or batch_sizes or memory is not None:
             message = Outputs(ids, tokens, logprobs, ended, self.scheduler.counters, len(self.scheduler.running),

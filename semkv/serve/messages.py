@@ -108,7 +108,7 @@ class Outputs:
     running: int
     waiting: int
     batch_sizes: list[int]  # requests in each method's batch at this iteration's step (empty: no step ran)
-    memory: MemoryUsage | None  # measured when requests came or went, and at most every MEASURE_EVERY_S otherwise
+    memory: MemoryUsage | None  # measured at most every MEASURE_EVERY_S, and when the engine goes idle
     sent: float  # time.monotonic() when sent (one clock for every process of the host): the receiver's lag
 
 
