@@ -61,6 +61,38 @@ def test_an_offloading_method_reaches_a_larger_batch_and_reports_its_traffic(tin
     assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
+def test_a_row_growth_that_runs_out_of_memory_empties_the_cache_and_tries_once_more(tiny_llm, monkeypatch):
+    """Admission counts torch's cached, unused blocks as room, which may be too fragmented for a large growth of an
+    offloading method's rows (SentenceKV at 32k on an H200): the growth gives them back (`torch.cuda.empty_cache`)
+    and tries once more, so a run whose first try fails gives the tokens of one that did not; a second failure is
+    the caller's error and nothing stays held."""
+    from semkv.methods.state import rows
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 30
+    params = dict(n_sink=4, n_recent=4, offload=True)
+    want = tiny_llm.generate(prompt, method=get_method("sentencekv", 32, **params), max_new_tokens=6, chat=False)
+    made, emptied = rows.regrown, []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+
+    def failing(times):
+        calls = []
+
+        def regrown(old, shape):
+            calls.append(1)
+            if len(calls) <= times:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+            return made(old, shape)
+        return regrown
+
+    monkeypatch.setattr(rows, "regrown", failing(1))
+    got = tiny_llm.generate(prompt, method=get_method("sentencekv", 32, **params), max_new_tokens=6, chat=False)
+    assert got[0].token_ids == want[0].token_ids and emptied == [1]
+    monkeypatch.setattr(rows, "regrown", failing(2))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tiny_llm.generate(prompt, method=get_method("sentencekv", 32, **params), max_new_tokens=6, chat=False)
+    assert emptied == [1, 1] and tiny_llm.engine.memory().held == (0, 0, 0, 0)
+
+
 @pytest.mark.parametrize("name, params", [("sentencekv", dict(n_sink=4, n_recent=4, offload=True)),
                                           ("dynsplit", dict(offload=True))])
 def test_a_batch_counts_each_row_growth_beside_the_old_rows(tiny_llm, monkeypatch, name, params):

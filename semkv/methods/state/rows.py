@@ -59,14 +59,24 @@ class DeviceRows:
         size = grown_sizes(needs, self.sizes(), self.slack)
         if size is None:
             return False
-        grown = {name: [regrown(t, shape[1:]) for t in getattr(self, name)] if name in self.layered
-                 else regrown(getattr(self, name), shape) for name, shape in self.shapes(*size).items()}
+        try:
+            grown = self._grown(size)
+        except torch.cuda.OutOfMemoryError:
+            # the room admission counted includes torch's cached, unused blocks (`Engine.state_room`), which may be
+            # too fragmented for tensors this large: give them back to the driver and try once more
+            torch.cuda.empty_cache()
+            grown = self._grown(size)
         for name, value in grown.items():
             if name in self.layered:
                 getattr(self, name)[:] = value
             else:
                 setattr(self, name, value)
         return True
+
+    def _grown(self, size: list[int]) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """The tensors of `size`, each holding its old one in its leading corner."""
+        return {name: [regrown(t, shape[1:]) for t in getattr(self, name)] if name in self.layered
+                else regrown(getattr(self, name), shape) for name, shape in self.shapes(*size).items()}
 
     def ensure(self, needs: tuple[int, ...], pool: KVPool) -> bool:
         """Room for `needs` (and for whatever else follows the pool's size); True when a tensor moved."""
