@@ -5,8 +5,8 @@
 # bench (`semkv bench --batches max` at 32k for every method), offload (the same for SentenceKV and DynSplit-KV with
 # offload=True); PART:SHAPE runs it on a random-weight shape of semkv bench (qwen2.5-0.5b, llama3-8b...) with the
 # carried tokenizer, PART alone on MODEL (a local model folder, default $QWEN from vllm_setup.sh). DATA: the carried
-# data (.carry/data). Results and logs in $W/reliability (W: VLLM_WORK, default /tmp/w; a part done is not run
-# again while the machine is warm), archived into $OUT/reliability.tgz; a bench row skipped for memory names where.
+# data (.carry/data). METHODS: the bench part's methods (default every method). Results and logs in $W/reliability
+# (W: VLLM_WORK, default /tmp/w; a part done is not run again while the machine is warm), archived into $OUT/reliability.tgz; a bench row skipped for memory names where.
 set -uo pipefail
 case ${1:-} in -h|--help|"") sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=$1; shift
@@ -15,7 +15,7 @@ W=${VLLM_WORK:-/tmp/w} out=${OUT:-/tmp/out} DATA=${DATA:-$PWD/.carry/data} MODEL
 R=$W/reliability; mkdir -p $R $out; end=$(( $(date +%s) + seconds - 20 ))
 [ -f $R/essays.txt ] || python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
   $DATA/paul_graham/ruler_PaulGrahamEssays.json > $R/essays.txt
-ALL=$(python3 -c "from semkv.methods.specs import SPECS; print(','.join(SPECS))")
+ALL=${METHODS:-$(python3 -c "from semkv.methods.specs import SPECS; print(','.join(SPECS))")}
 B="python3 -m semkv.cli.main bench --batches max --contexts 32000 --budget 0.1 --steps 8 --methods $ALL"
 OFF="--methods sentencekv,dynsplit --param sentencekv.offload=True --param dynsplit.offload=True"
 left() { echo $(( end - $(date +%s) )); }

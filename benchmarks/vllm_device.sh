@@ -7,13 +7,15 @@
 # (issue 52: memory_soak.py's 5 generates of 32k a method and compare of every method over 3 prompts, then
 # `semkv bench --batches max` at 32k for every method and both offloading modes, on the model and the 8B shape;
 # ARGS: reliability_device.sh's parts, default all), profile (session_prefill.py on the model: the engine's rate
-# against the server's scheduler without the web process, with cProfile and torch.profiler). SECONDS (default
+# against the server's scheduler without the web process, with cProfile and torch.profiler), modes (issue 55:
+# profile_step.py on the model for Full KV and every retrieving mode at 10%, 16 x 31,744 with real prefills: where a
+# decode step's device and host time go). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -47,6 +49,24 @@ profile)  # where the server's time goes, without the web process
     $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
   timeout $seconds python3 benchmarks/session_prefill.py --model $QWEN --text-file $W/essays.txt --out $W/profile "$@"
   tar czf $out/profile.tgz -C $W profile device.txt ;;
+modes)  # issue 55's modes, one profile each (a mode profiled before while the machine is warm is not run again)
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
+    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+  end=$(( $(date +%s) + seconds - 20 ))
+  for mode in "full" "chess --param chess.anchor=queries" "chunkkv --param chunkkv.neighbours=3" \
+      "sentencekv --param sentencekv.retain=sentences --param sentencekv.score=tokens \
+       --param sentencekv.query=current --param sentencekv.keep_factor=1" \
+      "dynsplit --param dynsplit.score=tokens" "tokenselect --param tokenselect.prefill=full"; do
+    read -ra words <<< "$mode"
+    [ -f $W/modes/${words[0]}/${words[0]}_profile.md ] && continue
+    (( $(date +%s) + 60 > end )) && { echo "modes: ${words[0]} not started: too little time left"; continue; }
+    timeout $(( end - $(date +%s) )) python3 benchmarks/profile_step.py --model $QWEN --text-file $W/essays.txt \
+      --budget 0.1 --batch 16 --context 31744 --steps 24 --method "${words[@]}" --out $W/modes/${words[0]} \
+      > $W/modes_${words[0]}.log 2>&1
+    mkdir -p $W/modes && mv $W/modes_${words[0]}.log $W/modes/${words[0]}.log
+    grep '^{' $W/modes/${words[0]}.log | tail -1
+  done
+  tar czf $out/modes.tgz -C $W --exclude='*_trace.json' modes device.txt ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \

@@ -27,8 +27,9 @@ def serve_rows(folder: Path) -> list[dict]:
         info = read_json(server / "server.json")
         for client_file in sorted([*server.glob("*.client.json"), *server.glob("*.client.json.gz")]):
             phase = client_file.name.removesuffix(".gz").removesuffix(".client.json")  # gzipped on results pages
-            metrics_file = server / f"{phase}.metrics.json"
-            if phase == "warmup" or not metrics_file.is_file():
+            metrics_file = next((f for f in (server / f"{phase}.metrics.json", server / f"{phase}.metrics.json.gz")
+                                 if f.is_file()), None)
+            if phase == "warmup" or metrics_file is None:
                 continue
             c, m = read_json(client_file), read_json(metrics_file)
             after, before = m["after"], m["before"]

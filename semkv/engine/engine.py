@@ -658,15 +658,21 @@ class Engine:
 
     def state_room(self, method: KVMethod | None = None) -> float:
         """Device bytes methods may still allocate beside the KV pool: `state_memory` less what the live methods
-        hold (or `method`, when given), else on CUDA the free memory less the activation reserve, else unbounded."""
+        hold (or `method`, when given), else on CUDA the free memory less the activation reserve, else unbounded.
+        The free memory is the driver's and torch's cached blocks that could go back to it (whole free segments),
+        not the free pieces of segments still in use: a state tensor of GiBs cannot use those fragments (on an H200
+        at 32k, 4-11 GiB of them were counted, and SentenceKV's and DynSplit-KV's offloading rows ran out of memory
+        growing)."""
         if self.state_memory is not None:
             methods = [method] if method is not None else list({id(m): m for m in self._live.values()}.values())
             return self.state_memory - sum(self._held(m)[0] for m in methods)
         if self.device.type != "cuda":
             return math.inf
         free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached - ACTIVATION_RESERVE
+        stats = torch.cuda.memory_stats(self.device)
+        cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+        releasable = cached - stats.get("inactive_split_bytes.all.current", 0)
+        return free + max(releasable, 0) - ACTIVATION_RESERVE
 
     def graph_runner(self, method: KVMethod, seqs: list[Sequence], max_pages: int | None = None) -> GraphRunner | None:
         """CUDA graphs for these requests, when the device, the method and the RoPE variant allow them; their page

@@ -62,8 +62,8 @@ class DeviceRows:
         try:
             grown = self._grown(size)
         except torch.cuda.OutOfMemoryError:
-            # the room admission counted includes torch's cached, unused blocks (`Engine.state_room`), which may be
-            # too fragmented for tensors this large: give them back to the driver and try once more
+            # torch's cached, unused blocks (`Engine.state_room` counts those of whole free segments) may be split
+            # into pieces smaller than these tensors: give them back to the driver and try once more
             torch.cuda.empty_cache()
             grown = self._grown(size)
         for name, value in grown.items():
