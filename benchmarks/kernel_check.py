@@ -24,7 +24,7 @@ from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chun
                                     triton_chunk_slots, triton_slot_stamps)
 from semkv.methods.h2o import reference as h2o_reference, triton_attention_scores
 from semkv.methods.infllm import reference as infllm_reference, triton_block_slots
-from semkv.methods.sentencekv import reference as sentencekv_reference, triton_sentence_slots
+from semkv.methods.sentencekv import reference as sentencekv_reference, triton_bucket_best, triton_sentence_slots
 from semkv.methods.tokenselect import reference as tokenselect_reference, triton_token_select
 
 H, HK, D, PAGE = 32, 8, 128, 16
@@ -312,6 +312,47 @@ def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int 
                  reference_ms=do_bench(lambda: sentencekv_reference.sentence_slots(*args)))]
 
 
+def check_bucket_best(gen, bandwidth: float, batch: int = 16, context: int = 32768, tokens: int = 3328,
+                      buckets: int = 1400) -> list[dict]:
+    """SentenceKV's score="tokens" for one layer at 10% of 32k: each bucket's best query . key over 3,328 retained
+    tokens a row and KV head (slots 32.., a map per KV head, 1,400 buckets), keys read through the page tables. Float
+    sums in another order: relative error. Floor: the retained keys' bytes."""
+    from triton.testing import do_bench
+
+    k_pool, _, tables = pool(context, batch, gen)
+    query = torch.randn(batch, HK, D, device="cuda", generator=gen)
+    rows = torch.randperm(batch + 3, device="cuda", generator=gen)[:batch]
+    bucket = torch.sort(torch.randint(0, buckets, (batch + 3, HK, tokens), device="cuda", generator=gen),
+                        dim=-1).values.int()
+    full = torch.full((batch,), tokens, device="cuda")
+    args = (query, k_pool, tables, bucket, rows, torch.full_like(full, 32), full, buckets)
+    want, got = sentencekv_reference.bucket_best(*args), triton_bucket_best.bucket_best(*args)
+    finite = want.isfinite()
+    err = rel_err(got[finite], want[finite]) if torch.equal(finite, got.isfinite()) else float("inf")
+    return [dict(kernel="bucket_best", batch=batch, tokens=tokens, buckets=buckets, err=err,
+                 triton_ms=do_bench(lambda: triton_bucket_best.bucket_best(*args)),
+                 reference_ms=do_bench(lambda: sentencekv_reference.bucket_best(*args)),
+                 floor_ms=1e3 * batch * tokens * HK * D * 2 / bandwidth)]
+
+
+def check_bucket_take(gen, batch: int = 16, buckets: int = 1400) -> list[dict]:
+    """What a budget of 1,984 tokens takes of 1,400 ranked buckets of 0-6 tokens a row and KV head (SentenceKV's
+    sentences at 32k; DynSplit-KV's chunks alike), against the reference's sort. Integers: they must agree
+    exactly."""
+    from triton.testing import do_bench
+
+    from semkv.kernels import triton_bucket_take
+
+    scores = torch.randn(batch, HK, buckets, device="cuda", generator=gen)
+    count = torch.randint(0, 7, (batch, HK, buckets), device="cuda", generator=gen, dtype=torch.int32)
+    args = (scores, count, torch.full((batch,), 1984, device="cuda"))
+    want, got = reference.bucket_take(*args), triton_bucket_take.bucket_take(*args)
+    exact = all(torch.equal(a, b) for a, b in zip(want, got))
+    return [dict(kernel="bucket_take", batch=batch, buckets=buckets, err=0.0 if exact else float("inf"),
+                 triton_ms=do_bench(lambda: triton_bucket_take.bucket_take(*args)),
+                 reference_ms=do_bench(lambda: reference.bucket_take(*args)))]
+
+
 def check_working_set(gen, batch: int = 16, cache: int = 3200, offloaded: int = 6554) -> list[dict]:
     """The offloaded working set for one layer (SentenceKV / DynSplit-KV with offload): each row's selection of 3200
     of its 6554 offloaded tokens per KV head (32k at budget 0.1, keep factor 2), read from pinned host memory.
@@ -558,7 +599,9 @@ def main() -> int:
     bandwidth = measured_bandwidth(torch.device("cuda"))
     rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
-            + check_sentence_slots(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
+            + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
+            + check_chunk_slots(gen)
+            + check_chunk_refresh(gen) + check_slot_stamps(gen)
             + check_chunk_best(gen, bandwidth)
             + check_plan_slots(gen) + check_working_set(gen)
             + check_token_select(gen, bandwidth) + check_soft_vote(gen) + check_prefill_context(gen))

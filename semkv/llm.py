@@ -405,6 +405,8 @@ class Session:
                                    max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching)
         self.requests: dict[int, tuple[Sequence, str]] = {}  # live requests by id, with their method keys
         self.bound: dict[str, KVMethod] = {}  # method key -> the bound copy its live requests share
+        if max_num_batched_tokens is not None:  # its cuts' prefill plans now, not while requests wait (on CUDA)
+            llm.engine.warm_up_cuts(max_num_batched_tokens)
 
     def _everywhere(self, name: str, *args) -> None:
         if self.llm.ranks is not None:

@@ -315,8 +315,11 @@ def test_offload_needs_minmax_pooling():
 def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):
     """The batched path's rows (chunk summaries, starts, reuse counters) and the stamps beside the pool are allocated when
     the request is admitted, by exactly the bytes `admission_bytes` announced (the engine admits on that number);
-    a second request of the same length then fits in the slack."""
-    method = DynSplitKV(budget=40)
+    a second request of the same length then fits in the slack. Without `count_reuse` there are no stamps."""
+    plain = DynSplitKV(budget=40)
+    plain.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    assert plain.page_state_bytes(llm.engine.pool) == 0
+    method = DynSplitKV(budget=40, count_reuse=True)
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     ids = llm.encode(TEXT, chat=False)[0]
     seqs = [Sequence(i, ids, SamplingParams(max_new_tokens=10), SeqKV(llm.engine.pool)) for i in range(2)]

@@ -595,6 +595,75 @@ def test_chunk_best_kernel_matches_reference(group_reduce):
                 assert torch.allclose(want[b, h, c], best, atol=1e-5)
 
 
+@pytest.mark.parametrize("map_heads", [2, 1])
+def test_bucket_best_kernel_matches_reference(map_heads):
+    """SentenceKV's score="tokens": each bucket's best query . key over a row's retained tokens (slot n_sink + t,
+    t < retained), keys read through the page tables; state rows taken out of order, rows with different sinks and
+    retained counts, a bucket map per KV head or shared, buckets with no retained token (-inf). Checked against a
+    per-bucket loop too."""
+    from semkv.methods.sentencekv.triton_bucket_best import bucket_best
+
+    gen = torch.Generator().manual_seed(6)
+    pages, page_size, kv_heads, dim, tokens, buckets = 40, 4, 2, 16, 30, 14
+    k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
+    tables = torch.stack([torch.randperm(pages, generator=gen)[:10] for _ in range(3)])
+    query = torch.randn(3, kv_heads, dim, generator=gen)
+    lengths = torch.randint(1, 5, (4, map_heads, tokens), generator=gen)  # bucket lengths of 4 state rows
+    starts = lengths.cumsum(-1) - lengths
+    bucket = torch.stack([torch.stack([torch.searchsorted(r, torch.arange(tokens), right=True) - 1 for r in row])
+                          for row in starts]).clamp(max=buckets - 1).int()  # [rows, map_heads, T] ascending
+    rows, n_sink = torch.tensor([3, 1, 2]), torch.tensor([4, 0, 2])
+    retained = torch.tensor([26, 30, 7])
+    args = (query, k_pool, tables, bucket, rows, n_sink, retained, buckets)
+    want = sentencekv_reference.bucket_best(*args)
+    got = bucket_best(*args)
+    assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), want.isinf())
+    assert want.isinf().any() and want.isfinite().any()
+    keys = k_pool.view(-1, kv_heads, dim)
+    for b in range(3):
+        for h in range(kv_heads):
+            for k in range(buckets):
+                ts = [t for t in range(int(retained[b])) if bucket[rows[b], h % map_heads, t] == k]
+                if not ts:
+                    assert want[b, h, k] == float("-inf")
+                    continue
+                slots = n_sink[b] + torch.tensor(ts)
+                at = tables[b, slots // page_size] * page_size + slots % page_size
+                assert torch.allclose(want[b, h, k], (keys[at, h] @ query[b, h]).max(), atol=1e-5)
+
+
+def test_bucket_take_decides_as_the_full_ranking_and_the_kernel_matches():
+    """`bucket_take` (what a capacity takes of ranked buckets, without ranking them all) takes exactly the tokens the
+    exact rank prefix (`ranked_before`) takes, for every bucket and offset: scores with ties (ties go to the lower
+    bucket id), -inf and -0.0 scores, empty buckets, capacities of 0, inside a bucket, on a bucket's edge and past
+    every token; the count shared over the KV heads (an expanded tensor, as DynSplit-KV passes it) or per head. The
+    Triton kernel gives the same integers."""
+    from semkv.kernels.triton_bucket_take import bucket_take
+
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, n = 6, 2, 37
+    scores = torch.randint(-3, 4, (batch, heads, n), generator=gen).float()  # many ties
+    scores[0, 0, :5] = float("-inf")
+    scores[1, 1, 3] = -0.0
+    count = torch.randint(0, 6, (batch, heads, n), generator=gen).int()
+    count[:, :, 10] = 0
+    total = count.sum(-1)[:, 0]
+    edge = int(count[3, 0][scores[3, 0] > 0].sum())  # the capacity ends exactly after the positive buckets
+    capacity = torch.tensor([0, 17, int(total[2]) + 5, edge, int(total[4]), 1])
+    for shared in (False, True):
+        counts = count[:, :1].expand(-1, heads, -1) if shared else count
+        before, first = reference.bucket_take(scores, counts, capacity)
+        exact = reference.ranked_before(scores, counts)
+        assert torch.equal(first, counts.cumsum(-1, dtype=torch.int32) - counts)
+        offsets = torch.arange(8)
+        inside = offsets < counts[..., None]
+        cap = capacity[:, None, None, None]
+        taken = lambda before: ((before[..., None] + offsets) < cap) & inside  # noqa: E731  [B, S, n, 8]
+        assert torch.equal(taken(before), taken(exact))
+        got = bucket_take(scores, counts, capacity)
+        assert torch.equal(got[0], before) and torch.equal(got[1], first)
+
+
 def test_slot_stamps_kernel_matches_reference():
     """DynSplit-KV's reuse counting: slots attended at the previous step count as reused, the new token is not
     counted, a row at its first step reuses nothing, a padding row (counter row 0) writes only the scratch page; then
@@ -723,3 +792,40 @@ def test_cudnn_prefill_calls_have_padded_lengths_and_equal_the_reference(monkeyp
     got, got_lse = cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, 0.25, lse=True)
     assert (got - want).abs().max() < 1e-4 and (got_lse - want_lse).abs().max() < 1e-4
     assert shapes and all(m % cudnn_prefill.PAD == 0 and n % cudnn_prefill.PAD == 0 for m, n in shapes)
+
+
+def test_a_servers_warm_up_builds_every_plan_its_cuts_use(monkeypatch):
+    """torch keys a cuDNN plan by the call's shapes, strides, mask and lse flag. `warm_up_cuts` for a step budget
+    makes, on zeros, every key that `prefill_attention` makes for chunks cut by that budget at any start (a prefix-
+    cache hit starts a prompt mid-page; a step where nothing decodes takes the engine's whole chunk): so a server
+    builds no plan while requests wait. The fused call is stood in for by a recorder; a chunk longer than the budget
+    past the first context block would be a new key, and is checked to be one."""
+    from semkv.kernels import cudnn_prefill
+
+    pad = cudnn_prefill.PAD
+    keys = []
+
+    def attend(q, k, v, causal, scale, lse=True):  # q [1, H, M, D], k/v [1, KH, N, D]
+        keys.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), causal, lse))
+        return torch.zeros_like(q), torch.zeros(q.shape[:3]) if lse else None
+
+    monkeypatch.setattr(cudnn_prefill, "_attend", attend)
+    monkeypatch.setattr(cudnn_prefill, "usable", lambda q, context: True)
+    monkeypatch.setattr(cudnn_prefill, "merged", lambda a, la, b, lb, chunk: (a[0, :, :chunk].transpose(0, 1),
+                                                                             la[0, :, :chunk].T))
+    page, kv_heads, heads, dim, step, chunk, max_len = 16, 2, 4, 8, 1500, 3000, 5 * pad
+    k_pool = v_pool = torch.zeros(max_len // page + 2, page, kv_heads, dim, dtype=torch.bfloat16)
+    table = torch.arange(1, max_len // page + 2)
+    cudnn_prefill.warm_up_cuts(k_pool, v_pool, heads, 0.25, step, chunk, max_len)
+    built, keys[:] = set(keys), []
+    assert built
+    cuts = [(0, 1024), (0, step), (16, step), (1000, 1024), (1024, 1024), (1500, 1200), (2100, step), (16, chunk),
+            (0, chunk), (max_len - 1024, 1024), (700, 1300)]
+    for start, length in cuts:
+        q = torch.zeros(length, heads, dim, dtype=torch.bfloat16)
+        cudnn_prefill.prefill_attention(q, k_pool, v_pool, table, start, 0.25, lse=start % 3 == 0)
+    assert set(keys) <= built, set(keys) - built
+    keys[:] = []
+    cudnn_prefill.prefill_attention(torch.zeros(chunk + 100, heads, dim, dtype=torch.bfloat16), k_pool, v_pool,
+                                    table, 1024, 0.25)  # past the budget after a context block: not a server's cut
+    assert not set(keys) <= built

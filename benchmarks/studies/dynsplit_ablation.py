@@ -10,6 +10,8 @@ passkey's tokens among the tokens each KV head of each layer attends to, average
 """
 from __future__ import annotations
 
+from functools import partial
+
 import argparse
 import json
 import os
@@ -87,6 +89,7 @@ def build_prompt(llm, length: int, depth: float, passkey: str) -> tuple[str, tor
 
 def variants(budget: float, chunk_sizes: list[int], chunk_size: int) -> dict[str, object]:
     dyn, quest = recording(DynSplitKV), recording(Quest)
+    dyn = partial(dyn, count_reuse=True)  # the reuse rate column
     out = {"full": FullKV(), "quest": quest(budget=budget)}
     for c in chunk_sizes:
         out[f"dynsplit C={c}"] = dyn(budget=budget, chunk_size=c)

@@ -21,7 +21,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
 from semkv.engine.offload import available_host_bytes
-from semkv.engine.prefix_cache import PrefixCache, block_keys
+from semkv.engine.prefix_cache import block_keys
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -119,10 +119,20 @@ class Engine:
             self.decode_step([seq], method)
         finally:
             self.end([seq], method)
-        capacity = self.pool.max_pages * self.pool.page_size if self.pool.max_pages else WARM_UP_MAX_LEN
-        longest = min(self.config.max_position_embeddings, capacity, WARM_UP_MAX_LEN)
         kernels.warm_up_prefill(self.pool.k, self.pool.v, self.config.num_heads, self.scale, self.prefill_chunk,
-                                longest)
+                                self._longest_warm_up())
+
+    def _longest_warm_up(self) -> int:
+        """The longest context the warm-ups prepare: what the model and the pool take, at most `WARM_UP_MAX_LEN`."""
+        capacity = self.pool.max_pages * self.pool.page_size if self.pool.max_pages else WARM_UP_MAX_LEN
+        return min(self.config.max_position_embeddings, capacity, WARM_UP_MAX_LEN)
+
+    @torch.inference_mode()
+    def warm_up_cuts(self, step_tokens: int) -> None:
+        """A server's warm-up (`Session`, on CUDA): the prefill attention's plans for the chunks a step budget of
+        `step_tokens` cuts at any start (`kernels.warm_up_prefill_cuts`)."""
+        kernels.warm_up_prefill_cuts(self.pool.k, self.pool.v, self.config.num_heads, self.scale, step_tokens,
+                                     self.prefill_chunk, self._longest_warm_up())
 
     def rank_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ranks 0..n-1, for methods whose attention rotates keys by rank (cached)."""

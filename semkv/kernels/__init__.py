@@ -51,6 +51,15 @@ def warm_up_prefill(k_pool, v_pool, heads: int, scale: float, chunk: int, max_le
         cudnn_prefill.warm_up(k_pool, v_pool, heads, scale, chunk, max_len)
 
 
+def warm_up_prefill_cuts(k_pool, v_pool, heads: int, scale: float, step: int, chunk: int, max_len: int) -> None:
+    """Prepare the full-prefill attention of the chunks a server's step budget cuts (`cudnn_prefill.warm_up_cuts`,
+    where that path serves them)."""
+    if use_triton(k_pool.device):
+        from semkv.kernels import cudnn_prefill
+
+        cudnn_prefill.warm_up_cuts(k_pool, v_pool, heads, scale, step, chunk, max_len)
+
+
 def rms_norm(x, weight, eps, residual=None):
     """See `reference.rms_norm`."""
     if use_triton(x.device):
@@ -128,3 +137,12 @@ def put_host(k, v, pos, store_k, store_v, store_pos, first: int, n: int) -> None
 
         return triton_working_set.put_host(k, v, pos, store_k, store_v, store_pos, first, n)
     return reference.put_host(k, v, pos, store_k, store_v, store_pos, first, n)
+
+
+def bucket_take(scores, count, capacity):
+    """See `reference.bucket_take`."""
+    if use_triton(scores.device):
+        from semkv.kernels import triton_bucket_take
+
+        return triton_bucket_take.bucket_take(scores, count, capacity)
+    return reference.bucket_take(scores, count, capacity)

@@ -107,7 +107,9 @@ def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
     reads [base, start + C) with zero queries before the chunk's (`lead` = start - base of them) and after it (to a
     multiple of PAD; the causal mask keeps the real queries off the padded keys), and only the chunk's rows are kept.
     A chunk of any length at any start, as a server's step budget cuts them, then reuses one of a few plans per
-    context length (`warm_up` builds the full chunks' ones)."""
+    context length (`warm_up` builds the full chunks' ones, `warm_up_cuts` a server's). torch keys a plan by the
+    tensors' shapes and strides, so the chunk's queries and keys always go to cuDNN as contiguous copies (one layout,
+    one plan a shape)."""
     chunk, heads, dim = q.shape
     n = start + chunk
     _, page, kv_heads, _ = k_pool.shape
@@ -118,8 +120,10 @@ def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
     k, v = (x[pages].view(-1, kv_heads, dim)[:n].transpose(0, 1)[None] for x in (k_pool, v_pool))  # [1, KH, n, D]
     qt, own_k, own_v = q.transpose(0, 1)[None], k[:, :, base:], v[:, :, base:]  # [1, heads or KH, lead + C, D]
     if lead or pad:
-        qt = F.pad(qt, (0, 0, lead, pad))  # [1, heads, lead + C + pad, D]
+        qt = F.pad(qt, (0, 0, lead, pad))  # [1, heads, lead + C + pad, D] contiguous
         own_k, own_v = (F.pad(x, (0, 0, 0, pad)) for x in (own_k, own_v))
+    else:
+        qt, own_k, own_v = qt.contiguous(), own_k.contiguous(), own_v.contiguous()
     out, total = _attend(qt, own_k, own_v, True, scale, lse=lse or base > 0)
     if base:
         context, context_lse = _attend(qt, k[:, :, :base], v[:, :, :base], False, scale)
@@ -143,3 +147,31 @@ def warm_up(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) 
         for lse in (True, False) if start == 0 else (True,):  # a first chunk asked for no lse runs its own plan
             if attend(q, k_pool, v_pool, table, start, scale, lse=lse) is None:
                 return
+
+
+def warm_up_cuts(k_pool, v_pool, heads: int, scale: float, step: int, chunk: int, max_len: int) -> None:
+    """Build the plans of every call a server's cuts make (steps of at most `step` prompt tokens, or of the engine's
+    `chunk` when nothing decodes, at any start below max_len): the causal call at every padded length up to the
+    longer of the two (with and without the lse), and the context call at every padded chunk length up to `step`'s
+    against every context length that is a multiple of PAD. A server otherwise builds them (about 50 ms each) while
+    requests wait: on an H200 its first 64 prompts of 32k were prefilled at half the engine's rate. The calls read
+    zeros, shaped and strided as `prefill_attention`'s."""
+    dtype, device, dim = k_pool.dtype, k_pool.device, k_pool.shape[-1]
+    kv_heads = k_pool.shape[2]
+    if not usable(torch.zeros(MIN_CHUNK, heads, dim, dtype=dtype, device=device), None):
+        return
+    padded = lambda tokens: -(-(tokens + PAD - 1) // PAD) * PAD  # noqa: E731  the longest padded call of a cut
+    context = torch.zeros(max_len, kv_heads, dim, dtype=dtype, device=device).transpose(0, 1)[None]  # [1, KH, n, D]
+    try:
+        for length in range(PAD, min(padded(max(step, chunk)), padded(max_len)) + 1, PAD):
+            q = torch.zeros(1, heads, length, dim, dtype=dtype, device=device)
+            own = torch.zeros(1, kv_heads, length, dim, dtype=dtype, device=device)
+            for lse in (True, False):
+                _attend(q, own, own, True, scale, lse=lse)
+            if length <= padded(step):
+                for base in range(PAD, max_len - MIN_CHUNK + 1, PAD):
+                    _attend(q, context[:, :, :base], context[:, :, :base], False, scale)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        turn_off(exc)

@@ -90,21 +90,30 @@ def page_slots(top: torch.Tensor, budget: torch.Tensor, num_slots: torch.Tensor,
     return slots, lengths[:, None].expand(-1, top.shape[1]).contiguous()
 
 
-def bucket_ranks(scores: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_before(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Buckets (SentenceKV's sentences, DynSplit-KV's chunks) ranked by descending score, ties by bucket id (the order
     of a stable sort): scores / count [B, S, buckets] (float, tokens) -> for every bucket the tokens of the buckets
-    ranked before it and the index of its first token (buckets are contiguous token ranges in id order), int32
-    [B, S, buckets] each. What SentenceKV's `sentence_tokens` and `sentence_slots` take."""
-    count = count.int()
-    return ranked_before(scores, count), count.cumsum(-1, dtype=torch.int32) - count
-
-
-def ranked_before(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """The first result of `bucket_ranks` alone (DynSplit-KV's chunk ranges come from its plan)."""
+    ranked before it, int32 [B, S, buckets]."""
     count = count.int()
     order = torch.sort(scores.masked_fill(count == 0, float("-inf")), dim=-1, descending=True, stable=True).indices
     ranked = count.gather(-1, order)
     return torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
+
+
+def bucket_take(scores: torch.Tensor, count: torch.Tensor,
+                capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a capacity takes of buckets ranked as `ranked_before` ranks them: scores / count [B, S, buckets] (float,
+    tokens), capacity [B] (tokens a row takes) -> `before` and `first`, int32 [B, S, buckets] each. Token o of a
+    bucket (o < its count) is taken when before + o < capacity, as with the exact rank prefix (`ranked_before`):
+    `before` is that prefix for the bucket the capacity ends in, 0 for a bucket taken whole and `capacity` for one
+    taken not at all (an empty bucket too), so a kernel need not rank every bucket, only find where the capacity
+    ends. `first` is the index of each bucket's first token (buckets are contiguous token ranges in id order). What
+    SentenceKV's `sentence_slots` and DynSplit-KV's `chunk_slots` take."""
+    count = count.int()
+    before = ranked_before(scores, count)
+    cap = capacity[:, None, None].int()
+    mapped = torch.where(before + count <= cap, 0, torch.where(before >= cap, cap, before))
+    return torch.where(count == 0, cap, mapped).int(), count.cumsum(-1, dtype=torch.int32) - count
 
 
 def compact_chosen(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor,

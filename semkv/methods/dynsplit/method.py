@@ -17,8 +17,9 @@ start of a chunk it closed reaches the device in the step plan; each layer refre
 new token touched (`kernels.chunk_refresh`, from the last chunk_size + max_deviation + 1 keys), bounds every chunk
 with `kernels.page_bound` (a chunk read as a page of one slot), ranks the chunks with one sort and writes the slot
 lists with `kernels.chunk_slots` (a walk over chunks, each taking its leading slots): the same selection as V2F's
-token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading tokens). Reuse is
-counted on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
+token sort (whole chunks by score, ties to the earlier chunk, the last one cut to its leading tokens). With
+`count_reuse`, reuse is counted on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a
+per-sequence path.
 With score="tokens" (opt-in) a layer scores each chunk by its best token instead (`kernels.chunk_best`: the query's
 dot products with every key between the sinks and the recent window, read in place, a max per chunk; no summaries
 are kept), then the same sort and walk.
@@ -43,7 +44,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resol
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.kernels import reference, use_triton
+from semkv.kernels import use_triton
 from semkv.methods import calibration
 from semkv.methods.dynsplit import kernels as dynsplit_kernels
 from semkv.methods.dynsplit.rows import DynSplitRows
@@ -125,6 +126,11 @@ class DynSplitKV(RowHolder, KVMethod):
         1.0): a token that leaves the selection stays there until its slot is needed (clock order), so a re-selected
         token is found on the device instead of read from host memory again. More device memory, fewer bytes over
         PCIe; the same tokens.
+    count_reuse: with K/V resident, count each step's selected tokens that were selected at the previous step too
+        (`stats.extra["kv_reused"]` / `["kv_reloaded"]`: the paper's Appendix B.2 reuse rate, what offloading would
+        load again); False (the default) spares the decode step that work (per-slot stamps beside the pool and a
+        kernel a layer: 29 us a layer, 0.7 ms of an 8.4 ms step at 16 x 31k on an H200). With offload the working
+        sets count it anyway.
     """
 
     chunk_size: int = 16
@@ -145,6 +151,7 @@ class DynSplitKV(RowHolder, KVMethod):
     offload: bool = False
     offload_chunk: int = 16
     cache_factor: float = 1.0
+    count_reuse: bool = False
 
     kind = "selection"
     name = "dynsplit"
@@ -167,6 +174,7 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("offload", self.offload, types=bool)
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
         check_range("cache_factor", self.cache_factor, 1.0, 64.0)
+        check_range("count_reuse", self.count_reuse, types=bool)
         for field, allowed in CHOICES.items():
             check_choice(field, getattr(self, field), allowed)
         if self.offload and self.pooling == "mean":
@@ -216,16 +224,21 @@ class DynSplitKV(RowHolder, KVMethod):
             self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         if self.batched and self._rows is None:
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
-                                      stamped=not self.offload, summarised=self.score == "bound")
+                                      stamped=self._stamped, summarised=self.score == "bound")
         state = DynSplitState(pool.num_layers, self.token_weights, pool.device)
         if self.offload:
             state.sinks, state.cache = self._device_layout(len(seq.prompt_ids), seq.params.max_new_tokens,
                                                            pool.page_size)
         return state
 
+    @property
+    def _stamped(self) -> bool:
+        """Whether the batched path counts reuse from per-slot stamps (`count_reuse`, K/V resident)."""
+        return self.batched and self.count_reuse and not self.offload
+
     def page_state_bytes(self, pool: KVPool) -> int:
-        """The attended-step stamps of every slot (`DynSplitRows.stamps`; not with offload)."""
-        return 0 if self.offload or not self.batched else pool.page_size * pool.num_kv_heads * 4
+        """The attended-step stamps of every slot (`DynSplitRows.stamps`; with `count_reuse`, not with offload)."""
+        return pool.page_size * pool.num_kv_heads * 4 if self._stamped else 0
 
     def _device_layout(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
         """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, times
@@ -459,17 +472,19 @@ class DynSplitKV(RowHolder, KVMethod):
                                            span, kmin, kmax)  # in the tail
             scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
                                         self.group_reduce)  # [B, kv_heads, chunks]
-        before = reference.ranked_before(scores, count[:, None].expand_as(scores))
         sinks, recent = plan.n_sink, plan.n_recent
-        slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, plan.k - sinks - recent,
+        capacity = plan.k - sinks - recent
+        before = kernels.bucket_take(scores, count[:, None].expand_as(scores), capacity)[0]
+        slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, capacity,
                                                       torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink,
                                                       width, span)
         if self.offload:  # reuse is the working set's: tokens found on the device
             return self._sets.load(layer, batch, Selection(slots, lengths), plan.row, plan.sinks, plan.offloaded,
                                    plan.cache)
-        dynsplit_kernels.slot_stamps(state.stamps.data.view(-1, pool.num_kv_heads), batch.tables[:, layer],
-                                     pool.page_size, slots, lengths, n - 1, plan.step, plan.first_step, state.reuse,
-                                     plan.row, pool.scratch)  # reuse counts
+        if self.count_reuse:
+            dynsplit_kernels.slot_stamps(state.stamps.data.view(-1, pool.num_kv_heads), batch.tables[:, layer],
+                                         pool.page_size, slots, lengths, n - 1, plan.step, plan.first_step,
+                                         state.reuse, plan.row, pool.scratch)  # reuse counts
         return Selection(slots, lengths)
 
     @staticmethod
@@ -505,6 +520,8 @@ class DynSplitKV(RowHolder, KVMethod):
             return
         rows = [s.method_state.row for s in seqs]
         if not self.offload:
+            if not self.count_reuse:
+                return
             counts = self._rows.reuse[torch.tensor(rows, device=self._rows.device)].tolist()
             for seq, (reused, reloaded) in zip(seqs, counts):
                 seq.stats.extra.update(kv_reused=reused, kv_reloaded=reloaded)
@@ -518,7 +535,10 @@ class DynSplitKV(RowHolder, KVMethod):
                 self._offload(seq, state, extra)
 
     def _count_reuse(self, seqs: list[Sequence], layer: int, mask: torch.Tensor) -> None:
-        """Selected tokens (the current one aside) that were / were not selected at the previous step of this layer."""
+        """Selected tokens (the current one aside) that were / were not selected at the previous step of this layer
+        (with `count_reuse`)."""
+        if not self.count_reuse:
+            return
         for b, seq in enumerate(seqs):
             state = seq.method_state
             n = len(state.ids)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from semkv.engine.offload import HostKVStore
-from semkv.kernels import reference
+from semkv import kernels
 from semkv.methods.sentencekv.sentences import SentenceScan
 from semkv.methods.state.rows import DeviceRows
 
@@ -81,20 +81,21 @@ class SentenceRows(DeviceRows):
         self.q_sum[layer, rows] = total
         return total / (steps + 1)[:, None, None]
 
-    def rank(self, layer: int, rows: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buckets by descending query . sentence vector: query [B, kv_heads, D], rows [B] -> `reference.bucket_ranks`
-        ([B, kv_heads, buckets] int32 each)."""
+    def rank(self, layer: int, rows: torch.Tensor, query: torch.Tensor,
+             capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `capacity` [B] takes of the buckets ranked by descending query . sentence vector: query [B, kv_heads,
+        D], rows [B] -> `kernels.bucket_take` ([B, kv_heads, buckets] int32 each)."""
         every = torch.zeros(self.vectors.shape[1], *query.shape[1:], device=query.device)  # [rows, H, D]
         every[rows] = query.float()  # padding rows all write row 0; what they read is not used
         scores = torch.matmul(self.vectors[layer], every[..., None])[..., 0][rows]  # [B, H, buckets]
-        return reference.bucket_ranks(scores, self.count[layer, rows])
+        return kernels.bucket_take(scores, self.count[layer, rows], capacity)
 
-    def rank_tokens(self, layer: int, rows: torch.Tensor, dots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buckets by descending best token: dots [B, kv_heads, tokens] (query . key of each retained token, -inf
-        past a row's retained ones), rows [B] -> `reference.bucket_ranks`."""
-        best = dots.new_full(self.count[layer, rows].shape, float("-inf"))  # [B, H, buckets]
-        best = best.scatter_reduce(2, self.bucket[layer, rows].long(), dots, "amax")
-        return reference.bucket_ranks(best, self.count[layer, rows])
+    def rank_best(self, layer: int, rows: torch.Tensor, best: torch.Tensor,
+                  capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `capacity` [B] takes of the buckets ranked by descending best token: best [B, kv_heads, buckets]
+        (each bucket's best query . key of its retained tokens, `kernels.bucket_best`), rows [B] ->
+        `kernels.bucket_take`."""
+        return kernels.bucket_take(best, self.count[layer, rows], capacity)
 
     def row_bytes(self) -> int:
         """Device bytes of one row: sentence vectors, counts, token -> bucket map and query sum."""

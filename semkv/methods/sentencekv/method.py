@@ -27,13 +27,14 @@ masks; here retained K/V really live in host memory (pinned on GPU runs) when `o
 
 Decoding is batched (`buckets.SentenceRows`): the sentence vectors, bucket counts, the bucket of every retained
 token and the running query sums of all sequences live in device tensors, one row per sequence; the step plan gives
-each row its state row and budget split, one sort ranks the buckets of every row and KV head, and
-`kernels.sentence_slots` turns the ranks into slot lists (with score="tokens", opt-in, the buckets are ranked by
-their best retained token instead: `kernels.paged_dot` over the retained slots, a max per bucket). With offload on,
-those slot lists name virtual slots (the resident layout) and `WorkingSets.load` makes them device slots, reading the
-chosen tokens the working set does not hold from pinned host memory in the same kernel. Either way a step reads
-nothing back and is captured in a CUDA graph; tokens that leave the recent window join their buckets between steps
-(host-decided, every `offload_chunk` tokens).
+each row its state row and budget split, `kernels.bucket_take` finds what the budget takes of the ranked buckets
+of every row and KV head (without sorting them), and `kernels.sentence_slots` turns that into slot lists (with
+score="tokens", opt-in, the buckets are ranked by their best retained token instead: `kernels.bucket_best`, the
+retained keys read in place, a max per bucket). With
+offload on, those slot lists name virtual slots (the resident layout) and `WorkingSets.load` makes them device
+slots, reading the chosen tokens the working set does not hold from pinned host memory in the same kernel. Either
+way a step reads nothing back and is captured in a CUDA graph; tokens that leave the recent window join their buckets
+between steps (host-decided, every `offload_chunk` tokens).
 
 Parameters
 ----------
@@ -82,7 +83,6 @@ from typing import Any
 
 import torch
 
-from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
@@ -331,7 +331,7 @@ class SentenceKV(RowHolder, KVMethod):
         if self.score == "tokens":
             before, first = self._rank_tokens(layer, batch, query, plan)
         else:
-            before, first = self._rows.rank(layer, rows, query)  # [B, kv_heads, buckets]
+            before, first = self._rows.rank(layer, rows, query, capacity)  # [B, kv_heads, buckets]
         n = batch.num_slots[:, layer] - plan.cache + plan.offloaded  # [B] virtual slots (the resident layout)
         tail = torch.minimum(plan.n_recent, n - n_sink - retained).clamp(min=1)  # [B] attended recent slots
         selection = Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n,
@@ -342,16 +342,13 @@ class SentenceKV(RowHolder, KVMethod):
 
     def _rank_tokens(self, layer: int, batch: DecodeBatch, query: torch.Tensor,
                      plan: SentencePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """score="tokens": buckets by their best retained token, query [B, kv_heads, D] (a group's query) ->
-        `reference.bucket_ranks`. Retained token t of a row is its slot n_sink + t (K/V resident)."""
-        tokens = self._rows.tokens
-        width = min(self.n_sink + tokens, batch.tables.shape[-1] * batch.pool.page_size)
-        dots = kernels.paged_dot(query, batch.pool.k, batch.tables[:, layer],
-                                 torch.arange(width, device=query.device))  # [B, kv_heads, width] float32
-        t = torch.arange(tokens, device=query.device)
-        at = (plan.n_sink[:, None] + t).clamp(max=width - 1)[:, None].expand(-1, dots.shape[1], -1)
-        dots = dots.gather(2, at).masked_fill((t >= plan.retained[:, None])[:, None], float("-inf"))
-        return self._rows.rank_tokens(layer, plan.row, dots)
+        """score="tokens": what the capacity takes of the buckets ranked by their best retained token, query
+        [B, kv_heads, D] (a group's query) -> `kernels.bucket_take`. Retained token t of a row is its slot n_sink + t
+        (K/V resident)."""
+        rows = self._rows
+        best = sentencekv_kernels.bucket_best(query, batch.pool.k, batch.tables[:, layer], rows.bucket[layer],
+                                              plan.row, plan.n_sink, plan.retained, rows.count.shape[-1])
+        return rows.rank_best(layer, plan.row, best, plan.capacity)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the

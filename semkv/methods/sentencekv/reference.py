@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from semkv.kernels.reference import compact_chosen
+from semkv.kernels.reference import compact_chosen, paged_dot
 
 
 def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tensor, first: torch.Tensor,
@@ -11,7 +11,7 @@ def sentence_tokens(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tens
     """The tokens that ranked buckets take up to a capacity: buckets fill it in rank order and the last one keeps its
     leading tokens (token t of bucket k is taken when before[k] + t - first[k] < capacity). bucket [rows, S or 1, T]
     the bucket of every token of each state row (one map per KV head or one shared), rows [B] the batch's state rows,
-    before / first [B, S, buckets] (`bucket_ranks`), retained / capacity [B]. -> bool [B, S, T] (token t:
+    before / first [B, S, buckets] (`kernels.bucket_take`), retained / capacity [B]. -> bool [B, S, T] (token t:
     t < retained)."""
     index = torch.arange(bucket.shape[-1], device=bucket.device)
     bucket = bucket[rows].long().expand(-1, before.shape[1], -1)  # [B, S, T]
@@ -29,3 +29,20 @@ def sentence_slots(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tenso
     [B, S, width], ascending and then 0, and lengths [B, S]."""
     chosen = sentence_tokens(bucket, rows, before, first, retained, capacity)  # [B, S, T]
     return compact_chosen(chosen, n, n_sink, tail, max_sink, width)
+
+
+def bucket_best(query: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, bucket: torch.Tensor,
+                rows: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, buckets: int) -> torch.Tensor:
+    """Each bucket's best retained token for the query (SentenceKV's score="tokens"): query [B, kv_heads, D] (a KV
+    group's query) against the keys of the retained tokens t < retained[b], at slots n_sink[b] + t of k_pool [pages,
+    page_size, kv_heads, D] through tables [B, max_pages] (one layer), maximised over the tokens of each bucket
+    (bucket [rows, kv_heads or 1, T] the bucket of every retained token of each state row, rows [B] the batch's).
+    Returns float32 [B, kv_heads, buckets], -inf for a bucket with no retained token."""
+    tokens = bucket.shape[-1]
+    width = min(int(n_sink.max()) + tokens, tables.shape[-1] * k_pool.shape[1])
+    dots = paged_dot(query, k_pool, tables, torch.arange(width, device=query.device))  # [B, H, width] float32
+    t = torch.arange(tokens, device=query.device)
+    at = (n_sink[:, None] + t).clamp(max=width - 1)[:, None].expand(-1, dots.shape[1], -1)
+    dots = dots.gather(2, at).masked_fill((t >= retained[:, None])[:, None], float("-inf"))  # [B, H, T]
+    best = dots.new_full((*dots.shape[:2], buckets), float("-inf"))
+    return best.scatter_reduce(2, bucket[rows].long().expand_as(dots), dots, "amax")

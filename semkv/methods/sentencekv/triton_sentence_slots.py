@@ -2,8 +2,9 @@
 buckets (each token decided from its bucket's rank, compacted block by block with a running count) and the recent
 window, written straight to their places in the slot list. One program per row and KV head; the bucket map is per
 KV head or shared. Replaces the gathers, scan and scatter of the torch
-reference `reference.sentence_slots`. The ranking itself stays a sort (`reference.bucket_ranks`): a kernel comparing
-every pair of buckets measured 8x slower than the sort at 1400 buckets (a 32k prompt)."""
+reference `reference.sentence_slots`. What the budget takes of the ranked buckets comes from `kernels.bucket_take`
+(a kernel comparing every pair of buckets measured 8x slower than a sort at 1400 buckets, a 32k prompt; that one
+finds where the budget ends instead)."""
 from __future__ import annotations
 
 import torch
