@@ -9,13 +9,15 @@
 # ARGS: reliability_device.sh's parts, default all), profile (session_prefill.py on the model: the engine's rate
 # against the server's scheduler without the web process, with cProfile and torch.profiler), modes (issue 55:
 # profile_step.py on the model for Full KV and every retrieving mode at 10%, 16 x 31,744 with real prefills: where a
-# decode step's device and host time go). SECONDS (default
+# decode step's device and host time go), modes_bench (issue 55's targets: `semkv bench` with real prefills at
+# 31,744, batch 16 and Full KV's largest batch, Full KV, CHESS, ChunkKV and the retrieving modes; ARGS: e.g.
+# --methods full,sentencekv to run fewer). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -67,6 +69,16 @@ modes)  # issue 55's modes, one profile each (a mode profiled before while the m
     grep '^{' $W/modes/${words[0]}.log | tail -1
   done
   tar czf $out/modes.tgz -C $W --exclude='*_trace.json' modes device.txt ;;
+modes_bench)  # issue 55's targets, one bench call (the rows of the methods it reached if cut short)
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
+    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+  timeout $((seconds - 15)) python3 -m semkv.cli.main bench --model $QWEN --text-file $W/essays.txt --contexts 31744 \
+    --budget 0.1 --steps 16 --batches 16,fullmax --methods full,chess,chunkkv,sentencekv,dynsplit,tokenselect \
+    --param chess.anchor=queries --param chunkkv.neighbours=3 --param sentencekv.retain=sentences \
+    --param sentencekv.score=tokens --param sentencekv.query=current --param sentencekv.keep_factor=1 \
+    --param dynsplit.score=tokens --param tokenselect.prefill=full --out $W/modes_bench "$@" > $W/modes_bench.log 2>&1
+  grep -v '^{' $W/modes_bench.log | tail -n 20
+  tar czf $out/modes_bench.tgz -C $W --exclude='*.png' modes_bench modes_bench.log device.txt ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \

@@ -204,12 +204,14 @@ def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path,
     table = (out / "results.md").read_text()
     assert "| chess | 2 | 160 |" in table and "x Full KV" in table
     assert (out / "decode.png").stat().st_size > 0
-    assert main(args[:-10] + ["--batches", "max", "--contexts", "160", "--out", str(out)]) == 2
-    assert "needs a KV pool of fixed size" in capsys.readouterr().err
+    for largest in ("max", "fullmax"):
+        assert main(args[:-10] + ["--batches", largest, "--contexts", "160", "--out", str(out)]) == 2
+        assert "needs a KV pool of fixed size" in capsys.readouterr().err
 
 
 def test_batch_and_hf_point_arguments():
     assert parse_batches("1, 16,max") == [1, 16, "max"]
+    assert parse_batches("16,FullMax") == [16, "fullmax"]
     assert parse_hf_points("16x32k,maxx32k,1x4096") == [(16, 32768), ("max", 32768), (1, 4096)]
     for bad in ("16", "x32k", "maxx"):
         with pytest.raises(SemkvError, match="BxCTX|not a number"):

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
     p.add_argument("--batches", default="1",
                    help="batch sizes, e.g. 1,16; 'max': the largest batch each method fits at each context (its KV "
-                        "pages at its device bound, its state and its offloaded K/V in host memory)")
+                        "pages at its device bound, its state and its offloaded K/V in host memory); 'fullmax': "
+                        "Full KV's largest batch at each context, for every method (a speed-up at Full KV's batch)")
     p.add_argument("--contexts", default="4k,8k,16k,32k", help="context lengths in tokens, e.g. 4k,32k")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--ttft", action="store_true", help="also time a real prefill at each context (batch 1)")
@@ -66,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_batches(text: str) -> list[int | str]:
-    """'1,16,max' -> [1, 16, 'max'] ('max' resolves per method and context: `largest_batch`)."""
-    return [item.strip().lower() if item.strip().lower() == "max" else parse_sizes(item, "batches")[0]
+    """'1,16,max' -> [1, 16, 'max'] ('max' resolves per method and context: `largest_batch`; 'fullmax' to Full KV's
+    largest batch at the context)."""
+    return [item.strip().lower() if item.strip().lower() in ("max", "fullmax") else parse_sizes(item, "batches")[0]
             for item in text.split(",")]
 
 
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         for (batch, context), attention in itertools.product(hf_points, attentions):
-            if batch == "max":
+            if batch in ("max", "fullmax"):  # HF transformers' batch: Full KV's largest either way
                 batch = results["max_batch"][str(context)]
             try:
                 on = torch.device(results["info"]["device"])
@@ -188,6 +190,8 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer
 
     def resolved(batch: int | str, context: int, name: str = "full", budget=None) -> int:
+        if batch == "fullmax":
+            batch, name, budget = "max", "full", None
         if batch != "max":
             return batch
         size = largest_batch(engine, bound_method(engine, name, budget, dict(params.get(name, {})), tokenizer),
