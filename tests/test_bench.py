@@ -61,6 +61,27 @@ def test_an_offloading_method_reaches_a_larger_batch_and_reports_its_traffic(tin
     assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
+def test_the_engine_lets_segments_grow_in_place_unless_the_user_set_the_allocator(monkeypatch):
+    """On CUDA the engine asks torch's allocator for expandable segments (state regrown beside the pool fragmented
+    fixed segments until a growth of GiBs failed with GiBs free), never over a user's own allocator settings, and
+    nothing on the CPU."""
+    from semkv.engine import engine
+
+    settings = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    engine.grow_segments_in_place(torch.device("cpu"))
+    assert settings == []
+    engine.grow_segments_in_place(torch.device("cuda"))
+    assert settings == ["expandable_segments:True"]
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        with monkeypatch.context() as patch:
+            patch.setenv(name, "max_split_size_mb:512")
+            engine.grow_segments_in_place(torch.device("cuda"))
+    assert settings == ["expandable_segments:True"]
+
+
 def test_a_row_growth_that_runs_out_of_memory_empties_the_cache_and_tries_once_more(tiny_llm, monkeypatch):
     """Admission counts torch's cached, unused blocks as room, which may be too fragmented for a large growth of an
     offloading method's rows (SentenceKV at 32k on an H200): the growth gives them back (`torch.cuda.empty_cache`)

@@ -8,6 +8,7 @@ graphed path (`GraphRunner`) or the eager one (`forward_step`); the attention co
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -60,6 +61,18 @@ def _sample(seq: Sequence, logits: torch.Tensor) -> int:
     return sample(logits, seq.params, seq.generator)
 
 
+def grow_segments_in_place(device: torch.device) -> None:
+    """On CUDA, unless the user configured torch's allocator (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF): the
+    allocator's segments grow in place (`expandable_segments`, as vLLM and most trainers set it), so memory freed in
+    pieces can back a large tensor again. Method state beside the pool grows by regrowing (every request's rows, an
+    eighth more each time, the old tensor freed after the new one is made), and with fixed segments the freed
+    tensors stayed split: on an H200 at 32k, SentenceKV's and DynSplit-KV's offloading rows failed to grow by 3.4 and
+    6 GiB with 4-11 GiB free in pieces."""
+    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  page_size: int = 16, prefill_chunk: int | None = None, cuda_graphs: bool = True,
@@ -86,6 +99,7 @@ class Engine:
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, device)
         self.scale = config.head_dim**-0.5
         shape = (config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
+        grow_segments_in_place(device)  # before the pool and everything that follows it
         if num_pages is None and device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds unused (e.g. weights cast after loading)
             free, total = torch.cuda.mem_get_info(device)
