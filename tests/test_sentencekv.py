@@ -221,6 +221,41 @@ def test_token_scores_rank_sentences_by_their_best_retained_token(tiny_llm):
     assert differ
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny_llm, offload):
+    """Every `offload_chunk` steps the oldest tokens of each row's recent window join their buckets (the prompt's
+    last sentences, then the generated text's, bucketed as it is generated), two rows at a time: the bucket map of
+    every retained token, on the device, is the bucket of its position by the sentence starts (also with offload,
+    where the positions come from the host store)."""
+    llm = tiny_llm
+    page = llm.engine.pool.page_size
+    method = SentenceKV(budget=64, n_sink=4, n_recent=8, offload=offload, offload_chunk=page if offload else 4)
+    method.bind(llm.config, llm.tokenizer, page)
+    seqs = []
+    for i, start in enumerate((0.2, 0.6)):
+        ids = llm.tokenizer(book_text(2500, start=start))["input_ids"][:400 + 37 * i]
+        seq = Sequence(i, ids, SamplingParams(max_new_tokens=60), SeqKV(llm.engine.pool))
+        seq.method_state = method.new_state(seq)
+        method.admit(seq)
+        seq.output_ids.append(int(llm.engine.prefill(seq, method).argmax()))
+        seqs.append(seq)
+    with torch.inference_mode():
+        for _ in range(40):
+            llm.engine.step(seqs, method, None, lambda seq: "")
+    for seq in seqs:
+        st = seq.method_state
+        assert st.retained > int(method.keep_factor * st.budget)  # tokens left the window and joined
+        for layer in range(llm.config.num_layers):
+            if offload:
+                positions = st.store.pos[layer, :, : st.retained]  # [kv_heads, retained]
+            else:
+                slots = torch.arange(st.n_sink, st.n_sink + st.retained)
+                positions = seq.kv.gather(layer, slots[None].expand(llm.config.num_kv_heads, -1))[2]
+            want = bucket_of(st.starts, positions)
+            assert torch.equal(method._rows.bucket[layer, st.row, :, : st.retained].long(), want), layer
+    llm.engine.end(seqs, method)
+
+
 def test_token_scores_need_resident_keys():
     with pytest.raises(SemkvError, match="score='tokens'"):
         SentenceKV(budget=40, score="tokens", offload=True)

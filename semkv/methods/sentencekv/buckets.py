@@ -123,6 +123,7 @@ class SentenceState:
     q_count: int = 0  # earlier queries of the current sentence
     h2d_step_max: int = 0
     device_peak: int = 0
+    tail_pos: int = 0  # position of the oldest token of the tail (the recent window and what waits to leave it)
 
     @property
     def tail_start(self) -> int:

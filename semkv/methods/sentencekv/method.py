@@ -78,6 +78,7 @@ cache_factor: with offload, the device's working set holds this many times the t
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,6 +288,8 @@ class SentenceKV(RowHolder, KVMethod):
         st: SentenceState = seq.method_state
         if st.dense:
             return
+        n = len(seq.prompt_ids)
+        st.tail_pos = n - min(st.n_recent, n - st.n_sink)  # the tail holds consecutive positions from here on
         if st.offload:
             for layer in range(seq.kv.pool.num_layers):
                 move_tail(seq.kv, layer, st.n_sink + min(st.cache, st.retained), st.tail_start)
@@ -356,6 +359,7 @@ class SentenceKV(RowHolder, KVMethod):
         wait."""
         vector_bytes = self._rows.row_bytes()
         counts = self._traffic(seqs)
+        leaving = []  # (sequence, state, tokens that leave its recent window now)
         for seq, token in zip(seqs, tokens):
             st: SentenceState = seq.method_state
             if st.dense:
@@ -378,20 +382,38 @@ class SentenceKV(RowHolder, KVMethod):
             st.device_peak = max(st.device_peak, stored)
             waiting = stored - st.tail_start - st.n_recent
             if waiting >= self.offload_chunk:
-                self._offload_waiting(seq, st, waiting - waiting % self.offload_chunk)
-            self._record(seq, vector_bytes, counts.get(st.row))
+                leaving.append((seq, st, waiting - waiting % self.offload_chunk))
+        buckets = self._leaving_buckets(leaving, seqs[0].kv.pool.device) if leaving else []
+        for (seq, st, m), bucket in zip(leaving, buckets):
+            self._offload_waiting(seq, st, m, bucket)
+        for seq in seqs:
+            if not seq.method_state.dense:
+                self._record(seq, vector_bytes, counts.get(seq.method_state.row))
 
-    def _offload_waiting(self, seq: Sequence, st: SentenceState, m: int) -> None:
-        """The m oldest tokens of the recent window join their buckets, every layer at once (and with offload go to
-        the host: their pages, which start where the working set ends, leave the page table)."""
+    @staticmethod
+    def _leaving_buckets(leaving: list[tuple[Sequence, SentenceState, int]],
+                         device: torch.device) -> list[torch.Tensor]:
+        """The bucket of every token leaving a recent window, one [m] tensor a sequence, decided on the host (the
+        tail holds consecutive positions) and copied in one transfer that does not wait for the device."""
+        ids = [bisect.bisect_right(st.starts, p) - 1 for _, st, m in leaving
+               for p in range(st.tail_pos, st.tail_pos + m)]
+        flat = torch.tensor(ids, dtype=torch.long)
+        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+        return list(flat.split([m for _, _, m in leaving]))
+
+    def _offload_waiting(self, seq: Sequence, st: SentenceState, m: int, bucket: torch.Tensor) -> None:
+        """The m oldest tokens of the recent window (their buckets: bucket [m]) join their buckets, every layer at
+        once (and with offload go to the host: their pages, which start where the working set ends, leave the page
+        table)."""
         kv, start = seq.kv, st.tail_start
         k, v, pos = slot_range(kv, slice(None), start, m)  # [layers, kv_heads, m, D] x 2, [layers, kv_heads, m]
         self.ensure_rows(self.row_needs(seq, st.row, m), kv.pool)
-        self._rows.add(st.row, slice(None), k, bucket_of(st.starts, pos), at=st.retained)
+        self._rows.add(st.row, slice(None), k, bucket.expand(*k.shape[:2], m), at=st.retained)
         if st.offload:
             st.store.put(slice(None), k, v, pos)
             kv.drop_pages(start // kv.pool.page_size, m // kv.pool.page_size)
         st.retained += m
+        st.tail_pos += m
 
     def _traffic(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
         """Offloading rows: (found, loaded) chosen tokens so far, by row (one small read)."""
