@@ -356,6 +356,25 @@ def test_invalid_parameters_are_rejected(tiny_llm):
         tiny_llm.generate(PROMPT, method=TokenSelect(budget=5000, extrapolate=True), chat=False)
 
 
+def test_a_fractional_budget_sizes_the_selection_cache_for_the_whole_generation(tiny_llm):
+    """With a budget that is a share of the context, the top-k grows as the request generates; the Selection Cache
+    is sized for the request's last step at its first, so it never grows (a growth is a CUDA graph captured again)
+    while the request runs."""
+    engine = tiny_llm.engine
+    method = TokenSelect(budget=0.5, n_sink=2, n_recent=4)
+    method.bind(tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
+    seq = Sequence(0, list(range(10, 90)), SamplingParams(max_new_tokens=60), SeqKV(engine.pool))
+    batch = DecodeBatch([seq], torch.zeros(1), torch.zeros(1, 1), tiny_llm.config, pool=engine.pool)
+    method.step_plan(batch)
+    epoch, width = method.graph_epoch, method._cache.top.shape[-1]
+    assert width >= method.split(int(0.5 * (80 + 60)))[1] > method.split(int(0.5 * 81))[1]
+    for _ in range(59):
+        seq.output_ids.append(1)
+        seq.num_computed += 1
+        method.step_plan(batch)
+    assert method.graph_epoch == epoch and method._cache.top.shape[-1] == width
+
+
 def test_selection_cache_rows_follow_the_batch(tiny_llm):
     """Device cache rows: one per running sequence (row 0 is padding), kept while the sequence runs, freed when it
     leaves, emptied for a newcomer; growing the buffers keeps their contents and bumps `graph_epoch` (captured
