@@ -73,7 +73,7 @@ modes_bench)  # issue 55's targets, one bench call (the rows of the methods it r
   python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
     $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
   timeout $((seconds - 15)) python3 -m semkv.cli.main bench --model $QWEN --text-file $W/essays.txt --contexts 31744 \
-    --budget 0.1 --steps 16 --batches 16,fullmax --methods full,chess,chunkkv,sentencekv,dynsplit,tokenselect \
+    --budget 0.1 --steps 16 --batches 16,fullmax --methods full,sentencekv,dynsplit,tokenselect,chess,chunkkv \
     --param chess.anchor=queries --param chunkkv.neighbours=3 --param sentencekv.retain=sentences \
     --param sentencekv.score=tokens --param sentencekv.query=current --param sentencekv.keep_factor=1 \
     --param dynsplit.score=tokens --param tokenselect.prefill=full --out $W/modes_bench "$@" > $W/modes_bench.log 2>&1
