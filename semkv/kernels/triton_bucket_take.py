@@ -21,12 +21,12 @@ def _bucket_take(SCORES, COUNT, CAPACITY, BEFORE, FIRST, n, heads, count_b, coun
     score = tl.load(SCORES + row * n + i, mask=inside, other=0.0) + 0.0  # -0.0 + 0.0 is +0.0: ties as in a sort
     count = tl.load(COUNT + b * count_b + h * count_h + i, mask=inside, other=0).to(tl.int64)
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)  # order-preserving, in [0, 2^32)
+    key = tl.where(bits >= 0, bits + tl.full([], 2**31, tl.int64), -1 - bits)  # order-preserving, in [0, 2^32)
     cap = tl.load(CAPACITY + b).to(tl.int64)
     # the largest key at or above which the buckets hold >= cap tokens (0 when they all hold fewer: all taken)
     threshold = tl.full([], 0, tl.int64)
-    for bit in range(32):
-        candidate = threshold | (tl.full([], 1, tl.int64) << (31 - bit))
+    for bit in tl.static_range(32):  # unrolled: each candidate bit a constant
+        candidate = threshold | tl.full([], 1 << (31 - bit), tl.int64)
         held = tl.sum(tl.where(key >= candidate, count, 0), 0)
         threshold = tl.where(held >= cap, candidate, threshold)
     above = tl.sum(tl.where(key > threshold, count, 0), 0)
