@@ -2,11 +2,12 @@
 # Issue 52's device checks, from the repository root on a device machine:
 #   bash benchmarks/reliability_device.sh SECONDS PART...
 # PART: soak (memory_soak.py: 5 generates of 32k tokens a method, then compare of every method over 3 prompts),
-# bench (`semkv bench --batches max` at 32k for every method), offload (the same for SentenceKV and DynSplit-KV with
-# offload=True); PART:SHAPE runs it on a random-weight shape of semkv bench (qwen2.5-0.5b, llama3-8b...) with the
-# carried tokenizer, PART alone on MODEL (a local model folder, default $QWEN from vllm_setup.sh). DATA: the carried
-# data (.carry/data). METHODS: the bench part's methods (default every method). Results and logs in $W/reliability
-# (W: VLLM_WORK, default /tmp/w; a part done is not run again while the machine is warm), archived into $OUT/reliability.tgz; a bench row skipped for memory names where.
+# bench (`semkv bench --batches max` at 32k for every method, one run a method: a call cut short resumes at the
+# next), offload (the same for SentenceKV and DynSplit-KV with offload=True); PART:SHAPE runs it on a random-weight
+# shape of semkv bench (qwen2.5-0.5b, llama3-8b...) with the carried tokenizer, PART alone on MODEL (a local model
+# folder, default $QWEN from vllm_setup.sh). DATA: the carried data (.carry/data). METHODS: the bench part's methods
+# (default every method). Results and logs in $W/reliability (W: VLLM_WORK, default /tmp/w; a run done is not run
+# again while the machine is warm), archived into $OUT/reliability.tgz; a bench row skipped for memory names where.
 set -uo pipefail
 case ${1:-} in -h|--help|"") sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=$1; shift
@@ -16,7 +17,7 @@ R=$W/reliability; mkdir -p $R $out; end=$(( $(date +%s) + seconds - 20 ))
 [ -f $R/essays.txt ] || python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
   $DATA/paul_graham/ruler_PaulGrahamEssays.json > $R/essays.txt
 ALL=${METHODS:-$(python3 -c "from semkv.methods.specs import SPECS; print(','.join(SPECS))")}
-B="python3 -m semkv.cli.main bench --batches max --contexts 32000 --budget 0.1 --steps 8 --methods $ALL"
+B="python3 -m semkv.cli.main bench --batches max --contexts 32000 --budget 0.1 --steps 8"
 OFF="--methods sentencekv,dynsplit --param sentencekv.offload=True --param dynsplit.offload=True"
 left() { echo $(( end - $(date +%s) )); }
 run() { [ -f $R/$1.done ] && return; [ $(left) -lt 60 ] && { echo "skip $1"; return; }; echo "== $1"
@@ -30,7 +31,7 @@ for part in "$@"; do
   case $name in
   soak) run soak_$tag python3 benchmarks/memory_soak.py $src --text-file $R/essays.txt --requests 5 --per-call 1 \
           --prompts 3 --context 32000 --new-tokens 16 --time-limit 200 --out $R/soak_$tag ;;
-  bench) run bench_$tag $B $src --out $R/bench_$tag ;;
+  bench) for m in ${ALL//,/ }; do run bench_${tag}_$m $B $src --methods $m --out $R/bench_${tag}_$m; done ;;
   offload) run offload_$tag $B $src $OFF --out $R/offload_$tag ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
   esac
