@@ -64,10 +64,10 @@ def _sample(seq: Sequence, logits: torch.Tensor) -> int:
 def grow_segments_in_place(device: torch.device) -> None:
     """On CUDA, unless the user configured torch's allocator (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF): the
     allocator's segments grow in place (`expandable_segments`, which torch's out-of-memory error suggests), so memory
-    freed in pieces can back a large tensor again. Method state beside the pool grows by regrowing (every request's rows, an
-    eighth more each time, the old tensor freed after the new one is made), and with fixed segments the freed
-    tensors stayed split: on an H200 at 32k, SentenceKV's and DynSplit-KV's offloading rows failed to grow by 3.4 and
-    6 GiB with 4-11 GiB free in pieces."""
+    freed in pieces can back a large tensor again. Method state beside the pool grows by regrowing (every request's
+    rows, an eighth more each time, the old tensor freed after the new one is made), and with fixed segments the
+    freed tensors stayed split: on an H200 at 32k, SentenceKV's and DynSplit-KV's offloading rows failed to grow by
+    3.4 and 6 GiB with 4-11 GiB free in pieces."""
     if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")

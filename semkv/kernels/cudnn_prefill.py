@@ -154,8 +154,8 @@ def warm_up_cuts(k_pool, v_pool, heads: int, scale: float, step: int, chunk: int
     `chunk` when nothing decodes, at any start below max_len): the causal call at every padded length up to the
     longer of the two (with and without the lse), and the context call at every padded chunk length up to `step`'s
     against every context length that is a multiple of PAD. A server otherwise builds them (about 50 ms each) while
-    requests wait: on an H200 its first 64 prompts of 32k were prefilled at half the engine's rate. The calls read
-    zeros, shaped and strided as `prefill_attention`'s."""
+    requests wait: the likely cause of the half rate at which an H200 server prefilled 64 prompts of 32k (results
+    page 2026-11-28-h200x2-servers). The calls read zeros, shaped and strided as `prefill_attention`'s."""
     dtype, device, dim = k_pool.dtype, k_pool.device, k_pool.shape[-1]
     kv_heads = k_pool.shape[2]
     if not usable(torch.zeros(MIN_CHUNK, heads, dim, dtype=dtype, device=device), None):

@@ -12,8 +12,8 @@ def chunk_slots(lo: torch.Tensor, count: torch.Tensor, before: torch.Tensor, n: 
     """Attended slots from ranked chunks (DynSplit-KV): chunks are ascending, disjoint slot ranges [lo, lo + count)
     (lo / count [B, chunks], at most `longest` slots each) inside [n_sink, n - tail); each takes its leading
     clamp(capacity - before, 0, count) slots (before [B, S, chunks]: `kernels.bucket_take`), between the sinks
-    [0, n_sink) and the last `tail` slots. n / n_sink / capacity / tail [B]; max_sink bounds n_sink, width a row's total. Returns
-    slots [B, S, width], ascending and then 0, and lengths [B, S]."""
+    [0, n_sink) and the last `tail` slots. n / n_sink / capacity / tail [B]; max_sink bounds n_sink, width a row's
+    total. Returns slots [B, S, width], ascending and then 0, and lengths [B, S]."""
     take = (capacity[:, None, None] - before).clamp(min=0).minimum(count[:, None])  # [B, S, chunks]
     lo = lo[:, None].expand_as(take)
     tokens = max(int((n - n_sink).max()), 1)  # slots after the sinks: token t is slot n_sink + t

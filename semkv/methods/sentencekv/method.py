@@ -30,11 +30,10 @@ token and the running query sums of all sequences live in device tensors, one ro
 each row its state row and budget split, `kernels.bucket_take` finds what the budget takes of the ranked buckets
 of every row and KV head (without sorting them), and `kernels.sentence_slots` turns that into slot lists (with
 score="tokens", opt-in, the buckets are ranked by their best retained token instead: `kernels.bucket_best`, the
-retained keys read in place, a max per bucket). With
-offload on, those slot lists name virtual slots (the resident layout) and `WorkingSets.load` makes them device
-slots, reading the chosen tokens the working set does not hold from pinned host memory in the same kernel. Either
-way a step reads nothing back and is captured in a CUDA graph; tokens that leave the recent window join their buckets
-between steps (host-decided, every `offload_chunk` tokens).
+retained keys read in place, a max per bucket). With offload on, those slot lists name virtual slots (the resident
+layout) and `WorkingSets.load` makes them device slots, reading the chosen tokens the working set does not hold from
+pinned host memory in the same kernel. Either way a step reads nothing back and is captured in a CUDA graph; tokens
+that leave the recent window join their buckets between steps (host-decided, every `offload_chunk` tokens).
 
 Parameters
 ----------
