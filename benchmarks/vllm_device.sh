@@ -28,6 +28,10 @@ if [ "$stage" = status ]; then bash benchmarks/vllm_setup.sh status; exit 0; fi
 source benchmarks/vllm_setup.sh install || exit 1  # (an argument, so that it does not see this script's)
 [ "$stage" = setup ] && exit 0
 nvidia-smi -i ${CUDA_VISIBLE_DEVICES:-0} --query-gpu=index,name,memory.used,memory.total --format=csv,noheader | tee -a $W/device.txt
+essays() {  # the RULER essays as one text file, $W/essays.txt (what the real prefills read)
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
+    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+}
 pack() {  # the stage's folder into $OUT, then its tables
   tar czf $out/$1.tgz -C $W --exclude=prompts --exclude=prompts.json.gz $1 device.txt && ls -la $out/$1.tgz
   python3 benchmarks/vllm_page.py --$2 $W/$1
@@ -47,13 +51,11 @@ serve)
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
 profile)  # where the server's time goes, without the web process
-  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
-    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+  essays
   timeout $seconds python3 benchmarks/session_prefill.py --model $QWEN --text-file $W/essays.txt --out $W/profile "$@"
   tar czf $out/profile.tgz -C $W profile device.txt ;;
 modes)  # issue 55's modes, one profile each (a mode profiled before while the machine is warm is not run again)
-  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
-    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+  essays
   end=$(( $(date +%s) + seconds - 20 ))
   for mode in "full" "chess --param chess.anchor=queries" "chunkkv --param chunkkv.neighbours=3" \
       "sentencekv --param sentencekv.retain=sentences --param sentencekv.score=tokens \
@@ -70,8 +72,7 @@ modes)  # issue 55's modes, one profile each (a mode profiled before while the m
   done
   tar czf $out/modes.tgz -C $W --exclude='*_trace.json' modes device.txt ;;
 modes_bench)  # issue 55's targets, one bench call (the rows of the methods it reached if cut short)
-  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" \
-    $DATA/paul_graham/ruler_PaulGrahamEssays.json > $W/essays.txt
+  essays
   timeout $((seconds - 15)) python3 -m semkv.cli.main bench --model $QWEN --text-file $W/essays.txt --contexts 31744 \
     --budget 0.1 --steps 16 --batches 16,fullmax --methods full,sentencekv,dynsplit,tokenselect,chess,chunkkv \
     --param chess.anchor=queries --param chunkkv.neighbours=3 --param sentencekv.retain=sentences \
