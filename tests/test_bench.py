@@ -191,7 +191,8 @@ def test_synthetic_kv_is_evicted_layer_by_layer_as_one_prefill_chunk_is(tiny_llm
 def test_state_kept_by_page_counts_once_whatever_the_batch(tiny_llm, name):
     """Quest's page summaries and InfLLM's block keys are kept by physical page (`page_state_bytes`): `--batches
     max` counts them once for each page the batch holds, not once per sequence, so with room for them over the whole
-    pool these methods reach Full KV's batch; with room for a tenth of the pool, a smaller batch."""
+    pool twice (the last growth of the tables makes them beside the ones before) these methods reach Full KV's batch;
+    with room for a tenth of the pool, a smaller batch."""
     model, cfg, device, dtype = tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype
     context, steps, pages = 100, 3, 400
     probe = Engine(model, cfg, device, dtype, num_pages=pages)
@@ -199,11 +200,40 @@ def test_state_kept_by_page_counts_once_whatever_the_batch(tiny_llm, name):
     assert per_page > 0
     rows = (pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 2) // 16))  # Full KV's batch in the pool
     logits = rows * cfg.vocab_size * (dtype.itemsize + 4)  # their decode step's
-    engine = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=int(1.5 * per_page * pages) + logits)
+    engine = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=2 * per_page * pages + logits)
     full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
     assert full > 1 and largest_batch(engine, bound_method(engine, name, 32), context, steps) == full
     small = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=per_page * pages // 10 + logits)
     assert 1 <= largest_batch(small, bound_method(small, name, 32), context, steps) < full
+
+
+@pytest.mark.parametrize("name", ["chess", "quest", "infllm"])
+def test_the_largest_batch_holds_the_state_kept_by_page_while_it_grows(tiny_llm, name, monkeypatch):
+    """The tables kept by page grow by quarters as a run takes pages, each growth making the new tables beside the
+    old: counting the final tables alone, an H200 picked 332 CHESS rows at 32k that ran out of memory growing them.
+    With room for the final tables and a half more, `--batches max` gives fewer rows than Full KV's, and the growths
+    of its run never held more than that room."""
+    model, cfg, device, dtype = tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype
+    context, steps, pages = 100, 3, 400
+    probe = Engine(model, cfg, device, dtype, num_pages=pages)
+    per_page = bound_method(probe, name, 32).page_state_bytes(probe.pool)
+    logits = 19 * cfg.vocab_size * (dtype.itemsize + 4)  # Full KV's 19 rows' decode step (the test above)
+    room = int(1.5 * per_page * pages) + logits
+    engine = Engine(model, cfg, device, dtype, num_pages=pages, state_memory=room)
+    full = largest_batch(engine, bound_method(engine, "full", None), context, steps)
+    batch = largest_batch(engine, bound_method(engine, name, 32), context, steps)
+    assert 1 <= batch < full
+    held, cover = [], type(engine.pool).cover
+
+    def recording(pool, wanted):  # the tables alive at each growth: the old ones and the new ones beside them
+        if wanted > pool.coverage:
+            held.append(pool.coverage + pool.coverage_for(wanted))
+        cover(pool, wanted)
+
+    monkeypatch.setattr(type(engine.pool), "cover", recording)
+    assert bench_decode(engine, name, 32, batch, context, steps=steps).batch == batch
+    assert held and max(held) * per_page + batch * cfg.vocab_size * (dtype.itemsize + 4) <= room
+    assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
 def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):

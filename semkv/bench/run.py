@@ -112,8 +112,8 @@ def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, wa
     """The largest batch of `context`-token sequences a `bench_decode` run of `steps` steps keeps: its KV pages in
     the engine's fixed pool (each sequence at the method's `device_tokens` bound, or every token: Full KV, while the
     last one prefills: `Engine.pages_needed`), its state beside the pool (rows of requests, and state kept by page for
-    every page the batch holds, as the pool grows it: `KVPool.cover_bytes`, the grown tables beside the old ones, and
-    a decode step's logits), and its offloaded K/V in host memory."""
+    every page the batch holds, as the pool grows it: `KVPool.growth_peak`, the last grown tables beside the ones
+    before, and a decode step's logits), and its offloaded K/V in host memory."""
     if engine.pool.max_pages is None:
         raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
     new = warmup + steps + 8  # the generation `bench_decode` allows
@@ -138,8 +138,7 @@ def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, wa
     def state(batch: int) -> int:
         covered = pool.touched + prefill + (batch - 1) * per_seq
         per_page = pool.page_state_bytes() + method.page_state_bytes(pool)
-        return method.batch_state_bytes(seq, batch) + batch * logits + (per_page * pool.coverage_for(covered)
-                                                                        if covered > pool.coverage else 0)
+        return method.batch_state_bytes(seq, batch) + batch * logits + per_page * pool.growth_peak(covered)
 
     if math.isfinite(room) and state(batch) > room:  # the largest batch whose state fits (state grows with it)
         low, high = 1, batch

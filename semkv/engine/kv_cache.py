@@ -107,11 +107,22 @@ class KVPool:
         # garbage would poison the output; stale data of freed pages is always finite
         self.k, self.v, self.pos = (_extended(x, new_pages) for x in (self.k, self.v, self.pos))
 
-    def coverage_for(self, pages: int) -> int:
-        """The coverage `cover(pages)` grows to: a quarter more than now and a sixteenth of the pool at least, so that
-        it grows rarely (each growth moves the tables captured graphs point at)."""
-        step = max(self.coverage // 4, self.num_pages // 16)
-        return min(max(pages + 16, self.coverage + step), max(self.num_pages, pages))
+    def coverage_for(self, pages: int, coverage: int | None = None) -> int:
+        """The coverage `cover(pages)` grows to from `coverage` (default: now's): a quarter more and a sixteenth of
+        the pool at least, so that it grows rarely (each growth moves the tables captured graphs point at)."""
+        coverage = self.coverage if coverage is None else coverage
+        step = max(coverage // 4, self.num_pages // 16)
+        return min(max(pages + 16, coverage + step), max(self.num_pages, pages))
+
+    def growth_peak(self, pages: int) -> int:
+        """Page entries of per-page state allocated beyond today's tables, at the peak, while a run that takes pages
+        one by one grows the coverage to hold ids below `pages`: its last growth makes the final tables beside the
+        ones before them (today's, already held, when there is one growth only). A batch of 332 CHESS rows at 32k on
+        an H200 counted the final tables alone and ran out of memory growing them."""
+        before = now = self.coverage
+        while now < pages:
+            before, now = now, self.coverage_for(now + 1, now)
+        return 0 if now == self.coverage else now + before - self.coverage
 
     def cover_bytes(self, pages: int) -> int:
         """Device bytes `cover(pages)` allocates: the grown tables, made beside the old ones."""
