@@ -61,13 +61,11 @@ def random_case(batch, heads, kv_heads, dim, context, selected, page=16, seed=0)
     return q, k, v, tables, slots, lengths
 
 
-def launch(q, k, v, tables, slots, lengths, scale, n, splits, block_n, warps, stages):
-    """`triton_decode.decode_attention` with every launch setting explicit; n: the longest list."""
+def launch(q, k, v, tables, slots, lengths, scale, splits, block_n, warps, stages):
+    """`triton_decode.decode_attention` with every launch setting explicit."""
     batch, heads, dim = q.shape
     _, page, kv_heads, _ = k.shape
     group = heads // kv_heads
-    split_len = -(-n // splits)
-    split_len = -(-split_len // block_n) * block_n
     out = torch.empty(batch, heads, splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     kf, vf = k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
@@ -76,7 +74,7 @@ def launch(q, k, v, tables, slots, lengths, scale, n, splits, block_n, warps, st
         q, kf, vf, tables, slot_arg, lengths, out, lse,
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), tables.stride(0), slot_arg.stride(0),
         slot_arg.stride(1) if slots is not None else 0, lengths.stride(0), lengths.stride(1), out.stride(0),
-        out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), scale, split_len,
+        out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, PAGE=page,
         HAS_SLOTS=slots is not None, PER_HEAD=lengths.shape[1] > 1, num_warps=warps, num_stages=stages,
     )
@@ -161,7 +159,7 @@ def main() -> None:
                 sorted({default_splits, 1, 2, 4, 8, 16, 32, 64, 128}), (64, 128), (2, 4), (2, 3, 4)):
             if splits > -(-n // block_n):
                 continue
-            run = lambda: launch(q, k, v, tables, slots, lengths, scale, n, splits, block_n, warps,  # noqa: E731
+            run = lambda: launch(q, k, v, tables, slots, lengths, scale, splits, block_n, warps,  # noqa: E731
                                  stages)
             try:
                 torch.testing.assert_close(run(), expected, rtol=2e-2, atol=2e-2)

@@ -57,6 +57,12 @@ def test_decode_kernel_matches_reference(splits):
         want = reference.decode_attention(q, k, v, tables, s, n, 0.25)
         got = decode_attention(q, k, v, tables, s, n, 0.25, num_splits=splits, block_n=16)
         assert (got - want).abs().max() < 1e-5
+    # a launch bound far above the rows (a CUDA graph sized for the prompt, rows an evicting method kept): each row
+    # spreads its own length over the splits
+    lengths = stored[:, None]
+    want = reference.decode_attention(q, k, v, tables, None, lengths, 0.25)
+    got = decode_attention(q, k, v, tables, None, lengths, 0.25, num_splits=splits, block_n=16, max_len=4096)
+    assert (got - want).abs().max() < 1e-5
 
 
 def test_decode_launch_settings_bound_split_length_and_fill_the_device():

@@ -10,7 +10,11 @@ Launch settings (`launch_settings`, `num_splits_for`) come from `benchmarks/deco
 the Llama-3.1-8B and Qwen2.5-0.5B shapes at 32k: scattered token rows (index lists) run best on two warps with a
 four-stage pipeline over 64-row blocks (TokenSelect's 2688 tokens: 1.68x -> 1.15x the byte floor at Llama's shape,
 25 x 32k); every stored slot (whole pages) on four warps with three stages over 128-row blocks, in splits of at most
-4096 slots (Full KV at 25 x 32k: 794 -> 749 us a layer; at Qwen's 64 x 32k 1.25x -> 1.0x the floor).
+4096 slots (Full KV at 25 x 32k: 794 -> 749 us a layer; at Qwen's 64 x 32k 1.25x -> 1.0x the floor). The launch's
+bound sets the number of splits; each row divides its own length among them. (With splits cut from the bound, an
+evicting method's rows, about 3,200 slots in a CUDA graph sized for a 31,744-token prompt, all fell in the first
+of 9 splits of 3,584: ChunkKV's attention took 50 us a layer at 16 rows on an H200 where CHESS's, over as many
+slots, took 14 us.)
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ def _partial(
     Q, K, V, Tables, Slots, Lengths, Out, Lse,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_tb, stride_sb, stride_ss, stride_lb, stride_ls,
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
-    scale, split_len,
+    scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
@@ -35,6 +39,9 @@ def _partial(
     split = tl.program_id(2)
     sel = kvh if PER_HEAD else 0
     length = tl.load(Lengths + b * stride_lb + sel * stride_ls)
+    # the row's own length in equal splits of whole blocks: a row far below the launch's bound (what an evicting
+    # method keeps, in a CUDA graph sized for its prompt) still spreads over every split, not all in the first
+    split_len = tl.cdiv(tl.cdiv(length, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, length)
 
@@ -121,7 +128,8 @@ def num_splits_for(max_len: int, batch_heads: int, sm_count: int = 132, block_n:
 def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_splits=None, block_n=None, max_len=0):
     """q [B, heads, D]; k_pool/v_pool [pages, page_size, kv_heads, D]; tables [B, max_pages]; slots [B, S, n] or None
     (all stored slots); lengths [B, S]; max_len: upper bound of lengths when slots is None (0: read it from the
-    device, which a CUDA graph cannot do); num_splits, block_n: override `launch_settings` / `num_splits_for`.
+    device, which a CUDA graph cannot do), which sets the number of splits; num_splits, block_n: override
+    `launch_settings` / `num_splits_for`.
     Returns [B, heads, D] in q's dtype."""
     batch, n_heads, dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
@@ -135,8 +143,6 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
     block_n = block_n or chosen_block
     sm_count = device_limits(q.device.index or 0)[0] if q.device.type == "cuda" else 132
     splits = num_splits or num_splits_for(max_len, batch * kv_heads, sm_count, block_n)
-    split_len = -(-max(max_len, 1) // splits)
-    split_len = -(-split_len // block_n) * block_n
     out = torch.empty(batch, n_heads, splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, n_heads, splits, device=q.device, dtype=torch.float32)
     kf, vf = k_pool.view(-1, kv_heads, dim), v_pool.view(-1, kv_heads, dim)
@@ -146,7 +152,7 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), tables.stride(0),
         slot_arg.stride(0), slot_arg.stride(1) if slots is not None else 0, lengths.stride(0), lengths.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        scale, split_len,
+        scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, PAGE=page,
         HAS_SLOTS=gathered, PER_HEAD=lengths.shape[1] > 1, num_warps=warps, num_stages=stages,
     )
