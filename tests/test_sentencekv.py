@@ -221,15 +221,16 @@ def test_token_scores_rank_sentences_by_their_best_retained_token(tiny_llm):
     assert differ
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny_llm, offload):
+@pytest.mark.parametrize("offload, score", [(False, "vector"), (True, "vector"), (False, "tokens")])
+def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny_llm, offload, score):
     """Every `offload_chunk` steps the oldest tokens of each row's recent window join their buckets (the prompt's
     last sentences, then the generated text's, bucketed as it is generated), two rows at a time: the bucket map of
     every retained token, on the device, is the bucket of its position by the sentence starts (also with offload,
-    where the positions come from the host store)."""
+    where the positions come from the host store, and with score="tokens", which keeps no sentence vectors)."""
     llm = tiny_llm
     page = llm.engine.pool.page_size
-    method = SentenceKV(budget=64, n_sink=4, n_recent=8, offload=offload, offload_chunk=page if offload else 4)
+    method = SentenceKV(budget=64, n_sink=4, n_recent=8, offload=offload, offload_chunk=page if offload else 4,
+                        score=score)
     method.bind(llm.config, llm.tokenizer, page)
     seqs = []
     for i, start in enumerate((0.2, 0.6)):
@@ -254,6 +255,27 @@ def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny
             want = bucket_of(st.starts, positions)
             assert torch.equal(method._rows.bucket[layer, st.row, :, : st.retained].long(), want), layer
     llm.engine.end(seqs, method)
+
+
+def test_token_scores_keep_no_sentence_vectors_so_more_rows_fit(tiny_llm):
+    """score="tokens" ranks buckets by their retained keys in the cache, so its rows hold no sentence vectors (a
+    float32 mean key per bucket, KV head and layer): a row holds a fraction of the bytes, and what admission and
+    `--batches max` count for a batch of such requests shrinks alike."""
+    llm = tiny_llm
+    ids = llm.tokenizer(book_text(3000))["input_ids"][:600]
+    row, batch = {}, {}
+    for score in ("vector", "tokens"):
+        method = SentenceKV(budget=64, score=score, retain="sentences")
+        method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+        seq = Sequence(0, ids, SamplingParams(max_new_tokens=4), SeqKV(llm.engine.pool))
+        seq.method_state = method.new_state(seq)
+        batch[score] = method.batch_state_bytes(seq, 16)
+        method.admit(seq)
+        llm.engine.prefill(seq, method)
+        assert (method._rows.vectors is None) == (score == "tokens")
+        row[score] = method._rows.row_bytes()
+        llm.engine.release(seq)
+    assert row["tokens"] * 3 < row["vector"] and batch["tokens"] * 3 < batch["vector"]
 
 
 def test_token_scores_need_resident_keys():

@@ -1,6 +1,6 @@
 """SentenceKV's state. On the device, for every sequence at once (`SentenceRows`, one row per sequence): the bucket
-(sentence) of every retained token, each bucket's retained-token count and sentence vector (mean retained key), and
-the sum of the current sentence's queries; the ranking of buckets against a query runs for a whole batch in tensor
+(sentence) of every retained token, each bucket's retained-token count and sentence vector (mean retained key: kept
+for score="vector" only), and the sum of the current sentence's queries; the ranking of buckets against a query runs for a whole batch in tensor
 operations. On the host, per sequence (`SentenceState`): the budget split, bucket starts and, when retained K/V live in
 host memory, the store (the working set that holds the chosen tokens on the device is a `WorkingSets` row).
 
@@ -29,15 +29,18 @@ def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
 class SentenceRows(DeviceRows):
     """The device state of every sequence, by row (row 0 serves the padding rows of a graphed step and the
     sequences that keep everything). Shapes grow with the longest row (`ensure`); a move makes captured graphs be
-    captured again (the owner bumps its `graph_epoch`)."""
+    captured again (the owner bumps its `graph_epoch`). Without `vectors` (score="tokens" ranks buckets by their
+    retained keys in the cache) a row holds no sentence vectors: at 32k and 24 layers about 1 MB instead of 20 (on an
+    H200, 335 rows of Qwen2.5-0.5B ran out of memory growing them beside a pool that Full KV's batch fills)."""
 
     # rows come one per admitted request (a row is about 200 MB at 32 layers and 1400 buckets): little slack
     slack = (1, 64, 256)
 
-    def __init__(self, layers: int, heads: int, kv_heads: int, dim: int, device: torch.device):
+    def __init__(self, layers: int, heads: int, kv_heads: int, dim: int, device: torch.device, vectors: bool = True):
         super().__init__()
         self.layers, self.heads, self.kv_heads, self.dim, self.device = layers, heads, kv_heads, dim, device
-        self.vectors = torch.zeros(layers, 1, kv_heads, 1, dim, device=device)  # [L, rows, H, buckets, D] mean key
+        # [L, rows, H, buckets, D] mean retained key of each bucket, or None
+        self.vectors = torch.zeros(layers, 1, kv_heads, 1, dim, device=device) if vectors else None
         self.count = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, buckets]
         self.bucket = torch.zeros(layers, 1, kv_heads, 1, dtype=torch.int32, device=device)  # [L, rows, H, tokens]
         self.q_sum = torch.zeros(layers, 1, heads, dim, device=device)  # [L, rows, heads, D] this sentence's queries
@@ -48,29 +51,32 @@ class SentenceRows(DeviceRows):
         return self.bucket.shape[-1]
 
     def sizes(self) -> tuple[int, int, int]:
-        return self.vectors.shape[1], self.vectors.shape[3], self.tokens
+        return self.count.shape[1], self.count.shape[3], self.tokens
 
     def shapes(self, rows: int, buckets: int, tokens: int) -> dict[str, tuple[int, ...]]:
         layers, heads, dim = self.layers, self.kv_heads, self.dim
-        return dict(vectors=(layers, rows, heads, buckets, dim), count=(layers, rows, heads, buckets),
-                    bucket=(layers, rows, heads, tokens), q_sum=(layers, rows, self.heads, dim))
+        vectors = {} if self.vectors is None else dict(vectors=(layers, rows, heads, buckets, dim))
+        return vectors | dict(count=(layers, rows, heads, buckets), bucket=(layers, rows, heads, tokens),
+                              q_sum=(layers, rows, self.heads, dim))
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
-        for t in (self.vectors, self.count, self.bucket, self.q_sum):
-            t[:, row] = 0
+        for name in self.shapes(*self.sizes()):
+            getattr(self, name)[:, row] = 0
 
-    def add(self, row: int, layers: slice, keys: torch.Tensor, bucket: torch.Tensor, at: int) -> None:
-        """Retained tokens numbered at.. of one row: keys [L', kv_heads, m, D], bucket ids [L', kv_heads, m] (after
-        every earlier token's) join their buckets: counts grow, sentence vectors become the new means."""
-        dim = keys.shape[-1]
+    def add(self, row: int, layers: slice, keys: torch.Tensor | None, bucket: torch.Tensor, at: int) -> None:
+        """Retained tokens numbered at.. of one row: bucket ids [L', kv_heads, m] (after every earlier token's) join
+        their buckets: counts grow, and with sentence vectors kept their keys [L', kv_heads, m, D] (else None) make
+        the new means."""
         m = bucket.shape[-1]
         count = self.count[layers, row]  # [L', H, buckets] views
-        vectors = self.vectors[layers, row]
-        added = torch.zeros_like(vectors).scatter_add_(2, bucket[..., None].expand(-1, -1, -1, dim), keys.float())
         grew = torch.zeros_like(count).scatter_add_(2, bucket, torch.ones_like(bucket, dtype=torch.int32))
         total = count + grew
-        vectors.copy_((vectors * count[..., None] + added) / total.clamp(min=1)[..., None])
+        if self.vectors is not None:
+            vectors = self.vectors[layers, row]
+            added = torch.zeros_like(vectors).scatter_add_(2, bucket[..., None].expand(-1, -1, -1, keys.shape[-1]),
+                                                           keys.float())
+            vectors.copy_((vectors * count[..., None] + added) / total.clamp(min=1)[..., None])
         count.copy_(total)
         self.bucket[layers, row, :, at : at + m] = bucket.int()
 

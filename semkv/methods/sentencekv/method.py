@@ -15,7 +15,7 @@ Device memory during decoding with offload: `n_sink` sinks + a working set of `b
 chosen tokens are copied) + the recent window, which holds up to `offload_chunk` (at least a page) more tokens on
 their way out: tokens leaving the recent window are offloaded in whole pages, which leave the page table without a
 copy, and join the bucket of the sentence they belong to (generated text is bucketed like the prompt), so they can be
-retrieved later. Plus the sentence vectors and a token -> bucket map (one int per retained
+retrieved later. Plus the sentence vectors (score="vector") and a token -> bucket map (one int per retained
 token). Bytes moved are counted in `stats.h2d_bytes` / `d2h_bytes` (`h2d_bytes_step_max`: the largest decode step).
 
 Choices where the paper is silent: sinks and recent window count in the budget (`budget // 4` each at most, so at
@@ -208,7 +208,7 @@ class SentenceKV(RowHolder, KVMethod):
                                              pool.page_size) if offload else 0)
         if self._rows is None:  # also when every row keeps everything: a graphed step still reads row 0
             self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
-                                      pool.device)
+                                      pool.device, vectors=self.score == "vector")
         if offload and self._sets is None:
             self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         return st
@@ -271,8 +271,8 @@ class SentenceKV(RowHolder, KVMethod):
         else:
             retained = keep_top(importance, size) + st.n_sink  # [kv_heads, R] ascending
         heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
-        self._rows.add(st.row, slice(layer, layer + 1), keys[heads, retained][None],
-                       bucket_of(st.starts, retained)[None], at=0)
+        vectors = keys[heads, retained][None] if self._rows.vectors is not None else None  # [1, kv_heads, R, D]
+        self._rows.add(st.row, slice(layer, layer + 1), vectors, bucket_of(st.starts, retained)[None], at=0)
         resident = retained
         if st.offload:
             st.store.put(slice(layer, layer + 1), keys[heads, retained][None], values[heads, retained][None],
@@ -404,10 +404,12 @@ class SentenceKV(RowHolder, KVMethod):
         """The m oldest tokens of the recent window (their buckets: bucket [m]) join their buckets, every layer at
         once (and with offload go to the host: their pages, which start where the working set ends, leave the page
         table)."""
-        kv, start = seq.kv, st.tail_start
-        k, v, pos = slot_range(kv, slice(None), start, m)  # [layers, kv_heads, m, D] x 2, [layers, kv_heads, m]
-        self.ensure_rows(self.row_needs(seq, st.row, m), kv.pool)
-        self._rows.add(st.row, slice(None), k, bucket.expand(*k.shape[:2], m), at=st.retained)
+        kv, start, pool = seq.kv, st.tail_start, seq.kv.pool
+        k = v = pos = None
+        if st.offload or self._rows.vectors is not None:  # [layers, kv_heads, m, D] x 2, [layers, kv_heads, m]
+            k, v, pos = slot_range(kv, slice(None), start, m)
+        self.ensure_rows(self.row_needs(seq, st.row, m), pool)
+        self._rows.add(st.row, slice(None), k, bucket.expand(pool.num_layers, pool.num_kv_heads, m), at=st.retained)
         if st.offload:
             st.store.put(slice(None), k, v, pos)
             kv.drop_pages(start // kv.pool.page_size, m // kv.pool.page_size)
