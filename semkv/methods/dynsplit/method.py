@@ -386,12 +386,14 @@ class DynSplitKV(RowHolder, KVMethod):
         open before the token and the one open now) and where the token closed the first of them (the plan carries
         it to the device: the host writes nothing there)."""
         if self.batched:
+            rows = chunks = 1
             for seq in batch.seqs:
                 state = seq.method_state
                 chunk, start = len(state.ends), state.open_start
                 self._extend(state, [seq.last_token])  # one token closes at most one chunk
-                self.ensure_rows((state.row + 1, len(state.ends) + 2), seq.kv.pool)
+                rows, chunks = max(rows, state.row + 1), max(chunks, len(state.ends) + 2)
                 state.dirty = (chunk, start, state.ends[chunk] if len(state.ends) > chunk else 0)
+            self.ensure_rows((rows, chunks), batch.seqs[0].kv.pool)  # one check a step, not one a row
             return None
         for seq in batch.seqs:
             self._extend(seq.method_state, [seq.last_token])
