@@ -587,6 +587,8 @@ def test_chunk_best_kernel_matches_reference(group_reduce):
     want = dynsplit_reference.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
     got = chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
     assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), want.isinf())
+    # blocks of 16 slots: chunks that span blocks are folded by each and maximised by the atomics
+    assert torch.allclose(chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, block_n=16), got)
     keys = k_pool.view(-1, kv_heads, dim)
     for b in range(3):
         for c in range(chunks):
