@@ -672,6 +672,12 @@ def test_bucket_take_decides_as_the_full_ranking_and_the_kernel_matches():
         assert torch.equal(taken(before), taken(exact))
         got = bucket_take(scores, counts, capacity)
         assert torch.equal(got[0], before) and torch.equal(got[1], first)
+    # scores without ties: the capacity ends at a key found down to its last bits
+    scores = torch.randn(batch, heads, n, generator=gen) * torch.logspace(-30, 30, n)
+    before = reference.bucket_take(scores, count, capacity)[0]
+    assert torch.equal(bucket_take(scores, count, capacity)[0], before)
+    inside = offsets < count[..., None]
+    assert torch.equal(taken(before), taken(reference.ranked_before(scores, count)))
 
 
 def test_slot_stamps_kernel_matches_reference():
