@@ -406,3 +406,84 @@ def test_selection_cache_rows_follow_the_batch(tiny_llm):
     assert method.graph_epoch == epoch + 1 and method._cache.q.shape[0] > capacity
     assert len(set(grown)) == len(crowd) and 0 not in grown and grown[0] == row_b
     assert method._cache.valid[row_b].sum() == tiny_llm.config.num_layers  # contents moved with the buffers
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("selection", ["soft_vote", "top_k"])
+def test_token_select_kernel_scores_an_int8_key_sketch_as_the_reference(interpreted, selection):
+    """score_keys="int8": the kernels read int8 keys and scale each dot product by its slot's scale, as the
+    reference does, and that is the vote of the dequantized keys."""
+    from semkv.methods.state.key_sketch import quantize
+
+    kernel = interpreted("semkv.methods.tokenselect.triton_token_select")
+    heads, kv_heads, dim, page_size, pages = 8, 2, 16, 4, 80
+    gen = torch.Generator().manual_seed(4)
+    keys, scales = quantize(torch.randn(pages, page_size, kv_heads, dim, generator=gen))
+    tables = torch.stack([torch.randperm(pages, generator=gen) for _ in range(3)])
+    num_slots, rows = torch.tensor([150, 190, 20]), torch.tensor([1, 2, 3])
+    parts = torch.tensor([[3, 20, 5], [2, 14, 4], [3, 20, 5]])
+    q = torch.randn(3, heads, dim, generator=gen)
+    caches = [tokenselect_reference.SelectionCacheBuffers.allocate(4, 1, heads * dim, 1, 20, torch.device("cpu"))
+              for _ in range(3)]
+    common = (num_slots, 200, rows)
+    got = kernel.token_select(q, keys, tables, *common, caches[0], 0, parts, 28, 0.9, selection, None, block_n=16,
+                              block_t=32, num_warps=4, splits=3, vote_splits=3, block_c=2, scales=scales)
+    want = tokenselect_reference.token_select(q, keys, tables, *common, caches[1], 0, parts, 28, 0.9, selection,
+                                              None, scales=scales)
+    dequantized = tokenselect_reference.token_select(q, keys.float() * scales[..., None], tables, *common, caches[2],
+                                                     0, parts, 28, 0.9, selection, None)
+    for b, n in enumerate(torch.minimum(num_slots, parts.sum(1)).tolist()):
+        assert torch.equal(got[b, :, :n], want[b, :, :n]) and torch.equal(want[b, :, :n], dequantized[b, :, :n])
+
+
+def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_do(tiny_llm):
+    """score_keys="int8": after prefill and every decode step the sketch holds the int8 form of every key the
+    sequences stored, in every layer (a slot prepared ahead for the next step is sketched at the end of that step);
+    the batched selection from it picks nearly the tokens the exact keys pick; a budget covering the context gives
+    Full KV's tokens; the sketch is counted per page beside the pool."""
+    from semkv.methods.state.key_sketch import quantize
+
+    engine, cfg = tiny_llm.engine, tiny_llm.config
+    method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, score_keys="int8", prefill="full")
+    method.bind(cfg, tiny_llm.tokenizer, engine.pool.page_size)  # once: a bind starts the method afresh
+    seqs = []
+    for i, prompt in enumerate((PROMPT, PROMPT[:400])):
+        seq = Sequence(i, tiny_llm.encode(prompt, None, chat=False)[0], SamplingParams(max_new_tokens=12,
+                       ignore_eos=True), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
+        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+        seqs.append(seq)
+    with torch.inference_mode():
+        for _ in range(6):
+            engine.step(seqs, method, None, lambda seq: "")
+    pool, size = engine.pool, engine.pool.page_size
+    for seq in seqs:
+        for layer in range(cfg.num_layers):
+            n = seq.kv.num_slots[layer] - seq.slot_ready
+            rows = torch.tensor([seq.kv.pages[layer][t // size] * size + t % size for t in range(n)])
+            keys, scales = quantize(pool.flat()[0][rows])
+            assert torch.equal(method._sketch.keys.data.view(-1, cfg.num_kv_heads, cfg.head_dim)[rows], keys)
+            assert torch.equal(method._sketch.scales.data.view(-1, cfg.num_kv_heads)[rows], scales)
+    exact = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full")
+    exact.bind(cfg, tiny_llm.tokenizer, size)
+    same = total = 0
+    with torch.inference_mode():
+        batch = engine.step_batch(seqs, *engine.prepare_step(seqs, method))
+        exact._ensure_cache(3, 40, pool.k.device)
+        q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+        for layer in range(cfg.num_layers):
+            got, want = method.select_batched(layer, batch, q), exact.select_batched(layer, batch, q)
+            for b, n in enumerate(want.lengths[:, 0].tolist()):
+                same += len(set(got.slots[b, 0, :n].tolist()) & set(want.slots[b, 0, :n].tolist()))
+                total += n
+    assert same >= 0.95 * total
+    engine.end(seqs, method)
+    assert method.page_state_bytes(pool) == size * cfg.num_kv_heads * (cfg.head_dim + 4)
+    full = tiny_llm.generate(PROMPT, method="full", max_new_tokens=NEW, chat=False, ignore_eos=True)
+    covering = tiny_llm.generate(PROMPT, method=TokenSelect(budget=4096, score_keys="int8"), max_new_tokens=NEW,
+                                 chat=False, ignore_eos=True)
+    assert covering[0].token_ids == full[0].token_ids
+    with pytest.raises(SemkvError, match="score_keys='int8' cannot be used with extrapolate"):
+        TokenSelect(budget=64, score_keys="int8", extrapolate=True)
+    with pytest.raises(SemkvError, match="score_keys='int4'; allowed"):
+        TokenSelect(budget=64, score_keys="int4")

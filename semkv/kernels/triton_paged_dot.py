@@ -32,6 +32,24 @@ def key_dots(q, k_ptr, table_ptr, slot, valid, kv_head, d, PAGE_SIZE: tl.constex
 
 
 @triton.jit
+def sketch_dots(q, k_ptr, scale_ptr, table_ptr, slot, valid, kv_head, d, PAGE_SIZE: tl.constexpr,
+                KV_HEADS: tl.constexpr, DIM: tl.constexpr, IEEE: tl.constexpr):
+    """`key_dots` from an int8 key sketch (`methods/state/key_sketch.py`): the keys at `k_ptr` are int8 and each
+    slot and KV head has a float32 scale at `scale_ptr` [pages * PAGE_SIZE, KV_HEADS]: float32 [GROUP_P, BLOCK_N],
+    (q . int8 key) * scale, 0 where not valid. Reads D + 4 bytes a key instead of 2D."""
+    page = tl.load(table_ptr + slot // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    row = page * PAGE_SIZE + slot % PAGE_SIZE
+    keys = tl.load(k_ptr + (row[:, None] * KV_HEADS + kv_head) * DIM + d[None, :],
+                   mask=valid[:, None] & (d[None, :] < DIM), other=0)  # [BLOCK_N, BLOCK_D] int8
+    scale = tl.load(scale_ptr + row * KV_HEADS + kv_head, mask=valid, other=0.0)  # [BLOCK_N]
+    if IEEE:
+        scores = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(keys.to(q.dtype)))  # int8 values are exact in (b)float16; fp32 accumulation
+    return scores * scale[None, :]
+
+
+@triton.jit
 def _paged_dot_kernel(q_ptr, k_ptr, table_ptr, slots_ptr, out_ptr, n, MAX_PAGES,
                       PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr,
                       GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):

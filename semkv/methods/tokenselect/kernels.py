@@ -9,16 +9,16 @@ from semkv.methods.tokenselect import reference
 
 
 def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width, theta, selection,
-                 kv_heads, tp=None):
+                 kv_heads, tp=None, scales=None):
     """See `reference.token_select`; the Triton path covers the soft vote and top-k with k >= 1 on one GPU (the
     hard vote, k = 0 and tensor parallelism, whose cosine and vote add over the ranks, run the reference)."""
     if use_triton(q.device) and selection != "hard_vote" and cache.top.shape[-1] > 0 and tp is None:
         from semkv.methods.tokenselect import triton_token_select as kernel
 
         return kernel.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width,
-                                   theta, selection, kv_heads)
+                                   theta, selection, kv_heads, scales=scales)
     return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width, theta,
-                                  selection, kv_heads, tp)
+                                  selection, kv_heads, tp, scales)
 
 
 def head_vote(scores, k, selection, kv_heads, tp=None):

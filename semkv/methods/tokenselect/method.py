@@ -47,6 +47,10 @@ extrapolate: store keys before RoPE and rotate the attended ones by rank (the pa
 chunk: the longest prefill chunk, 512 (paper Sec. 6.1); each chunk selects its own context.
 prefill: "sparse" (the paper: each chunk attends to its budget of earlier tokens) or "full" (full attention at
     prefill, selection in decoding only; not with `extrapolate`).
+score_keys: the keys a decode step scores every candidate with: "exact" (the cache's) or "int8" (opt-in, issue 55:
+    an int8 sketch of the keys kept by page beside the pool, `state.key_sketch`, read at D + 4 bytes a key instead of
+    2D; the voted tokens are attended with their exact keys). The sketch costs (D + 4) / 4D of the K/V's memory
+    (13% at head_dim 64) beside the pool; not with `extrapolate`.
 """
 from __future__ import annotations
 
@@ -55,8 +59,10 @@ from dataclasses import dataclass
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
+from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
+from semkv.methods.state.key_sketch import KeySketch
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers, split_parts
 from semkv.models.parallel import cosine
@@ -81,6 +87,7 @@ class TokenSelect(KVMethod):
     extrapolate: bool = False
     chunk: int = 512
     prefill: str = "sparse"
+    score_keys: str = "exact"
 
     kind = "selection"
     name = "tokenselect"
@@ -96,6 +103,10 @@ class TokenSelect(KVMethod):
         check_choice("selection", self.selection, SELECTIONS)
         check_choice("scope", self.scope, ("layer", "kv_head"))
         check_choice("prefill", self.prefill, ("sparse", "full"))
+        check_choice("score_keys", self.score_keys, ("exact", "int8"))
+        if self.extrapolate and self.score_keys != "exact":
+            raise SemkvError(f"score_keys={self.score_keys!r} cannot be used with extrapolate=True (it sketches the "
+                             f"keys after RoPE); use score_keys='exact'")
         if self.extrapolate and self.prefill == "full":
             raise SemkvError("prefill='full' cannot be used with extrapolate=True: a full prefill gives every prompt "
                              "token its position, so the prompt must fit the model's context; use prefill='sparse'")
@@ -132,6 +143,7 @@ class TokenSelect(KVMethod):
         self._rows: dict[int, tuple[Sequence, int]] = {}
         self._plan: tuple[list[Sequence], CacheRows] | None = None
         self._parts: tuple[DecodeBatch, torch.Tensor] | None = None
+        self._sketch = KeySketch() if self.score_keys == "int8" else None
 
     def release(self, seq: Sequence) -> None:
         self._rows.pop(id(seq), None)
@@ -154,7 +166,33 @@ class TokenSelect(KVMethod):
         return tokenselect_kernels.top_slots(q, kv.pool.k, kv.table[layer], lo, hi, k, self.selection, kv_heads,
                                              self.tp)
 
+    def admission_bytes(self, seq: Sequence) -> int:
+        return 0 if self._sketch is None else self._sketch.growth_bytes(seq.kv.pool)
+
+    def page_state_bytes(self, pool: KVPool) -> int:
+        return 0 if self._sketch is None else self._sketch.bytes_per_page(pool)
+
+    def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
+        return 0  # the key sketch is kept by page (`page_state_bytes`)
+
+    def _sketch_rows(self, pool: KVPool, rows: torch.Tensor) -> None:
+        """Sketch the keys at flat pool rows `rows` [n] (the sketch grown with the pool first: a move makes captured
+        graphs be captured again)."""
+        if self._sketch.ensure(pool):
+            self.graph_epoch += 1
+        self._sketch.write(pool, rows)
+
     # -- prefill --------------------------------------------------------------------------------------------------
+    def finish_prefill(self, seq: Sequence) -> None:
+        """score_keys="int8": sketch every slot the prefill stored (the same count in every layer), from the
+        device's page table."""
+        if self._sketch is None:
+            return
+        kv, size, n = seq.kv, seq.kv.pool.page_size, seq.kv.num_slots[0]
+        pages = kv.table[:, : -(-n // size)]  # [layers, pages]
+        rows = (pages[:, :, None] * size + torch.arange(size, device=pages.device)).flatten(1)[:, :n]  # [layers, n]
+        self._sketch_rows(kv.pool, rows.flatten())
+
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
         budget = resolve_budget(self.budget, seq.num_computed)
         if self.prefill == "full" or budget >= start:
@@ -203,9 +241,11 @@ class TokenSelect(KVMethod):
             self._parts = batch, split_parts(budget_tokens(self.budget, n), self.n_sink, self.n_recent)
         parts = self._parts[1]  # [B, 3]
         kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
-        slots = tokenselect_kernels.token_select(q, batch.pool.k, batch.tables[:, layer], n, width,
-                                                 batch.step_plan.cache_row, self._cache, layer, parts, out_width,
-                                                 self.theta, self.selection, kv_heads, self.tp)  # [B, S, out_width]
+        sketch = self._sketch
+        keys, scales = (batch.pool.k, None) if sketch is None else (sketch.keys.data, sketch.scales.data)
+        slots = tokenselect_kernels.token_select(q, keys, batch.tables[:, layer], n, width, batch.step_plan.cache_row,
+                                                 self._cache, layer, parts, out_width, self.theta, self.selection,
+                                                 kv_heads, self.tp, scales)  # [B, S, out_width]
         return Selection(slots, torch.minimum(n, parts.sum(1))[:, None].expand(-1, slots.shape[1]))
 
     def step_plan(self, batch: DecodeBatch) -> "CacheRows | None":
@@ -261,7 +301,15 @@ class TokenSelect(KVMethod):
         return CacheRows.static(size, device)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Hit counts of the device Selection Cache into each sequence's statistics (one small read)."""
+        """score_keys="int8": sketch the slot each layer stored this step (the recent window attends it exactly
+        now; it is scored from the sketch once it leaves). Hit counts of the device Selection Cache into each
+        sequence's statistics (one small read)."""
+        if self._sketch is not None:  # the flat row of each sequence's newest slot in each layer, from the host
+            pool = seqs[0].kv.pool
+            size = pool.page_size
+            newest = [seq.kv.num_slots[0] - 1 - seq.slot_ready for seq in seqs]  # not a slot prepared ahead
+            self._sketch_rows(pool, pool.staging.send([pages[t // size] * size + t % size
+                                                       for seq, t in zip(seqs, newest) for pages in seq.kv.pages]))
         if self._plan is None or not self.graph_safe:
             return
         counts = self._cache.counts[self._plan[1].cache_row].tolist()

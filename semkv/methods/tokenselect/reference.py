@@ -101,8 +101,8 @@ class SelectionCacheBuffers:
 
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
-                 theta: float, selection: str, kv_heads: int | None,
-                 tp: TensorParallel | None = None) -> torch.Tensor:
+                 theta: float, selection: str, kv_heads: int | None, tp: TensorParallel | None = None,
+                 scales: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of TokenSelect's decode selection for a batch, Selection Cache included (Algorithm 1).
 
     q [B, heads, D] current queries; tables [B, max_pages]; num_slots [B] stored slots (current token included);
@@ -112,7 +112,9 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     cos(q, cached q) >= theta) and on a miss votes anew among the candidates [initial, num_slots - recent) and stores
     query and top-k. Returns slots [B, S, out_width] ascending: the initial slots, the top-k and the recent slots of
     a sparse row, 0..out_width-1 for the others (the caller masks by length min(num_slots, budget)). Updates
-    `cache` in place; `triton_token_select.py` does the same in kernels that skip hit rows."""
+    `cache` in place; `triton_token_select.py` does the same in kernels that skip hit rows. With `scales` [pages,
+    page_size, kv_heads], k_pool is an int8 key sketch (`KeySketch`) and a score is its dot product times the
+    slot's scale."""
     sink, k, recent = parts.unbind(1)  # [B] each
     budget = parts.sum(1)  # [B]
     flat = q.flatten(1).float()  # [B, heads * D]
@@ -123,6 +125,11 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     refresh = sparse & ~hit
     slot = torch.arange(width, device=q.device)
     scores = paged_dot(q, k_pool, tables, slot)  # [B, heads, width]
+    if scales is not None:  # each slot's scale, for the query heads of its KV group
+        page_size, groups = scales.shape[1], scales.shape[2]
+        at = tables[:, slot // page_size] * page_size + slot % page_size  # [B, width] flat rows
+        scale = scales.view(-1, groups)[at].transpose(1, 2)  # [B, kv_heads, width]
+        scores = scores * scale.repeat_interleave(q.shape[1] // groups, dim=1)
     candidate = (slot >= sink[:, None]) & (slot < (num_slots - recent)[:, None])  # [B, width]
     scores = scores.masked_fill(~candidate[:, None], float("-inf"))
     voted = row_top(vote_totals(scores, k, selection, kv_heads, tp), k, cache.top.shape[-1])  # [B, S, k_max]

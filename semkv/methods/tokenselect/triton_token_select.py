@@ -32,7 +32,7 @@ import triton.language as tl
 
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers
 from semkv.kernels.triton_decode import device_limits
-from semkv.kernels.triton_paged_dot import key_dots
+from semkv.kernels.triton_paged_dot import key_dots, sketch_dots
 
 RADIX_BITS = 8  # a byte a pass: four passes over the 32-bit ordered votes
 RADIX_BINS = 1 << RADIX_BITS
@@ -66,11 +66,11 @@ def _cache_check(q_ptr, n_ptr, parts_ptr, rows_ptr, cq_ptr, valid_ptr, counts_pt
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_n"])
-def _vote_scores(q_ptr, k_pool_ptr, tables_ptr, n_ptr, parts_ptr, refresh_ptr, scores_ptr, smax_ptr, ssum_ptr, W,
-                 stride_tb, stride_n, PAGE_SIZE: tl.constexpr,
+def _vote_scores(q_ptr, k_pool_ptr, scale_ptr, tables_ptr, n_ptr, parts_ptr, refresh_ptr, scores_ptr, smax_ptr,
+                 ssum_ptr, W, stride_tb, stride_n, PAGE_SIZE: tl.constexpr,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, GROUP_P: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFT: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, SKETCH: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)  # this program scores blocks split, split + SPLITS, ...
     b = tl.program_id(2).to(tl.int64)
@@ -88,8 +88,12 @@ def _vote_scores(q_ptr, k_pool_ptr, tables_ptr, n_ptr, parts_ptr, refresh_ptr, s
         for block in range(split, tl.cdiv(hi, BLOCK_N), SPLITS):
             t = block * BLOCK_N + tl.arange(0, BLOCK_N)
             candidate = (t >= sink) & (t < hi)
-            s = key_dots(q, k_pool_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d, PAGE_SIZE, KV_HEADS,
-                         DIM, IEEE)  # [GROUP_P, BLOCK_N]
+            if SKETCH:  # int8 keys and their scales
+                s = sketch_dots(q, k_pool_ptr, scale_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d,
+                                PAGE_SIZE, KV_HEADS, DIM, IEEE)
+            else:
+                s = key_dots(q, k_pool_ptr, tables_ptr + b * stride_tb, t, candidate, kv_head, d, PAGE_SIZE,
+                             KV_HEADS, DIM, IEEE)  # [GROUP_P, BLOCK_N]
             s = tl.where(candidate[None, :], s, float("-inf"))
             tl.store(scores_ptr + head_row[:, None] * W + t[None, :], s,
                      mask=(g[:, None] < GROUP) & (t < hi)[None, :])
@@ -250,14 +254,15 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
                  theta: float, selection: str, kv_heads: int | None, block_n: int = 128, block_t: int = 2048,
                  num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32,
-                 score_warps: int = 4, score_stages: int = 2) -> torch.Tensor:
+                 score_warps: int = 4, score_stages: int = 2, scales: torch.Tensor | None = None) -> torch.Tensor:
     """See `reference.token_select` (selection "soft_vote" or "top_k"). k_pool [pages, page_size, kv_heads, D]
     contiguous; tables and num_slots may be strided views (one layer of the step's tensors). block_t: slots per
     program of the radix passes and the output; splits, vote_splits: programs per row and KV head of the scoring
     kernel, per row and vote set of the vote kernel; block_c: earlier chunks an output program reads at a time.
     block_n, score_warps, score_stages: the scoring kernel's keys per block, warps and pipeline stages (stages cut to
     the device's shared memory), from `benchmarks/decode_kernel_sweep.py` on an H200: 1.46x -> 1.1x its byte floor
-    at Qwen2.5-0.5B's shape, 1.05x -> 0.98x at Llama-3.1-8B's."""
+    at Qwen2.5-0.5B's shape, 1.05x -> 0.98x at Llama-3.1-8B's. scales: k_pool is an int8 key sketch with these
+    scales (`reference.token_select`)."""
     batch, n_heads, dim = q.shape
     _, page_size, pool_kv_heads, _ = k_pool.shape
     sets, k_max = cache.top.shape[2], cache.top.shape[3]
@@ -283,11 +288,12 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
         score_stages = max(1, min(score_stages, device_limits(device.index or 0)[1] //
                                   (block_n * triton.next_power_of_2(dim) * k_pool.element_size())))
     _vote_scores[(pool_kv_heads, score_splits, batch)](
-        q.to(k_pool.dtype), k_pool, tables, num_slots, parts, refresh, scores, split_max, split_sum, width,
+        q if scales is not None else q.to(k_pool.dtype), k_pool, k_pool if scales is None else scales,
+        tables, num_slots, parts, refresh, scores, split_max, split_sum, width,
         tables.stride(0), num_slots.stride(0), PAGE_SIZE=page_size,
         KV_HEADS=pool_kv_heads, GROUP=group, DIM=dim, GROUP_P=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=score_splits, SOFT=soft,
-        IEEE=q.dtype == torch.float32, num_warps=score_warps, num_stages=score_stages)
+        IEEE=q.dtype == torch.float32, SKETCH=scales is not None, num_warps=score_warps, num_stages=score_stages)
     votes = torch.empty(batch, sets, width, dtype=torch.float32, device=device)  # [B, S, width]
     per_set = n_heads // sets
     hp = triton.next_power_of_2(per_set)
