@@ -43,8 +43,8 @@ class KeySketch:
         return self.scales.ensure(pool) or moved
 
     def write(self, pool: KVPool, rows: torch.Tensor) -> None:
-        """Sketch the keys at flat pool rows `rows` [n] (page * page_size + offset; every KV head)."""
-        self.ensure(pool)
+        """Sketch the keys at flat pool rows `rows` [n] (page * page_size + offset; every KV head), covered by an
+        `ensure` first (whose move the caller answers)."""
         keys, scales = quantize(pool.flat()[0][rows])  # [n, kv_heads, D], [n, kv_heads]
         self.keys.data.view(-1, pool.num_kv_heads, pool.head_dim)[rows] = keys
         self.scales.data.view(-1, pool.num_kv_heads)[rows] = scales
