@@ -50,7 +50,7 @@ prefill: "sparse" (the paper: each chunk attends to its budget of earlier tokens
 score_keys: the keys a decode step scores every candidate with: "exact" (the cache's) or "int8" (opt-in, issue 55:
     an int8 sketch of the keys kept by page beside the pool, `state.key_sketch`, read at D + 4 bytes a key instead of
     2D; the voted tokens are attended with their exact keys). The sketch costs (D + 4) / 4D of the K/V's memory
-    (13% at head_dim 64) beside the pool; not with `extrapolate`.
+    (27% at head_dim 64) beside the pool; not with `extrapolate`.
 """
 from __future__ import annotations
 
