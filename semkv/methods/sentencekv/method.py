@@ -84,6 +84,7 @@ from typing import Any
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
+from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import use_triton
@@ -382,7 +383,7 @@ class SentenceKV(RowHolder, KVMethod):
             waiting = stored - st.tail_start - st.n_recent
             if waiting >= self.offload_chunk:
                 leaving.append((seq, st, waiting - waiting % self.offload_chunk))
-        buckets = self._leaving_buckets(leaving, seqs[0].kv.pool.device) if leaving else []
+        buckets = self._leaving_buckets(leaving, seqs[0].kv.pool) if leaving else []
         for (seq, st, m), bucket in zip(leaving, buckets):
             self._offload_waiting(seq, st, m, bucket)
         for seq in seqs:
@@ -390,15 +391,13 @@ class SentenceKV(RowHolder, KVMethod):
                 self._record(seq, vector_bytes, counts.get(seq.method_state.row))
 
     @staticmethod
-    def _leaving_buckets(leaving: list[tuple[Sequence, SentenceState, int]],
-                         device: torch.device) -> list[torch.Tensor]:
+    def _leaving_buckets(leaving: list[tuple[Sequence, SentenceState, int]], pool: KVPool) -> list[torch.Tensor]:
         """The bucket of every token leaving a recent window, one [m] tensor a sequence, decided on the host (the
-        tail holds consecutive positions) and copied in one transfer that does not wait for the device."""
+        tail holds consecutive positions) and copied in one transfer that does not wait for the device (the pool's
+        staging ring)."""
         ids = [bisect.bisect_right(st.starts, p) - 1 for _, st, m in leaving
                for p in range(st.tail_pos, st.tail_pos + m)]
-        flat = torch.tensor(ids, dtype=torch.long)
-        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-        return list(flat.split([m for _, _, m in leaving]))
+        return list(pool.staging.send(ids).split([m for _, _, m in leaving]))
 
     def _offload_waiting(self, seq: Sequence, st: SentenceState, m: int, bucket: torch.Tensor) -> None:
         """The m oldest tokens of the recent window (their buckets: bucket [m]) join their buckets, every layer at

@@ -62,6 +62,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budge
 from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
+from semkv.kernels.reference import physical_rows
 from semkv.methods.state.key_sketch import KeySketch
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers, split_parts
@@ -188,10 +189,9 @@ class TokenSelect(KVMethod):
         device's page table."""
         if self._sketch is None:
             return
-        kv, size, n = seq.kv, seq.kv.pool.page_size, seq.kv.num_slots[0]
-        pages = kv.table[:, : -(-n // size)]  # [layers, pages]
-        rows = (pages[:, :, None] * size + torch.arange(size, device=pages.device)).flatten(1)[:, :n]  # [layers, n]
-        self._sketch_rows(kv.pool, rows.flatten())
+        kv, n = seq.kv, seq.kv.num_slots[0]
+        slots = torch.arange(n, device=kv.table.device).expand(kv.table.shape[0], -1)  # [layers, n]
+        self._sketch_rows(kv.pool, physical_rows(kv.table, slots, kv.pool.page_size).flatten())
 
     def prefill_context(self, layer: int, seq: Sequence, q: torch.Tensor, start: int) -> torch.Tensor | None:
         budget = resolve_budget(self.budget, seq.num_computed)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from semkv.kernels.reference import paged_dot
+from semkv.kernels.reference import paged_dot, physical_rows
 from semkv.models.parallel import TensorParallel, cosine, over_heads
 
 
@@ -126,8 +126,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     slot = torch.arange(width, device=q.device)
     scores = paged_dot(q, k_pool, tables, slot)  # [B, heads, width]
     if scales is not None:  # each slot's scale, for the query heads of its KV group
-        page_size, groups = scales.shape[1], scales.shape[2]
-        at = tables[:, slot // page_size] * page_size + slot % page_size  # [B, width] flat rows
+        groups = scales.shape[2]
+        at = physical_rows(tables, slot.expand(tables.shape[0], -1), scales.shape[1])  # [B, width] flat rows
         scale = scales.view(-1, groups)[at].transpose(1, 2)  # [B, kv_heads, width]
         scores = scores * scale.repeat_interleave(q.shape[1] // groups, dim=1)
     candidate = (slot >= sink[:, None]) & (slot < (num_slots - recent)[:, None])  # [B, width]
