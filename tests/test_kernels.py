@@ -607,8 +607,8 @@ def test_chunk_best_kernel_matches_reference(group_reduce):
 def test_bucket_best_kernel_matches_reference(map_heads):
     """SentenceKV's score="tokens": each bucket's best query . key over a row's retained tokens (slot n_sink + t,
     t < retained), keys read through the page tables; state rows taken out of order, rows with different sinks and
-    retained counts, a bucket map per KV head or shared, buckets with no retained token (-inf). Checked against a
-    per-bucket loop too."""
+    retained counts, a bucket map per KV head or shared, bucket ids that jump, buckets with no retained token (-inf).
+    Checked against a per-bucket loop too."""
     from semkv.methods.sentencekv.triton_bucket_best import bucket_best
 
     gen = torch.Generator().manual_seed(6)
@@ -620,6 +620,7 @@ def test_bucket_best_kernel_matches_reference(map_heads):
     starts = lengths.cumsum(-1) - lengths
     bucket = torch.stack([torch.stack([torch.searchsorted(r, torch.arange(tokens), right=True) - 1 for r in row])
                           for row in starts]).clamp(max=buckets - 1).int()  # [rows, map_heads, T] ascending
+    bucket, buckets = bucket * 3, buckets * 3  # ids that jump, as the retained sentences' do
     rows, n_sink = torch.tensor([3, 1, 2]), torch.tensor([4, 0, 2])
     retained = torch.tensor([26, 30, 7])
     args = (query, k_pool, tables, bucket, rows, n_sink, retained, buckets)

@@ -35,8 +35,10 @@ def _chunk_best(Q, K, TABLES, CHUNK_OF, LO, HI, OUT, width, max_pages, chunks, P
     # handful of addresses queued: the kernel took 57 us a layer at 16 x 31,744 on an H200, 1.75x its key reads)
     chunk = tl.load(CHUNK_OF + b * width + t, mask=valid, other=-1)
     row = OUT + (b * KV_HEADS + kv_head) * chunks
-    for c in range(tl.min(tl.where(valid, chunk, chunks), 0), tl.max(chunk, 0) + 1):
+    c = tl.min(tl.where(valid, chunk, chunks), 0)
+    while c < chunks:  # only the chunks the block holds (as SentenceKV's bucket_best)
         tl.atomic_max(row + c, tl.max(tl.where(chunk == c, best, float("-inf")), 0))
+        c = tl.min(tl.where(valid & (chunk > c), chunk, chunks), 0)
 
 
 def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chunk_of: torch.Tensor, lo: torch.Tensor,

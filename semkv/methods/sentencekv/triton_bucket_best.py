@@ -30,9 +30,13 @@ def _bucket_best(Q, K, TABLES, BUCKET, ROWS, N_SINK, RETAINED, OUT, max_pages, m
     row = tl.load(ROWS + b).to(tl.int64)
     bucket = tl.load(BUCKET + (row * map_heads + kv_head % map_heads) * tokens + t, mask=valid, other=-1)
     out = OUT + (b * KV_HEADS + kv_head) * buckets
-    # bucket ids never decrease along the retained tokens: the block folds each bucket it meets, one atomic a bucket
-    for c in range(tl.min(tl.where(valid, bucket, buckets), 0), tl.max(bucket, 0) + 1):
+    # the block folds each bucket it holds and writes it with one atomic, visiting only the buckets it holds: the
+    # retained sentences' ids jump (a block of 64 tokens may hold sentence 5 and sentence 900), and a loop over the
+    # range of ids made a step of 16 x 31,744 rows take 19.5 ms on an H200 (Full KV's 3.5)
+    c = tl.min(tl.where(valid, bucket, buckets), 0)
+    while c < buckets:
         tl.atomic_max(out + c, tl.max(tl.where(bucket == c, dots, float("-inf")), 0))
+        c = tl.min(tl.where(valid & (bucket > c), bucket, buckets), 0)
 
 
 def bucket_best(query: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, bucket: torch.Tensor,
