@@ -332,7 +332,7 @@ def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):
     assert seqs[0].method_state.row == 0 and before < growth // 100
     method.admit(seqs[0])
     pool = llm.engine.pool
-    stamps = pool.num_pages * pool.page_size * pool.num_kv_heads * 4
+    stamps = pool.coverage * pool.page_size * pool.num_kv_heads * 4  # the page ids handed out, not the pool
     assert held() == growth and method._rows.stamps.data.nbytes == stamps
     assert method.admission_bytes(seqs[1]) == 0
     method.admit(seqs[1])

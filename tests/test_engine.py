@@ -366,6 +366,35 @@ def test_state_beside_the_pool_is_announced_before_admission(tiny_model_dir, nam
     assert llm.engine.memory().held == (0, 0, 0, 0)
 
 
+def test_page_ids_start_from_the_lowest_again_once_none_is_held():
+    """After a large batch has touched most of the pool and let every page go, ids are handed out from the lowest
+    again: state kept by page that is made then covers the new requests' pages, not the old batch's (an int8 key
+    sketch asked 30 GiB for 16 rows after a 335-row batch on an H200); state that lived through it is not moved,
+    nor are captured graphs invalidated; while one page is held, or cached, nothing is rewound."""
+    from semkv.methods.state.page_storage import slot_scores
+
+    pool = KVPool(2, 2, 8, 4, torch.float32, torch.device("cpu"), num_pages=256, max_pages=256)
+    old = slot_scores()
+    old.ensure(pool)
+    big = pool.allocate(200)
+    assert pool.touched == 201 and old.pages >= 201
+    kept = pool.allocate(1)
+    pool.release(big)
+    assert pool.touched == 202 and pool.free  # one page held: ids keep going up
+    pool.release(kept)
+    assert pool.touched == 1 and pool.free == [] and pool.coverage == old.pages
+    epoch, data = pool.coverage_epoch, old.data
+    assert pool.allocate(10) == list(range(1, 11)) and old.data is data and pool.coverage_epoch == epoch
+    pool.release(list(range(1, 11)))
+    assert pool.coverage == old.pages
+    del old, data  # its method is gone
+    new = slot_scores()
+    assert new.growth_bytes(pool) == new.bytes_per_page(pool) and new.ensure(pool) and new.pages == 1  # scratch
+    assert pool.cover_bytes(11) == new.bytes_per_page(pool) * pool.coverage_for(11) < 200 * new.bytes_per_page(pool)
+    pool.allocate(10)
+    assert 11 <= new.pages < 200 and pool.coverage == new.pages and pool.coverage_epoch == epoch + 1
+
+
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():
     """`append_slots` over a batch (one allocation, one copy of the new page ids) leaves every sequence with the
     pages, tables and slot counts that appending one sequence at a time gives, across page boundaries reached at

@@ -33,9 +33,11 @@ class KVPool:
     """Pages of K, V and original positions, handed out to sequences and taken back.
 
     Page ids are handed out lowest first until released ones exist, which go out again first (a stack): so the ids
-    ever handed out (`touched`) are about as many as the most pages ever held at once, and state kept by physical page
-    beside the pool (`PageState`: Quest's summaries, InfLLM's block keys...) covers `coverage` >= `touched` ids, not
-    the whole pool. With a `PrefixCache` (`cache`), pages of cached prompt blocks have reference counts and stay
+    handed out (`touched`) are about as many as the most pages held at once, and state kept by physical page beside
+    the pool (`PageState`: Quest's summaries, InfLLM's block keys...) covers `coverage` >= `touched` ids, not the whole
+    pool. When no page is held or cached any more, ids start from the lowest again (`_rewind`): state made after a
+    large batch is sized by the requests it serves then, not by that batch (TokenSelect's int8 key sketch, 27% of the
+    K/V, asked 30 GiB for 16 rows after a Full KV batch of 335 rows had touched the whole pool of an H200). With a `PrefixCache` (`cache`), pages of cached prompt blocks have reference counts and stay
     filled when no request holds them; they count as free (`available`) and are evicted, least recently used first,
     only when no other page is left."""
 
@@ -125,8 +127,12 @@ class KVPool:
         return 0 if now == self.coverage else now + before - self.coverage
 
     def cover_bytes(self, pages: int) -> int:
-        """Device bytes `cover(pages)` allocates: the grown tables, made beside the old ones."""
-        return 0 if pages <= self.coverage else self.page_state_bytes() * self.coverage_for(pages)
+        """Device bytes `cover(pages)` allocates: the grown tables, made beside the old ones (a state that holds
+        them already, from before a `_rewind`, allocates none)."""
+        if pages <= self.coverage:
+            return 0
+        target = self.coverage_for(pages)
+        return sum(state.bytes_per_page(self) * target for state in self.page_states if state.pages < target)
 
     def cover(self, pages: int) -> None:
         """Grow every `PageState` to hold ids below `pages` (`coverage_for`). Raises MemoryError, with the coverage
@@ -134,15 +140,16 @@ class KVPool:
         if pages <= self.coverage:
             return
         target = self.coverage_for(pages)
+        moved = False
         try:
             for state in list(self.page_states):
-                state.cover(self, target)
+                moved = state.cover(self, target) or moved
         except torch.OutOfMemoryError:
             raise MemoryError(f"no device memory for the state kept by KV page beside the pool "
                               f"({self.page_state_bytes() * (target - self.coverage) / 2**30:.2f} GiB for "
                               f"{target - self.coverage} more pages)") from None
         self.coverage = target
-        if len(self.page_states):
+        if moved:
             self.coverage_epoch += 1
 
     def allocate(self, n: int) -> list[int]:
@@ -183,11 +190,34 @@ class KVPool:
             return
         self.free.extend(pages)
         self.in_use -= len(pages)
+        self._rewind()
 
     def clear_cache(self) -> None:
         """Evict every cached block no request holds."""
         if self.cache is not None:
             self.free.extend(self.cache.clear())
+            self._rewind()
+
+    def _rewind(self) -> None:
+        """When every id handed out is free again (none held, none cached), hand ids out from the lowest again, and
+        let `coverage` fall to what every live per-page state holds: a state made from now on covers only that."""
+        if len(self.free) != self.touched - 1:
+            return
+        self.free, self.touched = [], 1
+        self.coverage = self.start_coverage
+
+    @property
+    def start_coverage(self) -> int:
+        """What a state kept by page made now covers: `coverage`, or while no id is handed out (after a `_rewind`)
+        what the live states hold (states of methods gone since are not counted)."""
+        if self.touched > 1:
+            return self.coverage
+        return max(min((state.pages for state in self.page_states), default=1), 1)
+
+    def register(self, state: "PageState") -> None:
+        """Grow `state` with the coverage from now on (the coverage falls to `start_coverage` first)."""
+        self.coverage = self.start_coverage
+        self.page_states.add(state)
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views [num_pages * page_size, kv_heads, head_dim] (and positions [.., kv_heads]) indexed by physical slot."""
@@ -203,6 +233,11 @@ class PageState(Protocol):
     """Method state stored by physical page id beside the pool; the pool grows it with `coverage`."""
 
     def bytes_per_page(self, pool: KVPool) -> int: ...
+
+    @property
+    def pages(self) -> int:
+        """Page ids it holds entries for."""
+        ...
 
     def cover(self, pool: KVPool, pages: int) -> bool:
         """Hold entries for page ids below `pages`; True when the storage moved."""

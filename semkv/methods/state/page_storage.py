@@ -37,12 +37,13 @@ class PageStorage:
 
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates."""
-        return 0 if self.pages >= pool.coverage else pool.coverage * self.bytes_per_page(pool)
+        pages = pool.start_coverage
+        return 0 if self.pages >= pages else pages * self.bytes_per_page(pool)
 
     def ensure(self, pool: KVPool) -> bool:
         """Cover the pages the pool covers, and grow with it from now on; True when the storage moved (captured
         graphs must be captured again)."""
-        pool.page_states.add(self)
+        pool.register(self)
         return self.cover(pool, pool.coverage)
 
     def cover(self, pool: KVPool, pages: int) -> bool:

@@ -36,10 +36,15 @@ class PageSummaries:
         """The statistics whose tables hold fewer than `pages` pages."""
         return [stat for stat in self.stats if stat not in self.data or self.data[stat].shape[0] < pages]
 
+    @property
+    def pages(self) -> int:
+        """Page ids every statistic's table holds."""
+        return min((self.data[stat].shape[0] if stat in self.data else 0 for stat in self.stats), default=0)
+
     def ensure(self, pool: KVPool) -> bool:
         """Cover the pages the pool covers (`KVPool.coverage`), and grow with it from now on (`KVPool.page_states`);
         True when a table moved."""
-        pool.page_states.add(self)
+        pool.register(self)
         return self.cover(pool, pool.coverage)
 
     def cover(self, pool: KVPool, pages: int) -> bool:
@@ -57,8 +62,9 @@ class PageSummaries:
 
     def growth_bytes(self, pool: KVPool) -> int:
         """Device bytes `ensure(pool)` allocates (a grown table is a new one, the old one freed after)."""
-        return sum(pool.coverage * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
-                   for stat in self._short(pool, pool.coverage))
+        pages = pool.start_coverage
+        return sum(pages * pool.num_kv_heads * pool.head_dim * self._dtype(stat, pool).itemsize
+                   for stat in self._short(pool, pages))
 
     def build(self, kv: SeqKV, layer: int) -> None:
         """Summaries of every page of one sequence and layer, from its stored keys."""
