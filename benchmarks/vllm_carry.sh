@@ -14,13 +14,13 @@
 # Carry one part a call (naming the part's path, so the parts already there stay), the SHA256SUMS files and
 # .carry/data with any of them; `bash benchmarks/vllm_device.sh status` there says which parts are missing.
 #
-# Usage: bash benchmarks/vllm_carry.sh [--part-mib 40] [--wheels DIR] [--work DIR]
+# Usage: bash benchmarks/vllm_carry.sh [--part-mib 30] [--wheels DIR] [--work DIR]
 #   --part-mib  size of a part: 64 MiB less the working tree that travels with it, less a margin
 #   --wheels    the folder of ../shared/tools/vllm026/get.sh's wheels (downloaded there when missing)
 #   --work      where downloads are kept (default .whl/, ignored)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
-part_mib=40 wheels="" work="$root/.whl"
+part_mib=30 wheels="" work="$root/.whl"
 while [ $# -gt 0 ]; do
   case $1 in
     --part-mib) part_mib=$2; shift 2 ;;

@@ -12,13 +12,14 @@
 # decode step's device and host time go), modes_bench (issue 55's targets: `semkv bench` with real prefills at
 # 31,744, batch 16 and Full KV's largest batch, Full KV, CHESS, ChunkKV and the retrieving modes; ARGS: e.g.
 # --methods full,sentencekv to run fewer), kernels (kernel_check.py: each Triton kernel against its reference and
-# its speed). SECONDS (default
+# its speed), ruler (`semkv eval` of the eight RULER NIAH tasks, 20 samples, batched, into $W/ruler; ARGS: its
+# --methods, --lengths, --budgets...; a rerun resumes). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|ruler [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -83,6 +84,13 @@ modes_bench)  # issue 55's targets, one bench call (the rows of the methods it r
   tar czf $out/modes_bench.tgz -C $W --exclude='*.png' modes_bench modes_bench.log device.txt ;;
 kernels)  # benchmarks/kernel_check.py: every Triton kernel against its reference, then its speed
   timeout $seconds python3 benchmarks/kernel_check.py "$@" | tee $out/kernels.txt ;;
+ruler)  # RULER NIAH quality of the modes named in ARGS (the suite pages' tasks and samples)
+  niah=ruler_niah_single_1,ruler_niah_single_2,ruler_niah_single_3,ruler_niah_multikey_1,ruler_niah_multikey_2
+  timeout $((seconds - 15)) python3 -m semkv.cli.main eval --model $QWEN --data-dir $DATA --samples 20 --batched \
+    --task $niah,ruler_niah_multikey_3,ruler_niah_multivalue,ruler_niah_multiquery --out $W/ruler "$@" \
+    > $W/ruler.log 2>&1
+  tail -n 5 $W/ruler.log
+  tar czf $out/ruler.tgz -C $W ruler ruler.log device.txt ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \
