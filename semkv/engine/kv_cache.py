@@ -33,13 +33,14 @@ class KVPool:
     """Pages of K, V and original positions, handed out to sequences and taken back.
 
     Page ids are handed out lowest first until released ones exist, which go out again first (a stack): so the ids
-    handed out (`touched`) are about as many as the most pages held at once, and state kept by physical page beside
-    the pool (`PageState`: Quest's summaries, InfLLM's block keys...) covers `coverage` >= `touched` ids, not the whole
-    pool. When no page is held or cached any more, ids start from the lowest again (`_rewind`): state made after a
-    large batch is sized by the requests it serves then, not by that batch (TokenSelect's int8 key sketch, 27% of the
-    K/V, asked 30 GiB for 16 rows after a Full KV batch of 335 rows had touched the whole pool of an H200). With a `PrefixCache` (`cache`), pages of cached prompt blocks have reference counts and stay
-    filled when no request holds them; they count as free (`available`) and are evicted, least recently used first,
-    only when no other page is left."""
+    handed out (`touched`) are about as many as the most pages held at once, and state kept by physical page beside the
+    pool (`PageState`: Quest's summaries, InfLLM's block keys...) covers `coverage` >= `touched` ids, not the whole
+    pool. When no page is held or cached any more, ids start from the lowest again (`_rewind`): state made after a large
+    batch is sized by the requests it serves then, not by that batch (TokenSelect's int8 key sketch, 27% of the K/V,
+    asked 30 GiB for 16 rows after a Full KV batch of 335 rows had touched the whole pool of an H200). With a
+    `PrefixCache` (`cache`), pages of cached prompt blocks have reference counts and stay filled when no request holds
+    them; they count as free (`available`) and are evicted, least recently used first, only when no other page is
+    left."""
 
     def __init__(
         self,
@@ -199,12 +200,10 @@ class KVPool:
             self._rewind()
 
     def _rewind(self) -> None:
-        """When every id handed out is free again (none held, none cached), hand ids out from the lowest again, and
-        let `coverage` fall to what every live per-page state holds: a state made from now on covers only that."""
-        if len(self.free) != self.touched - 1:
-            return
-        self.free, self.touched = [], 1
-        self.coverage = self.start_coverage
+        """When every id handed out is free again (none held, none cached), hand ids out from the lowest again: a
+        state made from now on covers only what the live ones hold (`start_coverage`)."""
+        if len(self.free) == self.touched - 1:
+            self.free, self.touched = [], 1
 
     @property
     def start_coverage(self) -> int:

@@ -4,7 +4,8 @@ the paged cache by an index list, without gathering them into a contiguous copy 
 Same signature and result as `reference.paged_dot`. One program handles one sequence, one KV head and a block of
 slots: it loads the queries of that KV group once ([group, D], GQA by grouping: query head h reads KV head
 h // group), maps each logical slot to its physical row through the page table, loads the keys of the block and
-computes the group's scores with one `tl.dot`. Importing this module imports Triton; set TRITON_INTERPRET=1 before
+computes the group's scores with one `tl.dot`. `key_dots` is that step for other kernels; `fold_max` folds scores
+into the groups they belong to (a bucket, a chunk). Importing this module imports Triton; set TRITON_INTERPRET=1 before
 importing it to run the kernel on CPU tensors (slowly) for tests.
 """
 from __future__ import annotations
@@ -12,6 +13,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def fold_max(out_ptr, ids, values, valid, n):
+    """Each id's largest value among a block's entries, written to out_ptr[id] with one atomic max an id the block
+    holds: ids [BLOCK] in [0, n) where `valid`, values [BLOCK]. The loop visits only the ids the block holds, not the
+    range they span (SentenceKV's retained sentences jump, say from sentence 5 to 900: a loop over the range made a
+    step of 16 x 31,744 rows take 19.5 ms on an H200, Full KV's 3.5; with an atomic an entry, 64 updates of a
+    handful of addresses queue: DynSplit-KV's chunk_best took 57 us a layer, 1.75x its key reads)."""
+    c = tl.min(tl.where(valid, ids, n), 0)
+    while c < n:
+        tl.atomic_max(out_ptr + c, tl.max(tl.where(valid & (ids == c), values, float("-inf")), 0))
+        c = tl.min(tl.where(valid & (ids > c), ids, n), 0)
 
 
 @triton.jit

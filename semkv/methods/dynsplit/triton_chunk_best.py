@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from semkv.kernels.triton_paged_dot import key_dots
+from semkv.kernels.triton_paged_dot import fold_max, key_dots
 
 
 @triton.jit
@@ -30,15 +30,9 @@ def _chunk_best(Q, K, TABLES, CHUNK_OF, LO, HI, OUT, width, max_pages, chunks, P
         best = tl.sum(dots, 0) / GROUP  # the padding rows are 0
     else:
         best = tl.max(tl.where(g[:, None] < GROUP, dots, float("-inf")), 0)
-    # chunks are runs of slots (`chunk_of` never decreases along a row): a block's slots fall in a few of them, so
-    # the block folds its own maximum of each and writes it with one atomic (with an atomic a slot, 64 updates of a
-    # handful of addresses queued: the kernel took 57 us a layer at 16 x 31,744 on an H200, 1.75x its key reads)
+    # chunks are runs of slots: a block's slots fall in a few of them, each folded and written with one atomic
     chunk = tl.load(CHUNK_OF + b * width + t, mask=valid, other=-1)
-    row = OUT + (b * KV_HEADS + kv_head) * chunks
-    c = tl.min(tl.where(valid, chunk, chunks), 0)
-    while c < chunks:  # only the chunks the block holds (as SentenceKV's bucket_best)
-        tl.atomic_max(row + c, tl.max(tl.where(chunk == c, best, float("-inf")), 0))
-        c = tl.min(tl.where(valid & (chunk > c), chunk, chunks), 0)
+    fold_max(OUT + (b * KV_HEADS + kv_head) * chunks, chunk, best, valid, chunks)
 
 
 def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chunk_of: torch.Tensor, lo: torch.Tensor,

@@ -1,16 +1,17 @@
-"""Each bucket's best retained token for the query in one kernel (SentenceKV's score="tokens"): the dot products of a
-KV group's query with the keys of a block of retained tokens, read in place through the page table (`key_dots`,
-TokenSelect's paged dot product), folded into each bucket the block's tokens fall in and written with one atomic max
-a bucket. One program per KV head, block of retained tokens and row. Replaces the torch steps of `reference.bucket_best` (every dot product of the row's slots
-written as float32, gathered at the retained ones, masked, then a scatter max: five kernels a layer, the scatter
-alone 63 us a layer at 16 x 31k on an H200, results page 2026-11-28-h200x2-servers)."""
+"""Each bucket's best retained token for the query in one kernel (SentenceKV's score="tokens"): the dot products of a KV
+group's query with the keys of a block of retained tokens, read in place through the page table (`key_dots`,
+TokenSelect's paged dot product), folded into each bucket the block's tokens fall in and written with one atomic max a
+bucket (`fold_max`). One program per KV head, block of retained tokens and row. Replaces the torch steps of
+`reference.bucket_best` (every dot product of the row's slots written as float32, gathered at the retained ones, masked,
+then a scatter max: five kernels a layer, the scatter alone 63 us a layer at 16 x 31k on an H200, results page
+2026-11-28-h200x2-servers)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from semkv.kernels.triton_paged_dot import key_dots
+from semkv.kernels.triton_paged_dot import fold_max, key_dots
 
 
 @triton.jit
@@ -29,14 +30,7 @@ def _bucket_best(Q, K, TABLES, BUCKET, ROWS, N_SINK, RETAINED, OUT, max_pages, m
                   0)  # [BLOCK_N]: the other rows are 0
     row = tl.load(ROWS + b).to(tl.int64)
     bucket = tl.load(BUCKET + (row * map_heads + kv_head % map_heads) * tokens + t, mask=valid, other=-1)
-    out = OUT + (b * KV_HEADS + kv_head) * buckets
-    # the block folds each bucket it holds and writes it with one atomic, visiting only the buckets it holds: the
-    # retained sentences' ids jump (a block of 64 tokens may hold sentence 5 and sentence 900), and a loop over the
-    # range of ids made a step of 16 x 31,744 rows take 19.5 ms on an H200 (Full KV's 3.5)
-    c = tl.min(tl.where(valid, bucket, buckets), 0)
-    while c < buckets:
-        tl.atomic_max(out + c, tl.max(tl.where(bucket == c, dots, float("-inf")), 0))
-        c = tl.min(tl.where(valid & (bucket > c), bucket, buckets), 0)
+    fold_max(OUT + (b * KV_HEADS + kv_head) * buckets, bucket, dots, valid, buckets)
 
 
 def bucket_best(query: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, bucket: torch.Tensor,
