@@ -393,6 +393,13 @@ def test_page_ids_start_from_the_lowest_again_once_none_is_held():
     assert pool.cover_bytes(11) == new.bytes_per_page(pool) * pool.coverage_for(11) < 200 * new.bytes_per_page(pool)
     pool.allocate(10)
     assert 11 <= new.pages < 200 and pool.coverage == new.pages and pool.coverage_epoch == epoch + 1
+    del new  # no state kept by page lives now (Full KV's runs); a large batch comes and goes
+    pool.release(pool.allocate(190) + list(range(1, 11)))
+    assert pool.touched == 1 and pool.coverage == 1
+    pool.allocate(5)  # a request's prefill takes pages first; its method makes state kept by page afterwards (the
+    late = slot_scores()  # int8 sketch after its prompt): it covers those pages, not the batch's before
+    assert late.growth_bytes(pool) == late.bytes_per_page(pool) * pool.coverage_for(6, 1) and late.ensure(pool)
+    assert 6 <= late.pages == pool.coverage < 200
 
 
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():

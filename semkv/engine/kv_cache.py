@@ -146,12 +146,15 @@ class KVPool:
             for state in list(self.page_states):
                 moved = state.cover(self, target) or moved
         except torch.OutOfMemoryError:
-            raise MemoryError(f"no device memory for the state kept by KV page beside the pool "
-                              f"({self.page_state_bytes() * (target - self.coverage) / 2**30:.2f} GiB for "
-                              f"{target - self.coverage} more pages)") from None
+            raise self._no_room(self.page_state_bytes(), target - self.coverage) from None
         self.coverage = target
         if moved:
             self.coverage_epoch += 1
+
+    @staticmethod
+    def _no_room(bytes_per_page: int, pages: int) -> MemoryError:
+        return MemoryError(f"no device memory for the state kept by KV page beside the pool "
+                           f"({bytes_per_page * pages / 2**30:.2f} GiB for {pages} more pages)")
 
     def allocate(self, n: int) -> list[int]:
         """n pages: released ones first, then never-used ones (lowest ids first), then pages of evicted cached
@@ -204,6 +207,7 @@ class KVPool:
         state made from now on covers only what the live ones hold (`start_coverage`)."""
         if len(self.free) == self.touched - 1:
             self.free, self.touched = [], 1
+            self.coverage = self.start_coverage
 
     @property
     def start_coverage(self) -> int:
@@ -213,10 +217,17 @@ class KVPool:
             return self.coverage
         return max(min((state.pages for state in self.page_states), default=1), 1)
 
-    def register(self, state: "PageState") -> None:
-        """Grow `state` with the coverage from now on (the coverage falls to `start_coverage` first)."""
+    def register(self, state: "PageState") -> bool:
+        """Cover the pages handed out with `state` now, and grow it with the coverage from now on (the coverage falls
+        to `start_coverage` first); True when its tensors moved. MemoryError (`state` not kept) when the device cannot
+        hold it."""
         self.coverage = self.start_coverage
         self.page_states.add(state)
+        try:
+            return state.cover(self, self.coverage)
+        except torch.OutOfMemoryError:
+            self.page_states.discard(state)
+            raise self._no_room(state.bytes_per_page(self), self.coverage - state.pages) from None
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views [num_pages * page_size, kv_heads, head_dim] (and positions [.., kv_heads]) indexed by physical slot."""

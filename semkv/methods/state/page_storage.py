@@ -43,8 +43,7 @@ class PageStorage:
     def ensure(self, pool: KVPool) -> bool:
         """Cover the pages the pool covers, and grow with it from now on; True when the storage moved (captured
         graphs must be captured again)."""
-        pool.register(self)
-        return self.cover(pool, pool.coverage)
+        return pool.register(self)
 
     def cover(self, pool: KVPool, pages: int) -> bool:
         have = self.pages

@@ -44,8 +44,7 @@ class PageSummaries:
     def ensure(self, pool: KVPool) -> bool:
         """Cover the pages the pool covers (`KVPool.coverage`), and grow with it from now on (`KVPool.page_states`);
         True when a table moved."""
-        pool.register(self)
-        return self.cover(pool, pool.coverage)
+        return pool.register(self)
 
     def cover(self, pool: KVPool, pages: int) -> bool:
         short = self._short(pool, pages)
