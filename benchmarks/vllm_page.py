@@ -48,7 +48,10 @@ def serve_rows(folder: Path) -> list[dict]:
                 pages_after=after.get('semkv_kv_pool_pages{state="in_use"}'),
                 live_after=after.get("semkv_engine_live_requests"),
                 kv_peak_gib=kv_gib(m["kv_peak"], after, info["kv"]["token_bytes"]),
-                card_peak_gib=info.get("card_peak_gib"), ready_s=info.get("ready_s")))
+                card_peak_gib=info.get("card_peak_gib"), ready_s=info.get("ready_s"),
+                steps={kind: [after.get(f'{name}{{kind="{kind}"}}', 0) - before.get(f'{name}{{kind="{kind}"}}', 0)
+                              for name in ("semkv_engine_steps_total", "semkv_engine_step_seconds_total")]
+                       for kind in ("decode", "mixed", "prefill")}))
     # phases in the order they ran; vLLM first, then Full KV
     return sorted(rows, key=lambda r: (r["first"], r["phase"], r["server"] != "vllm", r["server"] != FULL,
                                        r["server"]))
@@ -84,6 +87,12 @@ def serve_tables(rows: list[dict]) -> str:
                        f"{r['request_s']:.2f} | {r['prompt_tok_s']:.0f} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | "
                        f"{r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['tpot_p50']:.1f} | {r['cached_tokens']:.0f} | "
                        f"{r['kv_peak_gib']} | {held} |")
+        timed = [r for r in here if any(n for n, _ in r["steps"].values())]
+        if timed:  # semkv's engine steps by kind (servers of this tree on)
+            out += ["\n| server | decode-only steps: count, mean ms | mixed steps | prefill-only steps |",
+                    "|---|---|---|---|"]
+            out += [f"| {r['server']} | " + " | ".join(f"{n:.0f}, {1e3 * t / n:.1f}" if n else "-"
+                                                     for n, t in r["steps"].values()) + " |" for r in timed]
     servers = {r["server"]: r for r in rows}
     out += ["\n| server | ready after s | card peak GiB |", "|---|---|---|"]
     out += [f"| {s} | {r['ready_s']} | {r['card_peak_gib']} |" for s, r in servers.items()]

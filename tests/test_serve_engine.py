@@ -125,7 +125,7 @@ def test_the_step_budget_and_the_running_limit_bind(tiny_model_dir, tiny_llm):
     """--max-num-seqs 2 --max-num-batched-tokens 64: six concurrent requests of about 150 prompt tokens run two at a
     time, the engine steps compute at most 64 tokens (long prompts prefilled over several steps) but for those in
     which no request decoded (at most one per pair of requests; they may prefill the engine's chunk, 512 tokens on
-    the CPU), and the answers are those of one request at a time."""
+    the CPU), each step is timed under its kind, and the answers are those of one request at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     server = Server("--model", str(tiny_model_dir("llama")), "--max-num-seqs", "2", "--max-num-batched-tokens", "64")
@@ -142,5 +142,9 @@ def test_the_step_budget_and_the_running_limit_bind(tiny_model_dir, tiny_llm):
         within = m[("semkv_engine_step_tokens_bucket", (("le", "64.0"),))]
         assert steps >= 6 * 16 / 2 and steps - 3 <= within < steps
         assert m[("semkv_engine_step_tokens_bucket", (("le", "1024.0"),))] == steps
+        # every step timed by its kind: prompts prefilled alone, beside a decoding request, and decode-only steps
+        timed = {kind: m[("semkv_engine_steps_total", (("kind", kind),))] for kind in ("decode", "mixed", "prefill")}
+        assert all(timed.values()) and sum(timed.values()) == steps
+        assert all(m[("semkv_engine_step_seconds_total", (("kind", kind),))] > 0 for kind in timed)
     finally:
         server.close()

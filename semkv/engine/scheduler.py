@@ -44,6 +44,15 @@ SCAN = 16  # waiting requests looked at per admission (the oldest ones)
 WATERMARK = 100  # admission leaves 1 / WATERMARK of the pool free for the running requests' next pages
 
 
+Mark = float | torch.cuda.Event  # a point in time: the clock's on the CPU, a recorded event on CUDA
+STEP_KINDS = ("decode", "mixed", "prefill")  # a step's work: decode rows only, decode rows and prompt chunks, chunks
+
+
+def _kinds(zero: int | float):
+    """A counters field: `zero` for each step kind."""
+    return field(default_factory=lambda: dict.fromkeys(STEP_KINDS, zero))
+
+
 @dataclass
 class Counters:
     """What a scheduler has done, for a server's metrics: counts since it was made, and the last step's tokens."""
@@ -54,6 +63,11 @@ class Counters:
     preemptions: int = 0  # running requests whose pages were freed to make room (recomputed later)
     steps: int = 0  # engine steps (`advance` calls that ran something)
     step_tokens: int = 0  # tokens the last step computed: one per decoding request plus its prefill chunks
+    # steps by kind (`STEP_KINDS`) whose end the device has reached, and their time: from the step's first kernel to
+    # its last as the device ran them (CUDA events, read once done: a step is counted a step or two late), wall time
+    # on the CPU
+    timed_steps: dict[str, int] = _kinds(0)
+    step_seconds: dict[str, float] = _kinds(0.0)
 
 
 @dataclass
@@ -89,6 +103,7 @@ class Scheduler:
         self._admitted: dict[Sequence, int] = {}  # admission order of live requests (the newest is preempted first)
         self._order = itertools.count()
         self._bypassed = 0  # admissions past the request at the head of the queue
+        self._timing: deque[tuple[str, Mark, Mark]] = deque()  # (kind, start, end) of steps not yet counted
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
         """Queue a request (its `method_state` made already) behind the waiting ones."""
@@ -120,10 +135,12 @@ class Scheduler:
         """One step: a decode step of each batch and prefill work (see the module's docstring); finished requests
         are released."""
         budget = self.max_num_batched_tokens
-        tokens = 0
+        started = self._mark()
+        tokens = prompt = 0
         if budget is None:  # whole prompts first, as many as fit
             while (seq := self._admit()) is not None:
-                tokens += self._prefill(seq, 0, progress)
+                prompt += self._prefill(seq, 0, progress)
+            tokens = prompt
         for batch in [b for b in self.batches.values() if b.running]:
             try:
                 self._make_room(batch)
@@ -142,14 +159,39 @@ class Scheduler:
                 if left <= 0:
                     break
                 done = self._prefill(seq, left)
-                left, tokens = left - done, tokens + done
+                left, tokens, prompt = left - done, tokens + done, prompt + done
             while left > 0 and (seq := self._admit()) is not None:
                 done = self._prefill(seq, left)
-                left, tokens = left - done, tokens + done
+                left, tokens, prompt = left - done, tokens + done, prompt + done
         self.engine.reserved = 0  # the promises hold while this scheduler steps
         if tokens:
             self.counters.steps += 1
             self.counters.step_tokens = tokens
+            kind = "decode" if not prompt else "prefill" if prompt == tokens else "mixed"
+            self._timing.append((kind, started, self._mark()))
+        self._count_time()
+
+    def _mark(self) -> Mark:
+        """Now, for a step's time: a CUDA event recorded on the stream the steps run on, the clock on the CPU."""
+        if self.engine.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _count_time(self) -> None:
+        """Count the steps the device has finished in `counters` (never waits for it)."""
+        while self._timing:
+            kind, start, end = self._timing[0]
+            if isinstance(end, float):
+                seconds = end - start
+            elif end.query():
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                return
+            self._timing.popleft()
+            self.counters.timed_steps[kind] += 1
+            self.counters.step_seconds[kind] += seconds
 
     # -- admission and prefill ------------------------------------------------------------------------------------
     def _admit(self) -> Sequence | None:

@@ -34,6 +34,11 @@ class Metrics:
         self.step_tokens = Histogram("semkv_engine_step_tokens", "tokens one engine step computed: one per decoding "
                                      "request plus the prefill chunks", registry=registry,
                                      buckets=(1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536))
+        self.steps = Counter("semkv_engine_steps", "engine steps by kind: decode (decode rows only), mixed (decode "
+                             "rows and prompt chunks), prefill (prompt chunks only)", ["kind"], registry=registry)
+        self.step_seconds = Counter("semkv_engine_step_seconds", "time of those steps, from a step's first kernel to "
+                                    "its last as the device ran them (wall time on the CPU)", ["kind"],
+                                    registry=registry)
         self.lag = Histogram("semkv_engine_output_lag_seconds", "from the engine process sending an iteration's "
                              "outputs to the web process routing them", registry=registry,
                              buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5))
@@ -109,6 +114,9 @@ class Metrics:
         self.cache_queries.inc(now.prompt_tokens - before.prompt_tokens)
         self.cache_hits.inc(now.cached_tokens - before.cached_tokens)
         self.preemptions.inc(now.preemptions - before.preemptions)
+        for kind, n in now.timed_steps.items():
+            self.steps.labels(kind).inc(n - before.timed_steps[kind])
+            self.step_seconds.labels(kind).inc(now.step_seconds[kind] - before.step_seconds[kind])
         if now.prompt_tokens:
             self.cache_hit_rate.set(now.cached_tokens / now.prompt_tokens)
         self.counted = now
