@@ -148,3 +148,32 @@ def test_the_step_budget_and_the_running_limit_bind(tiny_model_dir, tiny_llm):
         assert all(m[("semkv_engine_step_seconds_total", (("kind", kind),))] > 0 for kind in timed)
     finally:
         server.close()
+
+
+def test_a_tensor_parallel_rank_killed_mid_request_ends_the_engine_and_health_names_it(tiny_model_dir):
+    """--tensor-parallel-size 2, rank 1's process killed while a stream runs: within seconds the stream ends with an
+    error that names the rank, new requests get 503 and /health says which rank failed and how (rank 0 would
+    otherwise wait in a collective rank 1 never joins)."""
+    from test_serve import children
+
+    server = Server("--model", str(tiny_model_dir("llama")), "--tensor-parallel-size", "2")
+    try:
+        ranks = children(server.engine_pid(), "spawn_main")  # rank 0 is the engine process; it started rank 1
+        assert len(ranks) == 1
+        stream = server.client.completions.create(stream=True, model=MODEL, prompt="Once upon a time", max_tokens=3000,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(ranks[0], signal.SIGKILL)
+        killed = time.time()
+        with pytest.raises(openai.APIError, match="rank 1 was killed by SIGKILL"):
+            for _ in stream:
+                pass
+        print(f"\nrank 1 killed under the server: the stream had the error {time.time() - killed:.1f} s after")
+        assert time.time() - killed < 15
+        status, _, body = get(f"{server.url}/health")
+        assert status == 503 and "tensor-parallel rank 1 was killed by SIGKILL" in body["reason"], body
+        with pytest.raises(openai.InternalServerError) as err:
+            server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+        assert err.value.status_code == 503
+    finally:
+        server.close()
