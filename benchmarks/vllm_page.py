@@ -17,6 +17,8 @@ from vllm_offline import compare  # noqa: E402
 from vllm_quality import means, scores, table  # noqa: E402
 from vllm_workload import read_json  # noqa: E402
 
+from semkv.engine.scheduler import STEP_KINDS  # noqa: E402
+
 FULL = "semkv-full"  # vllm_serve.py's label of semkv serve with Full KV
 
 
@@ -51,7 +53,7 @@ def serve_rows(folder: Path) -> list[dict]:
                 card_peak_gib=info.get("card_peak_gib"), ready_s=info.get("ready_s"),
                 steps={kind: [after.get(f'{name}{{kind="{kind}"}}', 0) - before.get(f'{name}{{kind="{kind}"}}', 0)
                               for name in ("semkv_engine_steps_total", "semkv_engine_step_seconds_total")]
-                       for kind in ("decode", "mixed", "prefill")}))
+                       for kind in STEP_KINDS}))
     # phases in the order they ran; vLLM first, then Full KV
     return sorted(rows, key=lambda r: (r["first"], r["phase"], r["server"] != "vllm", r["server"] != FULL,
                                        r["server"]))

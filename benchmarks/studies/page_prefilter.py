@@ -26,6 +26,7 @@ import torch
 
 import semkv
 from semkv.engine.hooks import DecodeBatch, KVMethod
+from semkv.kernels.reference import min_max_bound
 
 NEEDLE = "The special magic number for the blue lighthouse is 4172093."
 QUESTION = "What is the special magic number for the blue lighthouse? Answer with the number only."
@@ -57,16 +58,16 @@ class Recorder(KVMethod):
         return None
 
 
-def measure(q: torch.Tensor, keys: torch.Tensor, budget: float, page: int, multiples) -> dict:
+def measure(q: torch.Tensor, keys: torch.Tensor, share: float, page: int, multiples) -> dict:
     """q [group, D], keys [n, D] -> token and mass recall of the top-P pages by Quest's bound, for each multiple."""
     n, dim = keys.shape
     vote = torch.softmax(q @ keys.T / dim**0.5, dim=-1).sum(0)  # [n] the group's soft vote
-    k = max(1, int(budget * n))
+    k = max(1, int(share * n))
     top = vote.topk(k).indices
     pages = -(-n // page)
     padded = torch.cat([keys, keys[-1:].expand(pages * page - n, -1)]).view(pages, page, dim)
     low, high = padded.amin(1), padded.amax(1)  # [pages, D]
-    bound = torch.maximum(q[:, None] * low, q[:, None] * high).sum(-1).amax(0)  # [pages]
+    bound = min_max_bound(q[None], low[None, :, None], high[None, :, None], "max")[0, 0]  # [pages]
     order = bound.argsort(descending=True)
     out = {}
     for m in multiples:
