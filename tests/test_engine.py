@@ -402,6 +402,26 @@ def test_page_ids_start_from_the_lowest_again_once_none_is_held():
     assert 6 <= late.pages == pool.coverage < 200
 
 
+def test_state_kept_by_page_that_the_device_cannot_hold_is_a_memory_error_and_is_not_kept():
+    """`KVPool.register` covering a new state runs out of device memory: the caller gets one MemoryError naming the
+    GiB and pages missing, the pool keeps no reference to the state, and a state that fits registers afterwards."""
+    from semkv.methods.state.page_storage import PageStorage, slot_scores
+
+    class Full(PageStorage):
+        def cover(self, pool, pages):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 30.48 GiB")
+
+    pool = KVPool(2, 2, 8, 4, torch.float32, torch.device("cpu"), num_pages=256, max_pages=256)
+    pool.allocate(100)
+    full = Full(lambda p: (p.page_size, p.num_kv_heads))
+    with pytest.raises(MemoryError, match=r"no device memory for the state kept by KV page beside the pool "
+                                          r"\(0\.00 GiB for \d+ more pages\)"):
+        full.ensure(pool)
+    assert full not in pool.page_states and len(pool.page_states) == 0
+    fits = slot_scores()
+    assert fits.ensure(pool) and fits.pages == pool.coverage >= 101 and list(pool.page_states) == [fits]
+
+
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():
     """`append_slots` over a batch (one allocation, one copy of the new page ids) leaves every sequence with the
     pages, tables and slot counts that appending one sequence at a time gives, across page boundaries reached at

@@ -219,15 +219,17 @@ class KVPool:
 
     def register(self, state: "PageState") -> bool:
         """Cover the pages handed out with `state` now, and grow it with the coverage from now on (the coverage falls
-        to `start_coverage` first); True when its tensors moved. MemoryError (`state` not kept) when the device cannot
-        hold it."""
+        to `start_coverage` first); True when its tensors moved. If covering fails `state` is not kept; the device's
+        out of memory is raised as MemoryError naming what was missing."""
         self.coverage = self.start_coverage
         self.page_states.add(state)
         try:
             return state.cover(self, self.coverage)
-        except torch.OutOfMemoryError:
+        except BaseException as error:
             self.page_states.discard(state)
-            raise self._no_room(state.bytes_per_page(self), self.coverage - state.pages) from None
+            if isinstance(error, torch.OutOfMemoryError):
+                raise self._no_room(state.bytes_per_page(self), self.coverage - state.pages) from None
+            raise
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views [num_pages * page_size, kv_heads, head_dim] (and positions [.., kv_heads]) indexed by physical slot."""
