@@ -54,7 +54,11 @@ def run_session(llm: semkv.LLM, prompts: list[list[int]], method: str, budget: f
     sync(llm)
     seconds = time.perf_counter() - started
     failed = [str(error) for _, error in session.scheduler.failed]
+    counters = session.scheduler.counters
     return dict(seconds=seconds, steps=steps, failed=failed, output_tokens=sum(len(s.output_ids) for s in seqs),
+                steps_by_kind=dict(counters.timed_steps),
+                step_ms_by_kind={kind: round(1e3 * counters.step_seconds[kind] / count, 2)
+                                 for kind, count in counters.timed_steps.items() if count},
                 ttft_s=sorted(round(s.stats.queue_s + s.stats.prefill_s, 4) for s in seqs))
 
 

@@ -1,6 +1,8 @@
 """Engine behaviour on a tiny random model: invariances of the paged cache, chunking and batching; sampling; stops."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -160,6 +162,22 @@ def test_every_graph_safe_method_is_checked():
             assert name in GRAPH_SAFE
     for name, params in GRAPH_SAFE.items():
         assert get_method(name.split("-")[0], **params).graph_safe, name
+
+
+def test_warm_up_frees_everything_it_took(tiny_model_dir, tiny_llm, monkeypatch):
+    """The warm-up that compiles the kernels at load on CUDA (a prefill cut at lengths and starts of every kind,
+    decode steps of 1, 2 and 16 rows, eager and through the graph runner; all eager here) holds no page and no byte
+    afterwards, and the engine gives the tokens it gave without it."""
+    from semkv.engine.engine import WARM_UP_SPANS
+
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    engine = llm.engine
+    # the tiny model's context (4096) is shorter than the warm-up's prompt: as a longer model's
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_position_embeddings=8192))
+    engine.warm_up()
+    assert engine.pool.peak_in_use >= engine.config.num_layers * -(-WARM_UP_SPANS[-1][1] // engine.pool.page_size)
+    assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
+    assert greedy(llm, PROMPTS[:2]) == greedy(tiny_llm, PROMPTS[:2])
 
 
 @pytest.mark.parametrize("name", GRAPH_SAFE)

@@ -78,13 +78,14 @@ class GraphedStep:
             self.table_versions[n : self.rows] = [None] * (self.rows - n)
         self.rows = n
         stale = [b for b, seq in enumerate(seqs) if self.table_versions[b] != seq.kv.version]
-        if stale:  # one copy for every row whose table changed (at a page boundary: all of them)
-            width = min(max(seqs[b].kv.table.shape[1] for b in stale), self.max_pages)
-            rows = (slice(stale[0], stale[-1] + 1) if stale[-1] - stale[0] + 1 == len(stale)
-                    else torch.tensor(stale, device=self.tables.device))
-            self.tables[rows, :, :width] = stack_tables([seqs[b].kv.table[:, :width] for b in stale])
-            self.tables[rows, :, width:] = self.engine.pool.scratch
-            for b in stale:
+        # one copy for each run of consecutive rows whose tables changed (at a page boundary: one run, every row);
+        # slices, not an index tensor, so that nothing waits for the device
+        for first, last in _runs(stale):
+            tables = [seq.kv.table for seq in seqs[first:last]]
+            width = min(max(t.shape[1] for t in tables), self.max_pages)
+            self.tables[first:last, :, :width] = stack_tables([t[:, :width] for t in tables])
+            self.tables[first:last, :, width:] = self.engine.pool.scratch
+            for b in range(first, last):
                 self.table_versions[b] = seqs[b].kv.version
         if self.plan is not None and (plan is not self.last_plan or n != self.plan_rows):
             plan.copy_to(self.plan, n)
@@ -94,6 +95,17 @@ class GraphedStep:
         else:
             self._forward()
         return self.logits[:n]
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Increasing row numbers -> their runs of consecutive rows, as [first, last) pairs."""
+    runs: list[tuple[int, int]] = []
+    for b in rows:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
 
 
 class GraphRunner:

@@ -39,7 +39,13 @@ from semkv.models.rotary import RotaryEmbedding
 # the chunk.
 DEFAULT_CHUNK = {True: 32768, False: 512}
 WARM_UP_MAX_LEN = 131072  # the longest context `warm_up` prepares the prefill for
-WARM_UP_PROMPT = 300  # tokens of its short prefill: long enough for the kernels' prefill-sized variants
+# the chunks of its prefill: Triton compiles a kernel again for integer arguments divisible by 16 and not, so the
+# short (Triton) and long (cuDNN, later chunks merged) paths run with lengths and starts of both kinds, as a server's
+# step budget cuts them; otherwise a server's first requests wait for the compiler (an H200's first 32 requests of
+# 32k: 18.4 s before, 13.2 s with it and the kernels' unspecialized sizes, 10.2-10.3 s for the next 32 either way;
+# benchmarks/results/2026-11-28-h200-first-steps.md)
+WARM_UP_BATCHES = (1, 2, 16)  # its decode steps' batch sizes: one row, a few, a multiple of 16 (as above)
+WARM_UP_SPANS = ((0, 300), (300, 1325), (1325, 2349), (2349, 2352), (2352, 3376), (3376, 4401), (4401, 4417))
 ACTIVATION_RESERVE = 2 * 2**30  # device bytes kept free for activations and captured graphs beside the KV pool
 
 
@@ -121,18 +127,37 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """What a process pays once, paid at load: a short Full-KV prefill and decode step compile the Triton
-        kernels (Triton also keeps them on disk for later processes), and the prefill attention's plans for full
-        chunks are built up to the longest context the model and the pool take (at most `WARM_UP_MAX_LEN`)."""
+        """What a process pays once, paid at load: a Full-KV prefill cut as `WARM_UP_SPANS` and decode steps of
+        `WARM_UP_BATCHES` rows, eager and captured, compile the Triton kernels (Triton also keeps them on disk for
+        later processes), and the prefill attention's plans for full chunks are built up to the longest context the
+        model and the pool take (at most `WARM_UP_MAX_LEN`)."""
         method = KVMethod()  # the interface's defaults are Full KV
         method.bind(self.config, None, self.pool.page_size)
-        seq = Sequence(-1, [0] * WARM_UP_PROMPT, SamplingParams(max_new_tokens=2), SeqKV(self.pool))
+        # a pool or a model too small for it all warms up the first span and one row (every layer holds each prompt)
+        pages = -(-(WARM_UP_SPANS[-1][1] + 8) // self.pool.page_size) + 2 * (max(WARM_UP_BATCHES) - 1)
+        whole = ((self.pool.max_pages or math.inf) - 1 >= self.config.num_layers * pages
+                 and WARM_UP_SPANS[-1][1] <= self.config.max_position_embeddings)
+        spans, batches = (WARM_UP_SPANS, WARM_UP_BATCHES) if whole else (WARM_UP_SPANS[:1], (1,))
+        seqs = [Sequence(-1 - i, [0] * (spans[-1][1] if i == 0 else 17), SamplingParams(max_new_tokens=8),
+                         SeqKV(self.pool)) for i in range(max(batches))]
         try:
-            self.prefill(seq, method)
-            self.append_token(seq, 0, lambda _: None)
-            self.decode_step([seq], method)
+            self.start_prefill(seqs[0], method)
+            seqs[0].prefill.spans = [(a, b, False) for a, b in spans]
+            self.run_prefill(seqs[0])
+            for seq in seqs[1:]:
+                self.prefill(seq, method)
+            for size in batches:
+                batch = seqs[:size]
+                graphs = self.graph_runner(method, batch)
+                for graphed in (False, True) if graphs is not None else (False,):  # eager, then captured
+                    for seq in batch:
+                        self.append_token(seq, 0, lambda _: "")
+                    if graphed:
+                        graphs.decode_step(batch)
+                    else:
+                        self.decode_step(batch, method)
         finally:
-            self.end([seq], method)
+            self.end(seqs, method)
         kernels.warm_up_prefill(self.pool.k, self.pool.v, self.config.num_heads, self.scale, self.prefill_chunk,
                                 self._longest_warm_up())
 
@@ -195,7 +220,7 @@ class Engine:
         start = seq.num_computed
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases if hi > start
                  for a, b in plan_chunks(max(lo, start), hi, chunk, window if evict else 0)]
-        seq.prefill = PrefillPlan(method, spans, torch.tensor(seq.prompt_ids, device=self.device), record_window,
+        seq.prefill = PrefillPlan(method, spans, self.pool.staging.send(seq.prompt_ids), record_window,
                                   len(spans) > 1 and method.prefill_by_layer(),
                                   None if method.prefill_chunk() is not None else window)
 
@@ -220,7 +245,7 @@ class Engine:
                 count += 1
             for a, b, evict in plan.spans[:count]:
                 step = PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0)
-                logits = self.model(plan.ids[a:b], step, logits_at=torch.tensor([b - a - 1], device=self.device))
+                logits = self.model(plan.ids[a:b], step, logits_at=slice(b - a - 1, b - a))
             del plan.spans[:count]
         seq.stats.prefill_s += time.perf_counter() - started
         if plan.spans:
@@ -272,7 +297,7 @@ class Engine:
         if plan.layers is None:
             steps = [(a, b, PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0))
                      for a, b, evict in plan.spans]
-            plan.layers = self.model.by_layer(plan.ids, steps, torch.tensor([n - 1], device=self.device))
+            plan.layers = self.model.by_layer(plan.ids, steps, slice(n - 1, n))
         count = layers if not budget else max(1, budget * layers // max(n - plan.spans[0][0], 1))
         for _ in range(count):
             try:

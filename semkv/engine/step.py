@@ -39,13 +39,19 @@ class PrefillStep:
         self.positions, self.end = torch.arange(start, end, device=engine.device), end  # the chunk's tokens
         self.record_window = record_window  # keep the last queries of each layer for methods applied later
         self.cos, self.sin = engine.rotary.cos_sin(self.positions, engine.dtype, seq_len=len(seq.prompt_ids))
+        # a chunk that evicts nothing and runs through every layer in turn gets every layer's pages at its first
+        # layer, in one allocation and one copy (a layer at a time costs host time a long prompt's steps wait for)
+        self.pages_at_once = not evict and not method.prefill_by_layer()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         by_rank = self.method.rope_by_rank()
         kv, pool, chunk = self.seq.kv, self.engine.pool, q.shape[0]
         self.seq.num_computed = self.end  # methods see the chunk's tokens as computed while it runs
         start = kv.num_slots[layer]
-        kv.ensure_slots(layer, start + chunk)
+        if not self.pages_at_once:
+            kv.ensure_slots(layer, start + chunk)
+        elif layer == 0:
+            kv.ensure_all({i: n + chunk for i, n in enumerate(kv.num_slots)})
         rows = kv.physical(layer, torch.arange(start, start + chunk, device=q.device))
         rows = rows[:, None].expand(-1, k.shape[1])
         if by_rank:  # keys stay unrotated; queries are rotated by rank below

@@ -62,7 +62,7 @@ def _attend(q, k, v, causal: bool, scale: float, lse: bool = True) -> tuple[torc
     return out, total.view(q.shape[:3]) if lse else None
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk"])  # a step budget cuts chunks of any length: one compile for all
 def _merge(OA, LA, OB, LB, OUT, LSE, stride_ah, stride_am, stride_bh, stride_bm, stride_la, stride_lb, chunk,
            HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     """One head's block of queries: the attention over two disjoint key sets from each one's output and

@@ -24,8 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
+# splits of one row's slots at most; `_combine` is compiled for 16 splits or for this many (two variants, both built by
+# the engine's warm-up: a small batch of a short context takes this many, 16 rows of a long one fewer than 16)
+MAX_SPLITS = 128
 
-@triton.jit
+
+# integer arguments that vary with a batch's size, its longest request and its splits: Triton would compile the kernel
+# again for each new divisibility of them (a server's first steps waited seconds for it); the K/V strides stay
+# specialized (they are fixed by the pool)
+@triton.jit(do_not_specialize=["stride_tb", "stride_sb", "stride_ss", "stride_lb", "stride_ls", "stride_eb",
+                               "stride_eh"])
 def _partial(
     Q, K, V, Tables, Slots, Lengths, Out, Lse,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_tb, stride_sb, stride_ss, stride_lb, stride_ls,
@@ -82,14 +90,14 @@ def _partial(
     tl.store(Lse + b * stride_eb + heads * stride_eh + split, lse, mask=q_mask)
 
 
-@triton.jit
-def _combine(Out, Lse, O, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, stride_fb, stride_fh,
-             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_ob", "stride_eb", "stride_eh", "splits"])
+def _combine(Out, Lse, O, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, stride_fb, stride_fh, splits,
+             SPLITS_PAD: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
-    mask = s < SPLITS
+    mask = s < splits
     lse = tl.load(Lse + b * stride_eb + h * stride_eh + s, mask=mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(mask, tl.exp(lse - m), 0.0)
@@ -116,13 +124,19 @@ def launch_settings(dim: int, element_size: int, gathered: bool, device: torch.d
     return block_n, warps, stages
 
 
+def splits_pad(splits: int) -> int:
+    """`_combine`'s SPLITS_PAD for `splits` (a compile-time size: two values unless a caller asks for more splits
+    than `MAX_SPLITS`)."""
+    return 16 if splits <= 16 else max(MAX_SPLITS, triton.next_power_of_2(splits))
+
+
 def num_splits_for(max_len: int, batch_heads: int, sm_count: int = 132, block_n: int = 64,
                    longest_split: int = 4096) -> int:
     """Enough splits to give every SM two programs and keep every split within `longest_split` slots (large batches
     end in a short tail of programs), none shorter than two blocks."""
     by_work = max(1, -(-max_len // (2 * block_n)))
     by_sms = max(1, -(-2 * sm_count // max(batch_heads, 1)))
-    return min(by_work, max(by_sms, -(-max_len // longest_split)), 128)
+    return min(by_work, max(by_sms, -(-max_len // longest_split)), MAX_SPLITS)
 
 
 def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_splits=None, block_n=None, max_len=0):
@@ -159,6 +173,6 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
     final = torch.empty_like(q)
     _combine[(batch, n_heads)](
         out, lse, final, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        final.stride(0), final.stride(1), SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=dim,
+        final.stride(0), final.stride(1), splits, SPLITS_PAD=splits_pad(splits), D=dim,
     )
     return final

@@ -47,7 +47,7 @@ def _block(q, K, V, Table, slot, valid, kvh, stride_kr, stride_kh, d, m, l, acc,
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["start", "chunk", "n_ctx", "split_len"])
+@triton.jit(do_not_specialize=["start", "chunk", "n_ctx", "split_len", "stride_cs", "stride_os", "stride_ls"])
 def _prefill(
     Q, K, V, Table, Context, O, LSE,
     stride_qm, stride_qh, stride_kr, stride_kh, stride_cs, stride_os, stride_om, stride_oh, stride_ls, stride_lm,

@@ -154,15 +154,15 @@ class LlamaModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, logits_at: torch.Tensor | None = None):
-        """logits_at: indices of the tokens whose logits are needed (default all)."""
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, logits_at: torch.Tensor | slice | None = None):
+        """logits_at: indices (or a slice) of the tokens whose logits are needed (default all)."""
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
         return self._logits(x, residual, logits_at)
 
     def forward_by_layer(self, input_ids: torch.Tensor, chunks: list[tuple[int, int, AttentionContext]],
-                         logits_at: torch.Tensor) -> torch.Tensor:
+                         logits_at: torch.Tensor | slice) -> torch.Tensor:
         """What `forward` gives chunk after chunk, computed layer after layer: tokens [a, b) of input_ids [T] with
         their context, every chunk through one layer before the next layer. Holds the prompt's hidden states and
         residual [T, hidden]."""
@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
                 return done.value
 
     def by_layer(self, input_ids: torch.Tensor, chunks: list[tuple[int, int, AttentionContext]],
-                 logits_at: torch.Tensor) -> Generator[int, None, torch.Tensor]:
+                 logits_at: torch.Tensor | slice) -> Generator[int, None, torch.Tensor]:
         """`forward_by_layer` one layer at a time: yields each layer's index once every chunk went through it, and
         returns the logits, so a caller can spread the layers over several engine steps."""
         x = self.model.embed_tokens(input_ids)
@@ -185,7 +185,7 @@ class LlamaModel(nn.Module):
             yield i
         return self._logits(x, residual, logits_at)
 
-    def _logits(self, x: torch.Tensor, residual: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, residual: torch.Tensor, logits_at: torch.Tensor | slice | None) -> torch.Tensor:
         if logits_at is not None:
             x, residual = x[logits_at], residual[logits_at]
         return self.lm_head(self.model.norm(x, residual)[0]).float()

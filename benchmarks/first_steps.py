@@ -1,0 +1,92 @@
+"""A server's first requests against the same requests again: what the first ones wait for (Triton compiling kernels
+for sizes the engine's warm-up did not run, CUDA-graph captures, cuDNN plans).
+
+One process loads the model (random weights of `--shape` unless `--model`), then runs `--runs` sessions in turn, each
+the same `--requests` prompts of `--context` tokens from `--text-file`, `--new-tokens` each (EOS ignored), at most
+`--max-num-seqs` at once, steps of `--max-num-batched-tokens` (a server's `Session`, no web process, prefix caching
+off). For each session: its wall time, output tokens/s, the steps by kind with their mean time (the scheduler's CUDA
+events), the slowest steps, and the Triton kernels compiled meanwhile (files new in `TRITON_CACHE_DIR`: give each
+process its own to count them). One JSON line per session.
+
+    TRITON_CACHE_DIR=/tmp/tc python benchmarks/first_steps.py --tokenizer DIR --text-file essays.txt
+    # another version of semkv against this one, in one call: PYTHONPATH=OLD_TREE:benchmarks TRITON_CACHE_DIR=...
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import semkv
+from semkv.bench.run import TextContexts
+from semkv.engine.sequence import SamplingParams
+from semkv.llm import Session
+from semkv.methods import get_method
+
+from memory_soak import model_arguments, random_folder
+
+
+def compiled() -> collections.Counter:
+    """Kernel name -> compiled variants in Triton's cache folder."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return collections.Counter(p.stem for p in folder.glob("*/*.json") if not p.name.startswith("__grp__"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_arguments(p)
+    p.add_argument("--method", default="full")
+    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument("--context", type=int, default=32_000)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args()
+    seen = compiled()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = semkv.LLM(args.model or random_folder(args.shape, args.tokenizer, Path(tmp)))
+    now = compiled()
+    print(json.dumps(dict(semkv=semkv.__file__, load_s=round(time.perf_counter() - started, 1),
+                          compiled_at_load=dict(now - seen))), flush=True)
+    seen = now
+    text = TextContexts.from_files(args.text_file, llm.tokenizer)
+    prompts = [text.window(i, args.requests, args.context) for i in range(args.requests)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    for run in range(args.runs):
+        started = time.perf_counter()
+        session = Session(llm, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          enable_prefix_caching=False)
+        setup = time.perf_counter() - started
+        for i, ids in enumerate(prompts):
+            session.submit(i, ids, params, get_method(args.method, args.budget), args.method)
+        walls = []
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        while session.scheduler.busy:
+            step = time.perf_counter()
+            session.advance()
+            walls.append(time.perf_counter() - step)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        session.advance()  # counts the steps whose end the device had not reached at the last one
+        counters, now = session.scheduler.counters, compiled()
+        print(json.dumps(dict(
+            run=run, session_setup_s=round(setup, 1), seconds=round(seconds, 2),
+            output_per_s=round(args.requests * args.new_tokens / seconds), steps=dict(counters.timed_steps),
+            step_ms={kind: round(1e3 * counters.step_seconds[kind] / count, 2)
+                     for kind, count in counters.timed_steps.items() if count},
+            slowest_steps_ms=[round(1e3 * w) for w in sorted(walls)[-6:]], compiled=dict(now - seen))), flush=True)
+        seen = now
+
+
+if __name__ == "__main__":
+    main()
