@@ -26,7 +26,7 @@ from semkv.engine.prefix_cache import block_keys
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
-from semkv.engine.step import DecodeStep, LaunchedStep, PrefillStep, StepInputs, evict_layer, plan_chunks
+from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
@@ -484,38 +484,17 @@ class Engine:
                     tokens: torch.Tensor | None = None) -> list[int] | None:
         """Account a finished forward in one read from the device: the step's attention statistics and, given the
         next tokens [B] on the device, those tokens (returned)."""
-        read, done = self._step_read(step, len(seqs), tokens)
-        return self._account(seqs, read, done, tokens is not None, step.selection_s + self.step_plan_s)
-
-    def _step_read(self, step: DecodeStep, n: int,
-                   tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A step's statistics (and its next tokens [n] on the device) as [2 or 3, n] float64 on their way to the
-        host: on CUDA a copy into pinned memory that does not wait for the device, and the event after it."""
+        n = len(seqs)
         rows = [step.attended_sum[:n].double() / self.config.num_layers, step.attended_max[:n].double()]
         if tokens is not None:
             rows.append(tokens.double())  # token ids are exact in float64
-        values = torch.stack(rows)
-        if values.device.type != "cuda":
-            return values, None
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    @staticmethod
-    def _account(seqs: list[Sequence], read: torch.Tensor, done: torch.cuda.Event | None, has_tokens: bool,
-                 selection_s: float) -> list[int] | None:
-        """`finish_step` once the read is there (waiting for its event): each request's statistics; the tokens."""
-        if done is not None:
-            done.synchronize()
-        values = read.tolist()
+        read = torch.stack(rows).tolist()
         for b, seq in enumerate(seqs):
             seq.num_computed += 1
-            seq.attended_total += values[0][b]
-            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(values[1][b]))
-            seq.stats.selection_s += selection_s / len(seqs)
-        return [int(t) for t in values[2]] if has_tokens else None
+            seq.attended_total += read[0][b]
+            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(read[1][b]))
+            seq.stats.selection_s += (step.selection_s + self.step_plan_s) / n
+        return [int(t) for t in read[2]] if tokens is not None else None
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False,
             prefix_caching: bool = False) -> None:
@@ -555,17 +534,10 @@ class Engine:
 
     def step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, is_stop,
              pick=_sample) -> None:
-        """One decode step of the running batch (what `run`, `generate` and the benchmarks time): `launch_step`,
-        then `complete_step`."""
-        self.complete_step(self.launch_step(running, method, graphs, pick), is_stop)
-
-    def launch_step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None,
-                    pick=_sample) -> LaunchedStep:
-        """A decode step up to its read to the host, which does not wait for the device: the forward (graph replay
-        when it fits), the method's `observe_logits`, the next step's inputs while it runs, and (greedy) the next
-        tokens on their way. A scheduler queues the step's prompt chunks before `complete_step`, so that the host
-        launches them while the device runs the decode step, not after it."""
-        started, running = time.perf_counter(), list(running)
+        """One decode step of the running batch: the forward (graph replay when it fits), the method's
+        `observe_logits` and the next step's inputs while it runs, the next tokens, the method's `end_step`,
+        statistics and stop checks (what `run`, `generate` and the benchmarks time)."""
+        started = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         inputs = ahead[1] if ahead is not None and len(ahead[0]) == len(running) and all(
             a is s and s.slot_ready for a, s in zip(ahead[0], running)) else None
@@ -595,30 +567,19 @@ class Engine:
         method.observe_logits(running, logits)
         if span:
             self.timer.stop(span)
-        read, done = self._step_read(step, len(running), chosen)  # greedy: one read for everything
-        return LaunchedStep(running, method, logits, pick, steady, read, done, chosen is not None,
-                            step.selection_s + self.step_plan_s, time.perf_counter() - started)
-
-    def complete_step(self, launched: LaunchedStep, is_stop) -> None:
-        """The rest of a launched decode step, once its read is there: statistics, the next tokens (sampled on the
-        host unless greedy), the method's `end_step`, stop checks."""
-        started = time.perf_counter()
-        running, method, pick = launched.running, launched.method, launched.pick
-        logits, read, done = launched.logits, launched.read, launched.done
-        launched.logits = launched.read = launched.done = None  # taken: the step's tensors end with this call
-        tokens = self._account(running, read, done, launched.greedy, launched.selection_s)
+        tokens = self.finish_step(running, step, chosen)  # greedy: one read for everything
         # a request recomputed after preemption (`Sequence.replaying`) knows its next token: its output's
         known = [s.output_ids[s.num_computed - len(s.prompt_ids)] if s.num_computed < s.num_tokens else None
                  for s in running]
         if tokens is None:
             tokens = self.agree([pick(s, logits[b]) if k is None else k for b, (s, k) in enumerate(zip(running, known))])
-        elif not launched.steady:
+        elif not steady:
             tokens = [t if k is None else k for t, k in zip(tokens, known)]
         span = self.timer.start("selection") if self.timer else None
         method.end_step(running, logits, tokens)
         if span:
             self.timer.stop(span)
-        elapsed = launched.host_s + time.perf_counter() - started  # the host's own time, not what ran in between
+        elapsed = time.perf_counter() - started
         for b, (seq, token) in enumerate(zip(running, tokens)):
             resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step
             seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, resident)

@@ -37,7 +37,6 @@ from semkv.engine.hooks import KVMethod
 from semkv.engine.prefix_cache import PrefixCache
 from semkv.engine.sampler import sample
 from semkv.engine.sequence import Sequence
-from semkv.engine.step import LaunchedStep
 
 StopTest = Callable[[Sequence], str]  # why a request stops after its last token ("eos", "stop", "length"), or ""
 BYPASS = 8  # admissions that may pass a waiting request the pool cannot hold now, before it holds the queue
@@ -142,18 +141,17 @@ class Scheduler:
             while (seq := self._admit()) is not None:
                 prompt += self._prefill(seq, 0, progress)
             tokens = prompt
-        launched: list[tuple[Batch, LaunchedStep]] = []  # decode steps queued, completed after the prompt chunks
         for batch in [b for b in self.batches.values() if b.running]:
             try:
-                if launched and not self.engine.can_grow(batch.running, batch.method):
-                    self._complete(launched)  # a preemption may take a launched request: its step ends first
                 self._make_room(batch)
                 if not batch.running:
                     continue
-                launched.append((batch, self.engine.launch_step(batch.running, batch.method, batch.graphs)))
+                self.engine.step(batch.running, batch.method, batch.graphs, self._stop_any)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([s for s in batch.running if not s.finished], error)  # not those it finished before
             tokens += len(batch.running)
+            for seq in [s for s in batch.running if s.finished]:
+                self._end(seq)
         if budget is not None:  # what the decode steps left of the budget goes to prompts; a step in which no
             # request decodes keeps no one from a token: it prefills up to the engine's own chunk when that is larger
             left = budget - tokens if tokens else max(budget, self.engine.prefill_chunk)
@@ -165,7 +163,6 @@ class Scheduler:
             while left > 0 and (seq := self._admit()) is not None:
                 done = self._prefill(seq, left)
                 left, tokens, prompt = left - done, tokens + done, prompt + done
-        self._complete(launched)  # the host launched the chunks while the device ran the decode steps
         self.engine.reserved = 0  # the promises hold while this scheduler steps
         if tokens:
             self.counters.steps += 1
@@ -173,17 +170,6 @@ class Scheduler:
             kind = "decode" if not prompt else "prefill" if prompt == tokens else "mixed"
             self._timing.append((kind, started, self._mark()))
         self._count_time()
-
-    def _complete(self, launched: list[tuple[Batch, LaunchedStep]]) -> None:
-        """Complete the launched decode steps (emptying the list) and release the requests they finished."""
-        for batch, step in launched:
-            try:
-                self.engine.complete_step(step, self._stop_any)
-            except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
-                self._fail([s for s in step.running if not s.finished], error)
-            for seq in [s for s in step.running if s.finished and s in batch.running]:
-                self._end(seq)
-        launched.clear()
 
     def _mark(self) -> Mark:
         """Now, for a step's time: a CUDA event recorded on the stream the steps run on, the clock on the CPU."""

@@ -1,6 +1,5 @@
 """The attention contexts of one forward: `PrefillStep` for a chunk of one sequence, `DecodeStep` for one decode step
-of a batch (eager, or captured in a CUDA graph over static buffers), the step's inputs on the device, and a decode
-step launched but not completed (`LaunchedStep`).
+of a batch (eager, or captured in a CUDA graph over static buffers), and the step's inputs on the device.
 
 At every attention call they ask the KV method which cached slots to attend to and hand that decision to the one
 sparse attention path (`semkv.kernels`); they never inspect what a method does. `engine` is the `Engine` that runs
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -30,24 +28,6 @@ def plan_chunks(lo: int, hi: int, chunk: int, min_last: int) -> list[tuple[int, 
         last_start = hi - need
         spans = [(a, min(b, last_start)) for a, b in spans if a < last_start] + [(last_start, hi)]
     return spans
-
-
-@dataclass
-class LaunchedStep:
-    """A decode step whose device work is queued (`Engine.launch_step`) and whose host side waits for
-    `Engine.complete_step`."""
-
-    running: list[Sequence]  # the batch as it was launched
-    method: KVMethod
-    logits: torch.Tensor | None  # [B, vocab] (a CUDA graph's buffer: valid until its next replay)
-    pick: Callable  # the sampler of non-greedy tokens
-    steady: bool  # no request of the batch replays its output (`Sequence.replaying`)
-    read: torch.Tensor | None  # [2 or 3, B] float64: statistics (and greedy tokens), on the host once `done` is
-    # reached
-    done: torch.cuda.Event | None  # None off CUDA (read is there); the three are None once `complete_step` took them
-    greedy: bool  # read holds the tokens
-    selection_s: float  # the method's host time in the step
-    host_s: float  # the host's time in launch_step
 
 
 class PrefillStep:
