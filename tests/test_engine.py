@@ -226,6 +226,25 @@ def test_static_buffer_decode_equals_eager(tiny_llm, name):
     assert engine.memory().held == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("arch, method, budget", [("llama", "full", None), ("llama", "snapkv", 48),
+                                                  ("llama", "h2o", 48), ("llama", "tokenselect", 48),
+                                                  ("qwen2", "full", None), ("qwen3", "chess", 128)])
+def test_prefill_graph_pieces_give_the_eager_tokens(tiny_model_dir, arch, method, budget):
+    """The prefill's piecewise graphs (`PrefillGraphs`, run eagerly here: the same pieces over the static buffers,
+    padding rows included, the attention between them) give the eager prefill's tokens, chunk after chunk, for
+    methods that evict, score with the chunk's log-sum-exps and select a sparse context, and with q/k/v biases and
+    q/k norms."""
+    from semkv.engine.cuda_graph import PrefillGraphs
+
+    plain = semkv.LLM(tiny_model_dir(arch), device="cpu", prefill_chunk=96)
+    pieces = semkv.LLM(tiny_model_dir(arch), device="cpu", prefill_chunk=96)
+    graphs = pieces.engine.prefill_graphs = PrefillGraphs(pieces.engine)
+    kw = dict(method=method, budget=budget)
+    assert greedy(pieces, PROMPTS[:2], **kw) == greedy(plain, PROMPTS[:2], **kw)
+    assert graphs.hidden.abs().sum() > 0 and not graphs.graphs  # the pieces ran (nothing captured on the CPU)
+    assert pieces.engine.memory().held == (0, 0, 0, 0)
+
+
 def test_requests_wait_when_the_pool_is_full(tiny_model_dir):
     """Continuous batching: with a pool that holds about two requests, four still complete (the others wait), and
     give the same tokens as with a large pool."""

@@ -159,3 +159,106 @@ class GraphRunner:
         end.record()
         self.replay_events.append((start, end))
         return logits, graphed.step
+
+
+# prompt-chunk lengths whose dense work replays from graphs, a chunk's rows padded up to the next one; a longer chunk
+# runs eagerly (its kernels outlast the host's launches)
+PREFILL_SIZES = tuple(range(1024, 8193, 1024))
+
+
+class PrefillGraphs:
+    """The dense work of a prompt chunk (embedding, norms, projections, MLPs: all but the attention) replayed from
+    CUDA graphs, piecewise as vLLM does it: for each chunk length of `PREFILL_SIZES`, a graph before the first
+    layer's attention (`LlamaModel.enter`) and one after each layer's attention (`leave`), the attention itself (which
+    the KV method steers: page allocation, sparse context, eviction) running eagerly between them. Eagerly, the host
+    spends about 1.5 ms a layer launching a chunk's kernels, as long as an H200 takes to run those of an 8,192-token
+    chunk of a 0.5B model; a server's steps then waited on the host.
+
+    Static buffers of the longest size serve every size: token ids, the q/k/v a piece leaves for the next attention
+    (one buffer for every layer), the attention's output the next piece reads, and the last piece's hidden states
+    and residual. The graphs share one memory pool: a piece's intermediates (and the residual stream between two
+    pieces) reuse memory that earlier pieces freed, which is safe because pieces replay in the order they were
+    captured. Padding rows hold stale values; every dense operation works row by row, so they never reach a chunk's
+    rows, and the attention sees the chunk's rows only. Without CUDA the same pieces run eagerly over the static
+    buffers (how the CPU tests check them)."""
+
+    def __init__(self, engine):
+        model, device, dtype = engine.model, engine.device, engine.dtype
+        first = model.model.layers[0].self_attn
+        top, hidden = PREFILL_SIZES[-1], model.model.embed_tokens.embedding_dim
+        self.engine, self.model, self.layers = engine, model, len(model.model.layers)
+        self.capture = device.type == "cuda"
+        self.ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.qkv = torch.zeros(top, first.qkv_proj.out_features, dtype=dtype, device=device)
+        self.out = torch.zeros(top, first.o_proj.in_features, dtype=dtype, device=device)
+        self.hidden = torch.zeros(top, hidden, dtype=dtype, device=device)
+        self.residual = torch.zeros(top, hidden, dtype=dtype, device=device)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.failed = False  # a capture ran out of memory: chunks run eagerly from then on
+
+    def size(self, tokens: int) -> int | None:
+        """The padded length a chunk of `tokens` replays at, or None (it runs eagerly)."""
+        if self.failed or tokens > PREFILL_SIZES[-1]:
+            return None
+        return next(s for s in PREFILL_SIZES if s >= tokens)
+
+    def prepare(self, tokens: int) -> None:
+        """Capture every size up to the one of a chunk of `tokens`, longest first (a server's warm-up)."""
+        top = self.size(min(tokens, PREFILL_SIZES[-1]))
+        for size in sorted((s for s in PREFILL_SIZES if s <= (top or 0)), reverse=True):
+            if self.capture and size not in self.graphs and not self.failed:
+                self._capture(size)
+
+    def forward(self, input_ids: torch.Tensor, ctx, logits_at: torch.Tensor | slice) -> torch.Tensor:
+        """`LlamaModel.forward` of a chunk whose `size` is not None: input_ids [T] -> logits [len(logits_at), vocab]."""
+        n, size = input_ids.shape[0], self.size(input_ids.shape[0])
+        if self.capture and size not in self.graphs:
+            self._capture(size)
+        self.ids[:n] = input_ids
+        graphs = self.graphs.get(size)
+        residual = None
+        for i in range(self.layers + 1):
+            if i:
+                self.out[:n] = self.model.model.layers[i - 1].self_attn.attend(self.qkv[:n], ctx)
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                residual = self._dense(i, size, residual)
+        return self.model._logits(self.hidden[:n], self.residual[:n], logits_at)
+
+    def _dense(self, i: int, size: int, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """Piece i over the buffers' first `size` rows (0: before the first attention; i: after layer i - 1's);
+        the residual stream it leaves for the next piece (None after the last)."""
+        rows = slice(0, size)
+        if i == 0:
+            return self.model.enter(self.ids[rows], self.qkv[rows])[1]
+        if i < self.layers:
+            return self.model.leave(i - 1, self.out[rows], residual, self.qkv[rows])[1]
+        hidden, residual = self.model.leave(i - 1, self.out[rows], residual)
+        self.hidden[rows] = hidden
+        self.residual[rows] = residual
+        return None
+
+    def _capture(self, size: int) -> None:
+        stream = self.engine.capture_stream
+        try:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up: Triton compiles, cuBLAS picks its kernels
+                residual = None
+                for i in range(self.layers + 1):
+                    residual = self._dense(i, size, residual)
+            torch.cuda.current_stream().wait_stream(stream)
+            graphs = []
+            for i in range(self.layers + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    left = self._dense(i, size, residual)
+                residual = left  # the previous piece's residual is free for the next pieces to reuse
+                graphs.append(graph)
+        except torch.cuda.OutOfMemoryError:
+            self.failed = True
+            warnings.warn(f"no device memory to capture the prefill's graphs of {size} tokens: prompt chunks run "
+                          "eagerly, the host launching every kernel", RuntimeWarning, stacklevel=3)
+            return
+        self.graphs[size] = graphs

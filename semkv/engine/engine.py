@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv import kernels
-from semkv.engine.cuda_graph import GraphRunner
+from semkv.engine.cuda_graph import GraphRunner, PrefillGraphs
 from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
@@ -106,6 +106,9 @@ class Engine:
         self.scale = config.head_dim**-0.5
         shape = (config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype, device)
         grow_segments_in_place(device)  # before the pool and everything that follows it
+        # the dense work of prompt chunks of up to 8,192 tokens from CUDA graphs (its static buffers before the pool;
+        # not yet with tensor parallelism, whose all-reduces in these graphs no device run has checked)
+        self.prefill_graphs = PrefillGraphs(self) if self.cuda_graphs and self.tp is None else None
         if num_pages is None and device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds unused (e.g. weights cast after loading)
             free, total = torch.cuda.mem_get_info(device)
@@ -169,9 +172,12 @@ class Engine:
     @torch.inference_mode()
     def warm_up_cuts(self, step_tokens: int) -> None:
         """A server's warm-up (`Session`, on CUDA): the prefill attention's plans for the chunks a step budget of
-        `step_tokens` cuts at any start (`kernels.warm_up_prefill_cuts`)."""
+        `step_tokens` cuts at any start (`kernels.warm_up_prefill_cuts`), and the prefill's graphs of those chunks
+        (`PrefillGraphs.prepare`)."""
         kernels.warm_up_prefill_cuts(self.pool.k, self.pool.v, self.config.num_heads, self.scale, step_tokens,
                                      self.prefill_chunk, self._longest_warm_up())
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.prepare(step_tokens)
 
     def rank_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ranks 0..n-1, for methods whose attention rotates keys by rank (cached)."""
@@ -245,7 +251,11 @@ class Engine:
                 count += 1
             for a, b, evict in plan.spans[:count]:
                 step = PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0)
-                logits = self.model(plan.ids[a:b], step, logits_at=slice(b - a - 1, b - a))
+                graphs = self.prefill_graphs
+                if graphs is not None and graphs.size(b - a) is not None:
+                    logits = graphs.forward(plan.ids[a:b], step, slice(b - a - 1, b - a))
+                else:
+                    logits = self.model(plan.ids[a:b], step, logits_at=slice(b - a - 1, b - a))
             del plan.spans[:count]
         seq.stats.prefill_s += time.perf_counter() - started
         if plan.spans:

@@ -4,9 +4,10 @@ Module names mirror transformers' (`model.layers.N.self_attn.q_proj`...), so a H
 then concatenates q/k/v and gate/up into one projection each (fewer, larger matrix products per layer). Tokens of
 all sequences in a step are flattened to [tokens, hidden] (no padding); attention itself is delegated to the
 engine's `AttentionContext`, which applies RoPE, writes K/V into the paged cache and attends over the positions the
-KV method selected. Norms and the SwiGLU product go through `semkv.kernels` (fused Triton kernels on CUDA). With
-tensor parallelism (`parallel.py`) a rank holds its share of the heads and of the MLP, and the outputs of o_proj and
-down_proj are added over the ranks.
+KV method selected. Between two attentions the forward is one piece of dense work (`enter`, `leave`), which the
+engine's prefill replays from CUDA graphs. Norms and the SwiGLU product go through `semkv.kernels` (fused Triton
+kernels on CUDA). With tensor parallelism (`parallel.py`) a rank holds its share of the heads and of the MLP, and the
+outputs of o_proj and down_proj are added over the ranks.
 """
 from __future__ import annotations
 
@@ -68,17 +69,34 @@ class Attention(nn.Module):
         self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        tokens = x.shape[0]
+    def project(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, hidden] -> q, k and v side by side [T, (heads + 2 kv_heads) * head_dim], written into `out` when
+        given (a static buffer of the prefill's CUDA graphs, shared by every layer)."""
+        proj = self.qkv_proj
+        if out is None:
+            return proj(h)
+        if proj.bias is None:
+            return torch.mm(h, proj.weight.t(), out=out)
+        return torch.addmm(proj.bias, h, proj.weight.t(), out=out)
+
+    def attend(self, qkv: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q/k/v side by side [T, width] -> the attention's output [T, heads * head_dim] (before o_proj)."""
+        tokens = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        out = ctx.attend(self.layer, q, k, v)  # [T, heads, head_dim]
-        return reduce(self.tp, self.o_proj(out.reshape(tokens, -1)))  # every rank's heads added
+        return ctx.attend(self.layer, q, k, v).reshape(tokens, -1)  # [T, heads * head_dim]
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output [T, heads * head_dim] -> [T, hidden], every rank's heads added."""
+        return reduce(self.tp, self.o_proj(out))
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return self.output(self.attend(self.project(x), ctx))
 
 
 # tokens the MLP takes at a time: its intermediate activations (3 x intermediate_size values a token) bound a long
@@ -156,10 +174,31 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, logits_at: torch.Tensor | slice | None = None):
         """logits_at: indices (or a slice) of the tokens whose logits are needed (default all)."""
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, ctx)
-        return self._logits(x, residual, logits_at)
+        qkv, residual = self.enter(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            qkv, residual = self.leave(i, layer.self_attn.attend(qkv, ctx), residual)
+        return self._logits(qkv, residual, logits_at)  # after the last layer: its hidden states
+
+    # The forward between attentions, in pieces (what the prefill's CUDA graphs capture, `PrefillGraphs`): `enter`
+    # before the first layer's attention, `leave(i)` from layer i's attention output to the next layer's q/k/v.
+    def enter(self, input_ids: torch.Tensor, qkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] -> (the first layer's q/k/v [T, width] (into `qkv` when given), residual [T, hidden])."""
+        first = self.model.layers[0]
+        h, residual = first.input_layernorm(self.model.embed_tokens(input_ids))
+        return first.self_attn.project(h, qkv), residual
+
+    def leave(self, i: int, out: torch.Tensor, residual: torch.Tensor,
+              qkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention output [T, heads * head_dim] -> (the next layer's q/k/v [T, width] (into `qkv` when
+        given), residual); after the last layer, (its hidden states [T, hidden], residual)."""
+        layers = self.model.layers
+        layer = layers[i]
+        h, residual = layer.post_attention_layernorm(layer.self_attn.output(out), residual)
+        x = layer.mlp(h)
+        if i + 1 == len(layers):
+            return x, residual
+        h, residual = layers[i + 1].input_layernorm(x, residual)
+        return layers[i + 1].self_attn.project(h, qkv), residual
 
     def forward_by_layer(self, input_ids: torch.Tensor, chunks: list[tuple[int, int, AttentionContext]],
                          logits_at: torch.Tensor | slice) -> torch.Tensor:
