@@ -86,7 +86,7 @@ def check_prefill(gen) -> list[dict]:
     from triton.testing import do_bench
 
     rows = []
-    for start, chunk in [(0, 512), (8192, 512), (32768, 2048), (0, 8192), (24576, 8192)]:
+    for start, chunk in [(0, 512), (8192, 512), (32768, 2048), (0, 8192), (24576, 8192), (16401, 8176)]:
         k, v, tables = pool(start + chunk, 1, gen)
         table = tables[0]
         q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -40,3 +40,5 @@ timeout 200 python3 .gcheck.py llama3-8b 2>&1 | grep -v "Warn\|allocator_setting
 for v in new old; do P=$PWD; [ $v = old ] && P=$PWD/.old
   TRITON_CACHE_DIR=/tmp/tc_$v PYTHONPATH=$P:$PWD/benchmarks timeout 130 python3 benchmarks/first_steps.py --shape llama3-8b \
     --tokenizer .carry/data/smollm2-tokenizer --text-file /tmp/essays.txt --runs 2 --context 2000 --requests 64 --new-tokens 64 --max-num-seqs 32 > $OUT/short8b_$v.jsonl 2>$OUT/short8b_$v.err; cat $OUT/short8b_$v.jsonl; tail -2 $OUT/short8b_$v.err; done
+# call 5 (the cuDNN path of HEAD~ saved as .oldcudnn.py: git show f6562e2:semkv/kernels/cudnn_prefill.py)
+timeout 230 python3 .ab.py | tee $OUT/ab.txt
