@@ -42,3 +42,8 @@ for v in new old; do P=$PWD; [ $v = old ] && P=$PWD/.old
     --tokenizer .carry/data/smollm2-tokenizer --text-file /tmp/essays.txt --runs 2 --context 2000 --requests 64 --new-tokens 64 --max-num-seqs 32 > $OUT/short8b_$v.jsonl 2>$OUT/short8b_$v.err; cat $OUT/short8b_$v.jsonl; tail -2 $OUT/short8b_$v.err; done
 # call 5 (the cuDNN path of HEAD~ saved as .oldcudnn.py: git show f6562e2:semkv/kernels/cudnn_prefill.py)
 timeout 230 python3 .ab.py | tee $OUT/ab.txt
+# call 6 (.old: git archive f6562e2 semkv; new: 0b546ca's tree)
+python3 -c "import json;print(json.load(open('.carry/data/paul_graham/ruler_PaulGrahamEssays.json'))['text'])" > /tmp/essays.txt
+for v in new old; do P=$PWD; [ $v = old ] && P=$PWD/.old
+  TRITON_CACHE_DIR=/tmp/tc_$v PYTHONPATH=$P:$PWD/benchmarks timeout 95 python3 benchmarks/first_steps.py \
+    --tokenizer .carry/data/smollm2-tokenizer --text-file /tmp/essays.txt --runs 2 > $OUT/first_steps_$v.jsonl 2>$OUT/first_steps_$v.err; cat $OUT/first_steps_$v.jsonl; done
