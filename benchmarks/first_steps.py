@@ -5,8 +5,8 @@ One process loads the model (random weights of `--shape` unless `--model`), then
 the same `--requests` prompts of `--context` tokens from `--text-file`, `--new-tokens` each (EOS ignored), at most
 `--max-num-seqs` at once, steps of `--max-num-batched-tokens` (a server's `Session`, no web process, prefix caching
 off). For each session: its wall time, output tokens/s, the steps by kind with their mean time (the scheduler's CUDA
-events), the slowest steps, and the Triton kernels compiled meanwhile (files new in `TRITON_CACHE_DIR`: give each
-process its own to count them). One JSON line per session.
+events), the slowest steps, and the Triton kernels compiled meanwhile (folders new in `TRITON_CACHE_DIR`: give each
+process its own to count them), each with the signature Triton specialized it for. One JSON line per session.
 
     TRITON_CACHE_DIR=/tmp/tc python benchmarks/first_steps.py --tokenizer DIR --text-file essays.txt
     # another version of semkv against this one, in one call: PYTHONPATH=OLD_TREE:benchmarks TRITON_CACHE_DIR=...
@@ -32,10 +32,23 @@ from semkv.methods import get_method
 from memory_soak import model_arguments, random_folder
 
 
-def compiled() -> collections.Counter:
-    """Kernel name -> compiled variants in Triton's cache folder."""
+def compiled() -> dict[str, str]:
+    """Triton's cache folder: each compiled variant (its folder) -> kernel name and the `tt.func` line of its Triton
+    IR (the arguments' types and the divisibility Triton specialized them on: what the variant was compiled for)."""
     folder = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return collections.Counter(p.stem for p in folder.glob("*/*.json") if not p.name.startswith("__grp__"))
+    variants = {}
+    for meta in folder.glob("*/*.json"):
+        if meta.name.startswith("__grp__"):
+            continue
+        ir = meta.with_suffix(".ttir")
+        lines = ir.read_text().splitlines() if ir.is_file() else []
+        variants[meta.parent.name] = f"{meta.stem}: " + next((line.strip() for line in lines if "tt.func" in line), "")
+    return variants
+
+
+def counted(variants: dict[str, str]) -> dict[str, int]:
+    """Kernel name -> how many of `variants` it has."""
+    return dict(collections.Counter(text.split(":")[0] for text in variants.values()))
 
 
 def main() -> None:
@@ -56,7 +69,7 @@ def main() -> None:
         llm = semkv.LLM(args.model or random_folder(args.shape, args.tokenizer, Path(tmp)))
     now = compiled()
     print(json.dumps(dict(semkv=semkv.__file__, load_s=round(time.perf_counter() - started, 1),
-                          compiled_at_load=dict(now - seen))), flush=True)
+                          compiled_at_load=counted({k: v for k, v in now.items() if k not in seen}))), flush=True)
     seen = now
     text = TextContexts.from_files(args.text_file, llm.tokenizer)
     prompts = [text.window(i, args.requests, args.context) for i in range(args.requests)]
@@ -79,12 +92,14 @@ def main() -> None:
         seconds = time.perf_counter() - started
         session.advance()  # counts the steps whose end the device had not reached at the last one
         counters, now = session.scheduler.counters, compiled()
+        new = {k: v for k, v in now.items() if k not in seen}
         print(json.dumps(dict(
             run=run, session_setup_s=round(setup, 1), seconds=round(seconds, 2),
             output_per_s=round(args.requests * args.new_tokens / seconds), steps=dict(counters.timed_steps),
             step_ms={kind: round(1e3 * counters.step_seconds[kind] / count, 2)
                      for kind, count in counters.timed_steps.items() if count},
-            slowest_steps_ms=[round(1e3 * w) for w in sorted(walls)[-6:]], compiled=dict(now - seen))), flush=True)
+            slowest_steps_ms=[round(1e3 * w) for w in sorted(walls)[-6:]], compiled=counted(new),
+            compiled_variants=sorted(new.values()))), flush=True)
         seen = now
 
 
