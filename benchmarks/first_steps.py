@@ -7,6 +7,8 @@ the same `--requests` prompts of `--context` tokens from `--text-file`, `--new-t
 off). For each session: its wall time, output tokens/s, the steps by kind with their mean time (the scheduler's CUDA
 events), the slowest steps, and the Triton kernels compiled meanwhile (folders new in `TRITON_CACHE_DIR`: give each
 process its own to count them), each with the signature Triton specialized it for. One JSON line per session.
+`--sync-debug` also counts, in the last session, every operation that made the host wait for the device (torch's
+sync debug mode), by the semkv lines that called it: a step should wait once, to read its tokens.
 
     TRITON_CACHE_DIR=/tmp/tc python benchmarks/first_steps.py --tokenizer DIR --text-file essays.txt
     # another version of semkv against this one, in one call: PYTHONPATH=OLD_TREE:benchmarks TRITON_CACHE_DIR=...
@@ -15,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
 
 import semkv
 from semkv.bench.run import TextContexts
+from semkv.cli.args import parse_params
 from semkv.engine.sequence import SamplingParams
 from semkv.llm import Session
 from semkv.methods import get_method
@@ -51,10 +57,36 @@ def counted(variants: dict[str, str]) -> dict[str, int]:
     return dict(collections.Counter(text.split(":")[0] for text in variants.values()))
 
 
+class SyncSites:
+    """While entered: torch's sync debug mode, every synchronizing CUDA operation counted by the last three semkv
+    frames (file:line) that led to it."""
+
+    def __init__(self) -> None:
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __enter__(self) -> "SyncSites":
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._count
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(*exc)
+
+    def _count(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                  if "/semkv/" in f.filename and "/benchmarks/" not in f.filename]
+        self.sites[" < ".join(frames[::-1][:3]) or f"{Path(filename).name}:{lineno}"] += 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_arguments(p)
     p.add_argument("--method", default="full")
+    p.add_argument("--param", action="append", help="a method parameter, name=value (repeatable)")
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--context", type=int, default=32_000)
     p.add_argument("--requests", type=int, default=32)
@@ -62,7 +94,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--sync-debug", action="store_true", help="count the host's waits in the last session")
     args = p.parse_args()
+    params = parse_params(args.param)
     seen = compiled()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,21 +107,23 @@ def main() -> None:
     seen = now
     text = TextContexts.from_files(args.text_file, llm.tokenizer)
     prompts = [text.window(i, args.requests, args.context) for i in range(args.requests)]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     for run in range(args.runs):
         started = time.perf_counter()
         session = Session(llm, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           enable_prefix_caching=False)
         setup = time.perf_counter() - started
         for i, ids in enumerate(prompts):
-            session.submit(i, ids, params, get_method(args.method, args.budget), args.method)
+            session.submit(i, ids, sampling, get_method(args.method, args.budget, **params), args.method)
         walls = []
+        syncs = SyncSites() if args.sync_debug and run == args.runs - 1 else contextlib.nullcontext()
         torch.cuda.synchronize()
         started = time.perf_counter()
-        while session.scheduler.busy:
-            step = time.perf_counter()
-            session.advance()
-            walls.append(time.perf_counter() - step)
+        with syncs:
+            while session.scheduler.busy:
+                step = time.perf_counter()
+                session.advance()
+                walls.append(time.perf_counter() - step)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         session.advance()  # counts the steps whose end the device had not reached at the last one
@@ -99,7 +135,9 @@ def main() -> None:
             step_ms={kind: round(1e3 * counters.step_seconds[kind] / count, 2)
                      for kind, count in counters.timed_steps.items() if count},
             slowest_steps_ms=[round(1e3 * w) for w in sorted(walls)[-6:]], compiled=counted(new),
-            compiled_variants=sorted(new.values()))), flush=True)
+            compiled_variants=sorted(new.values()),
+            **(dict(syncs=dict(syncs.sites.most_common(25)), syncs_total=sum(syncs.sites.values()))
+               if isinstance(syncs, SyncSites) else {}))), flush=True)
         seen = now
 
 

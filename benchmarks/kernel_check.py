@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (cudnn_prefill, reference, triton_decode, triton_fused, triton_page_select,
+from semkv.kernels import (cudnn_prefill, fa3_prefill, reference, triton_decode, triton_fused, triton_page_select,
                            triton_prefill)
 from semkv.methods.chess import reference as chess_reference, triton_summary_dot
 from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chunk_best, triton_chunk_refresh,
@@ -81,8 +81,9 @@ def check_decode(gen, bandwidth: float) -> list[dict]:
 
 
 def check_prefill(gen) -> list[dict]:
-    """The paged Triton prefill kernel (with its log-sum-exps; a short chunk over a long context splits it) and the
-    cuDNN path of long chunks (`kernels.cudnn_prefill`), against the float32 reference."""
+    """The paged Triton prefill kernel (with its log-sum-exps; a short chunk over a long context splits it), the
+    cuDNN path of long chunks (`kernels.cudnn_prefill`) and FlashAttention 3 where vLLM brings it
+    (`kernels.fa3_prefill`), against the float32 reference."""
     from triton.testing import do_bench
 
     rows = []
@@ -96,6 +97,8 @@ def check_prefill(gen) -> list[dict]:
         paths = [("triton", lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5, lse=True))]
         if cudnn_prefill.usable(q, None):
             paths.append(("cudnn", lambda: cudnn_prefill.prefill_attention(q, k, v, table, start, D**-0.5, lse=True)))
+        if fa3_prefill.usable(q, None, k):
+            paths.append(("fa3", lambda: fa3_prefill.prefill_attention(q, k, v, table, start, D**-0.5, lse=True)))
         for path, fn in paths:
             got, got_lse = fn()
             ms = do_bench(fn, return_mode="median")
@@ -590,14 +593,17 @@ def check_prefill_context(gen) -> list[dict]:
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Prints one table; exit code 1 on a mismatch "
-                            "or without a CUDA device.").parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Prints one table; exit code 1 on a "
+                                     "mismatch or without a CUDA device.")
+    parser.add_argument("--prefill-only", action="store_true", help="check the prefill attention paths alone")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
-    rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
+    rows = check_prefill(gen) if args.prefill_only else (
+            check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
             + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
             + check_chunk_slots(gen)

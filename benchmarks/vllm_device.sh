@@ -12,14 +12,16 @@
 # decode step's device and host time go), modes_bench (issue 55's targets: `semkv bench` with real prefills at
 # 31,744, batch 16 and Full KV's largest batch, Full KV, CHESS, ChunkKV and the retrieving modes; ARGS: e.g.
 # --methods full,sentencekv to run fewer), kernels (kernel_check.py: each Triton kernel against its reference and
-# its speed), ruler (`semkv eval` of the eight RULER NIAH tasks, 20 samples, batched, into $W/ruler; ARGS: its
+# its speed), fa3 (FlashAttention 3, vLLM's, against cuDNN as the prefill attention: kernel_check.py's prefill rows,
+# then first_steps.py's server sessions on the model with SEMKV_PREFILL_ATTENTION=cudnn and auto, 32 x 32k with 512
+# new tokens and 128 x 2k with 64), ruler (`semkv eval` of the eight RULER NIAH tasks, 20 samples, batched, into $W/ruler; ARGS: its
 # --methods, --lengths, --budgets...; a rerun resumes). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|ruler [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|fa3|ruler [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -84,6 +86,26 @@ modes_bench)  # issue 55's targets, one bench call (the rows of the methods it r
   tar czf $out/modes_bench.tgz -C $W --exclude='*.png' modes_bench modes_bench.log device.txt ;;
 kernels)  # benchmarks/kernel_check.py: every Triton kernel against its reference, then its speed
   timeout $seconds python3 benchmarks/kernel_check.py "$@" | tee $out/kernels.txt ;;
+fa3)  # the prefill attention of full chunks: FlashAttention 3 against cuDNN, kernels then sessions, pairs in turn
+  essays
+  mkdir -p $W/fa3
+  end=$(( $(date +%s) + seconds - 20 ))
+  [ -f $W/fa3/kernels.txt ] || timeout 150 python3 benchmarks/kernel_check.py --prefill-only > $W/fa3/kernels.txt 2>&1
+  grep '^| prefill' $W/fa3/kernels.txt
+  for shape in "--context 32000 --requests 32 --new-tokens 512 --max-num-seqs 16" \
+               "--context 2000 --requests 128 --new-tokens 64 --max-num-seqs 32"; do
+    for path in cudnn auto; do
+      read -ra words <<< "$shape"
+      log=$W/fa3/${path}_${words[1]}.log
+      [ -f $log ] && continue
+      (( $(date +%s) + 90 > end )) && { echo "fa3: $path ${words[1]} not started: too little time left"; continue; }
+      SEMKV_PREFILL_ATTENTION=$path TRITON_CACHE_DIR=$W/tc-$path PYTHONPATH=$PYTHONPATH:$PWD/benchmarks \
+        timeout $(( end - $(date +%s) )) python3 benchmarks/first_steps.py --model $QWEN --text-file $W/essays.txt \
+        --runs 2 "${words[@]}" > $log.part 2>&1 && mv $log.part $log
+      echo "== $path ${words[*]}"; grep '^{' $log* | cut -c1-400
+    done
+  done
+  tar czf $out/fa3.tgz -C $W fa3 device.txt ;;
 ruler)  # RULER NIAH quality of the modes named in ARGS (the suite pages' tasks and samples)
   niah=ruler_niah_single_1,ruler_niah_single_2,ruler_niah_single_3,ruler_niah_multikey_1,ruler_niah_multikey_2
   timeout $((seconds - 15)) python3 -m semkv.cli.main eval --model $QWEN --data-dir $DATA --samples 20 --batched \

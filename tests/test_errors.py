@@ -254,6 +254,17 @@ def test_bad_page_size(tiny_model_dir):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", page_size=0)
 
 
+def test_bad_prefill_attention_is_named(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("SEMKV_PREFILL_ATTENTION", "flash")
+    with pytest.raises(semkv.SemkvError, match="SEMKV_PREFILL_ATTENTION='flash' is not a prefill attention; "
+                                               "allowed: auto, fa3, cudnn, triton"):
+        semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    proc = subprocess.run([sys.executable, "-m", "semkv.cli.main", "generate", "--prompt", "hi", "--device", "cpu"],
+                          capture_output=True, text=True, env={**__import__("os").environ})
+    assert proc.returncode == 2 and "SEMKV_PREFILL_ATTENTION='flash'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_bad_gpu_memory_utilization(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(semkv.SemkvError, match=r"gpu_memory_utilization=1.5 is out of range; allowed: \[0.05, 1.0\]"):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", gpu_memory_utilization=1.5)

@@ -1,5 +1,6 @@
-"""Attention over the paged cache: Triton kernels on CUDA (and cuDNN's fused attention for long prefill chunks on
-Hopper: `cudnn_prefill`), the plain-torch reference elsewhere (or when `SEMKV_KERNELS=reference`). All take the same
+"""Attention over the paged cache: Triton kernels on CUDA (and for full prefill chunks on Hopper, FlashAttention 3
+where vLLM's wheel brings it, `fa3_prefill`, else cuDNN's fused attention for long chunks, `cudnn_prefill`; the
+choice: `prefill_path`), the plain-torch reference elsewhere (or when `SEMKV_KERNELS=reference`). All take the same
 arguments, so the engine and the methods never see which one runs."""
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 
 import torch
 
+from semkv.errors import SemkvError
 from semkv.kernels import reference
+
+PREFILL_PATHS = ("auto", "fa3", "cudnn", "triton")  # SEMKV_PREFILL_ATTENTION's values
 
 
 def use_triton(device: torch.device) -> bool:
@@ -29,12 +33,34 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, max_len: 
     return reference.decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale)
 
 
+def prefill_path(device: torch.device | None = None) -> str:
+    """The kernel that runs full prefill chunks on CUDA, from SEMKV_PREFILL_ATTENTION: `auto` (the default:
+    FlashAttention 3 where vLLM's wheel brings it to a Hopper GPU, else cuDNN for chunks of 1,024 tokens or more, else
+    Triton), `fa3`, `cudnn` or `triton` (each falling back to Triton where it cannot serve a call). With a device,
+    checks that the value is allowed and that `fa3`, if asked for, is there (the engine does at start)."""
+    path = os.environ.get("SEMKV_PREFILL_ATTENTION", "auto")
+    if device is not None:
+        if path not in PREFILL_PATHS:
+            raise SemkvError(f"SEMKV_PREFILL_ATTENTION={path!r} is not a prefill attention; allowed: "
+                             + ", ".join(PREFILL_PATHS))
+        if path == "fa3" and use_triton(device):
+            from semkv.kernels import fa3_prefill
+
+            if not fa3_prefill.available():
+                raise SemkvError("SEMKV_PREFILL_ATTENTION=fa3 needs vLLM's FlashAttention 3 (pip install vllm) and "
+                                 "a Hopper GPU; allowed without them: auto, cudnn, triton")
+    return path
+
+
 def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False):
     """See `reference.prefill_attention`."""
     if use_triton(q.device):
-        from semkv.kernels import cudnn_prefill, triton_prefill
+        from semkv.kernels import cudnn_prefill, fa3_prefill, triton_prefill
 
-        if cudnn_prefill.usable(q, context):
+        path = prefill_path()
+        if path in ("auto", "fa3") and fa3_prefill.usable(q, context, k_pool):
+            return fa3_prefill.prefill_attention(q, k_pool, v_pool, table, start, scale, lse=lse)
+        if path in ("auto", "cudnn") and cudnn_prefill.usable(q, context):
             out = cudnn_prefill.attend(q, k_pool, v_pool, table, start, scale, lse=lse)
             if out is not None:
                 return out
@@ -45,7 +71,7 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
 def warm_up_prefill(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) -> None:
     """Prepare the full-prefill attention of chunks of `chunk` tokens up to max_len tokens (cuDNN's plans, where that
     path serves them; `cudnn_prefill.warm_up`)."""
-    if use_triton(k_pool.device):
+    if _cudnn_serves(k_pool):
         from semkv.kernels import cudnn_prefill
 
         cudnn_prefill.warm_up(k_pool, v_pool, heads, scale, chunk, max_len)
@@ -54,10 +80,21 @@ def warm_up_prefill(k_pool, v_pool, heads: int, scale: float, chunk: int, max_le
 def warm_up_prefill_cuts(k_pool, v_pool, heads: int, scale: float, step: int, chunk: int, max_len: int) -> None:
     """Prepare the full-prefill attention of the chunks a server's step budget cuts (`cudnn_prefill.warm_up_cuts`,
     where that path serves them)."""
-    if use_triton(k_pool.device):
+    if _cudnn_serves(k_pool):
         from semkv.kernels import cudnn_prefill
 
         cudnn_prefill.warm_up_cuts(k_pool, v_pool, heads, scale, step, chunk, max_len)
+
+
+def _cudnn_serves(k_pool) -> bool:
+    """True when cuDNN may serve full prefill chunks in this process (so its plans are worth building)."""
+    if not use_triton(k_pool.device):
+        return False
+    from semkv.kernels import fa3_prefill
+
+    path = prefill_path()
+    return path == "cudnn" or path == "auto" and not (k_pool.dtype in (torch.bfloat16, torch.float16)
+                                                       and fa3_prefill.available())
 
 
 def rms_norm(x, weight, eps, residual=None):

