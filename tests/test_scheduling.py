@@ -3,9 +3,11 @@ caching, preemption and admission past a request that does not fit, on a tiny ra
 Every method of the matrix gives the tokens of whole-prompt prefill, of a cache miss and of a run alone."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import semkv
+from semkv.engine.prefix_cache import PrefixCache
 from semkv.engine.sequence import SamplingParams
 from semkv.methods import get_method
 from test_method_matrix import CASES, CONTEXTS, IDS, NEW, QUESTIONS, SMALL
@@ -97,6 +99,28 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
     assert second.stats.cached_tokens == (blocks * page if shares else 0) and (blocks > 2 or not shares)
     assert llm.engine.memory().held == (0, 0, 0, 0)
     assert (llm.engine.pool.cached_pages > 0) == shares
+
+
+def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
+    """The cache's counts (numpy arrays by page and block id) through two requests holding a prompt's blocks, one
+    layer given back early (as `unshare` does), and eviction: idle blocks go least recently used first, a prompt's
+    tail before its head, and their ids are reused."""
+    cache = PrefixCache(3)
+    keys = [b"a", b"b", b"c"]
+    pages = np.array([[10, 20, 30], [11, 21, 31], [12, 22, 32]])  # [blocks, layers]
+    assert cache.add(keys, pages, held=True) == 3 and cache.add(keys[:1], pages[:1], held=True) == 0
+    assert cache.cached(21) and not cache.cached(13) and not cache.cached(5000)
+    assert cache.take(cache.match([b"a", b"b", b"x"])) == 0  # a second holder: no page was idle
+    assert cache.unref([9, 30, 31]) == ([9], 0)  # the second holder's layer 2 given back early: still held
+    for layer, idled in enumerate([1, 1, 3]):  # the first holder gives back every layer, tail first
+        assert cache.unref(pages[::-1, layer].tolist()) == ([], idled)
+    assert cache.evictable == 3 and list(cache.lru) == [b"c"]  # "a" and "b" are held by the second request
+    assert cache.unref([11, 10]) == ([], 2) and cache.unref([21, 20]) == ([], 2)
+    assert list(cache.lru) == [b"c", b"b", b"a"] and cache.evictable == 9  # tail first
+    assert cache.take(cache.match([b"a"])) == 3 and list(cache.lru) == [b"c", b"b"] and cache.evictable == 6
+    assert cache.evict(4) == [12, 22, 32, 11, 21, 31] and not cache.cached(12) and set(cache.blocks) == {b"a"}
+    assert cache.add([b"d"], np.array([[40, 41, 42]]), held=False) == 1 and cache.blocks[b"d"].id in (1, 2)
+    assert list(cache.lru) == [b"d"] and cache.clear() == [40, 41, 42] and cache.hits == 3
 
 
 def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -290,9 +291,10 @@ class Engine:
             return 0
         kv, done = seq.kv, min(seq.num_computed // self.pool.page_size, len(seq.block_keys))
         added = 0
-        for i in range(seq.cached_blocks, done):
-            pages = tuple((kv.aside[layer] or kv.pages[layer])[i] for layer in range(self.config.num_layers))
-            added += self.pool.cache.add(seq.block_keys[i], pages, held=True)
+        if done > seq.cached_blocks:
+            pages = np.array([(kv.aside[layer] or kv.pages[layer])[seq.cached_blocks:done]
+                              for layer in range(self.config.num_layers)], dtype=np.int64).T  # [blocks, layers]
+            added = self.pool.cache.add(seq.block_keys[seq.cached_blocks:done], pages, held=True)
         seq.cached_blocks = max(seq.cached_blocks, done)
         if seq.prefill is None:  # the prompt is done
             self.pool.release([page for aside in kv.aside for page in aside[::-1]])  # tail first (`SeqKV.release`)

@@ -13,6 +13,7 @@ import itertools
 import weakref
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from semkv.engine.prefix_cache import PrefixCache
@@ -187,7 +188,7 @@ class KVPool:
     def release(self, pages: list[int]) -> None:
         """A request gives pages back: its own ones become free, cached ones lose a holder (idle when none is
         left)."""
-        if self.cache is not None and self.cache.block_of:
+        if self.cache is not None and self.cache.blocks:
             private, idled = self.cache.unref(pages)
             self.free.extend(private)
             self.in_use -= len(private) + idled
@@ -403,12 +404,12 @@ class SeqKV:
         first slots."""
         self.pool.share(blocks)
         count = len(blocks) * self.pool.page_size
-        for layer in range(len(self.pages)):
-            self.pages[layer] = [block.pages[layer] for block in blocks]
+        pages = np.stack([block.pages for block in blocks])  # [blocks, layers]
+        for layer, column in enumerate(pages.T.tolist()):
+            self.pages[layer] = column
             self.num_slots[layer] = count
         self.widen(len(blocks))
-        index = self.pool.staging.send([list(block.pages) for block in blocks])  # [blocks, layers]
-        self.table[:, : len(blocks)] = index.t()
+        self.table[:, : len(blocks)] = self.pool.staging.send(pages).t()
 
     def unshare(self, layer: int) -> None:
         """Before slots of `layer` are rewritten in place: its cached pages and its first `protect` pages are

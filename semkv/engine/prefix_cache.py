@@ -32,20 +32,28 @@ def block_keys(ids: list[int], page_size: int, count: int) -> list[bytes]:
 @dataclass(slots=True)
 class Block:
     key: bytes
-    pages: tuple[int, ...]  # one physical page per layer
-    idle: int = 0  # pages of it that no request holds (all of them: the block can be evicted)
+    pages: np.ndarray  # [layers] int64: one physical page per layer
+    id: int  # its index in the cache's arrays (reused once it is evicted)
 
 
 class PrefixCache:
-    """The cached blocks of one pool, the requests holding each cached page, and the LRU order of idle blocks."""
+    """The cached blocks of one pool, the requests holding each cached page, and the LRU order of idle blocks.
+
+    Per-page and per-block counts live in numpy arrays (indexed by page id and block id), so a request's thousands of
+    pages are counted in a few vector operations: a 32k prompt's blocks are 48,000 pages at 24 layers, which counted
+    one by one in Python took about 40 ms of the host's time a request (added, taken, given back), while the device
+    waited between steps."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.blocks: dict[bytes, Block] = {}
-        self.block_of: dict[int, Block] = {}  # cached page -> its block
-        self.refs: dict[int, int] = {}  # cached page -> requests holding it
-        self.lru: OrderedDict[bytes, Block] = OrderedDict()  # idle blocks, least recently used first
-        self.evictable = 0  # pages of idle blocks
+        self.by_id: list[Block | None] = []  # block id -> block (None: a free id)
+        self._free_ids: list[int] = []
+        self.owner = np.full(0, -1, dtype=np.int64)  # page id -> id of the cached block holding it, or -1
+        self.refs = np.zeros(0, dtype=np.int64)  # cached page id -> requests holding it
+        self.idle = np.zeros(0, dtype=np.int64)  # block id -> its pages that no request holds
+        self.lru: OrderedDict[bytes, Block] = OrderedDict()  # fully idle blocks, least recently used first
+        self.evictable = 0  # pages of fully idle blocks
         self.hits = 0  # blocks taken by requests (counters for metrics)
 
     def match(self, keys: list[bytes]) -> list[Block]:
@@ -60,45 +68,58 @@ class PrefixCache:
 
     def take(self, blocks: list[Block]) -> int:
         """A request holds these blocks' pages now; returns how many pages were idle (they leave the free count)."""
-        woken = 0
-        for block in blocks:
-            for page in block.pages:
-                self.refs[page] += 1
-                if self.refs[page] == 1:
-                    woken += 1
-                    self._busy(block)
+        if not blocks:
+            return 0
+        ids = np.fromiter((block.id for block in blocks), dtype=np.int64, count=len(blocks))
+        pages = np.stack([block.pages for block in blocks])  # [blocks, layers]
+        woken = (self.refs[pages] == 0).sum(1)  # [blocks]
+        self.refs[pages] += 1  # a request takes each page once
+        for i in np.flatnonzero(self.idle[ids] == self.num_layers).tolist():  # fully idle until now
+            block = blocks[i]
+            del self.lru[block.key]
+            self.evictable -= self.num_layers
+        self.idle[ids] -= woken
         self.hits += len(blocks)
-        return woken
+        return int(woken.sum())
 
-    def add(self, key: bytes, pages: tuple[int, ...], held: bool) -> bool:
-        """Cache pages computed for `key`, held by one request (`held`) or by none; False when the key is cached
-        already (the caller keeps its pages as its own)."""
-        if key in self.blocks:
-            return False
-        block = self.blocks[key] = Block(key, pages)
-        for page in pages:
-            self.block_of[page] = block
-            self.refs[page] = int(held)
+    def add(self, keys: list[bytes], pages: np.ndarray, held: bool) -> int:
+        """Cache the blocks computed for `keys` (pages [blocks, layers]: each one's page in every layer), held by one
+        request (`held`) or by none; a key cached already is skipped (its caller keeps those pages as its own).
+        How many blocks were added."""
+        new = [i for i, key in enumerate(keys) if key not in self.blocks]
+        if not new:
+            return 0
+        pages = np.asarray(pages, dtype=np.int64)[new]
+        self._fit(int(pages.max()) + 1)
+        ids = self._new_ids(len(new))
+        for row, (i, block_id) in enumerate(zip(new, ids.tolist())):
+            self.blocks[keys[i]] = self.by_id[block_id] = Block(keys[i], pages[row], block_id)
+        self.owner[pages] = ids[:, None]
+        self.refs[pages] = int(held)
+        self.idle[ids] = 0 if held else self.num_layers
         if not held:
-            block.idle = len(pages)
-            self._idle(block)
-        return True
+            for block_id in ids.tolist():
+                self._idle(self.by_id[block_id])
+        return len(new)
 
     def unref(self, pages: list[int]) -> tuple[list[int], int]:
-        """A request gives back `pages`: (the ones not cached, to free; how many cached ones became idle)."""
-        private, idled = [], 0
-        for page in pages:
-            block = self.block_of.get(page)
-            if block is None:
-                private.append(page)
-                continue
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                idled += 1
-                block.idle += 1
-                if block.idle == len(block.pages):
-                    self._idle(block)
-        return private, idled
+        """A request gives back `pages` (distinct): (the ones not cached, to free; how many cached ones became
+        idle)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        owner = np.full(len(pages), -1, dtype=np.int64)
+        known = pages < len(self.owner)  # pages above every cached one are not cached
+        owner[known] = self.owner[pages[known]]
+        cached = owner >= 0
+        private = pages[~cached].tolist()
+        mine, owner = pages[cached], owner[cached]
+        self.refs[mine] -= 1
+        idled = owner[self.refs[mine] == 0]  # blocks of the pages no request holds now (one entry a page)
+        np.add.at(self.idle, idled, 1)
+        full = idled[self.idle[idled] == self.num_layers]
+        _, first = np.unique(full, return_index=True)
+        for block_id in full[np.sort(first)].tolist():  # in the order given: a prompt's tail first is evicted first
+            self._idle(self.by_id[block_id])
+        return private, len(idled)
 
     def evict(self, pages: int) -> list[int]:
         """Drop least recently used idle blocks until `pages` pages are freed (or none is left): their pages."""
@@ -107,9 +128,11 @@ class PrefixCache:
             _, block = self.lru.popitem(last=False)
             self.evictable -= len(block.pages)
             del self.blocks[block.key]
-            for page in block.pages:
-                del self.block_of[page], self.refs[page]
-            freed.extend(block.pages)
+            self.owner[block.pages] = -1
+            self.refs[block.pages] = 0
+            self.by_id[block.id] = None
+            self._free_ids.append(block.id)
+            freed.extend(block.pages.tolist())
         return freed
 
     def clear(self) -> list[int]:
@@ -120,12 +143,24 @@ class PrefixCache:
         self.lru[block.key] = block
         self.evictable += len(block.pages)
 
-    def _busy(self, block: Block) -> None:
-        """A page of `block` is held again."""
-        if block.idle == len(block.pages):
-            del self.lru[block.key]
-            self.evictable -= len(block.pages)
-        block.idle -= 1
-
     def cached(self, page: int) -> bool:
-        return page in self.block_of
+        return page < len(self.owner) and self.owner[page] >= 0
+
+    def _fit(self, pages: int) -> None:
+        """Per-page arrays for page ids below `pages` (grown by half at least)."""
+        if pages > len(self.owner):
+            size = max(pages, len(self.owner) * 3 // 2, 1024)
+            self.owner = np.concatenate([self.owner, np.full(size - len(self.owner), -1, dtype=np.int64)])
+            self.refs = np.concatenate([self.refs, np.zeros(size - len(self.refs), dtype=np.int64)])
+
+    def _new_ids(self, count: int) -> np.ndarray:
+        """`count` block ids: freed ones first, then new ones (the per-block arrays grown to hold them)."""
+        reused = self._free_ids[len(self._free_ids) - min(count, len(self._free_ids)):]
+        del self._free_ids[len(self._free_ids) - len(reused):]
+        first = len(self.by_id)
+        fresh = list(range(first, first + count - len(reused)))
+        self.by_id.extend([None] * len(fresh))
+        if len(self.by_id) > len(self.idle):
+            self.idle = np.concatenate([self.idle, np.zeros(max(len(self.by_id), len(self.idle) * 3 // 2)
+                                                            - len(self.idle), dtype=np.int64)])
+        return np.asarray(reused + fresh, dtype=np.int64)
