@@ -77,6 +77,9 @@ class SyncSites:
         self._warnings.__exit__(*exc)
 
     def _count(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing" not in str(message):  # another warning: not a wait
+            self.sites[f"other warning: {str(message)[:80]}"] += 1
+            return
         frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
                   if "/semkv/" in f.filename and "/benchmarks/" not in f.filename]
         self.sites[" < ".join(frames[::-1][:3]) or f"{Path(filename).name}:{lineno}"] += 1

@@ -42,10 +42,10 @@ def exact_row(kernel: str, shape: str, r: dict) -> str:
             f"{r['reference_ms']:.4f} | - |")
 
 
-def pool(tokens: int, batch: int, gen: torch.Generator):
+def pool(tokens: int, batch: int, gen: torch.Generator, kv_heads: int = HK, dim: int = D):
     pages = batch * (-(-tokens // PAGE)) + 1
-    k = torch.randn(pages, PAGE, HK, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-    v = torch.randn(pages, PAGE, HK, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(pages, PAGE, kv_heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(pages, PAGE, kv_heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     tables = torch.randperm(pages - 1, device="cuda", generator=gen)[: batch * (pages // batch)] + 1
     return k, v, tables.view(batch, -1)
 
@@ -54,29 +54,45 @@ def check_decode(gen, bandwidth: float) -> list[dict]:
     from triton.testing import do_bench
 
     rows = []
-    for batch, context in [(1, 4096), (1, 32768), (8, 8192), (16, 32768)]:
-        k, v, tables = pool(context, batch, gen)
-        q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    # the 8B shape (32 heads, 8 KV heads, head_dim 128), then Qwen2.5-0.5B's (14, 2, 64): few KV heads to spread
+    for batch, context, heads, kv_heads, dim in [(1, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 8192, 32, 8, 128),
+                                     (16, 32768, 32, 8, 128), (16, 32768, 14, 2, 64), (64, 32768, 14, 2, 64)]:
+        k, v, tables = pool(context, batch, gen, kv_heads, dim)
+        q = torch.randn(batch, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
         lengths = torch.full((batch, 1), context, device="cuda")
-        want = reference.decode_attention(q.float(), k.float(), v.float(), tables, None, lengths, D**-0.5)
-        got = triton_decode.decode_attention(q, k, v, tables, None, lengths, D**-0.5)
+        want = reference.decode_attention(q.float(), k.float(), v.float(), tables, None, lengths, dim**-0.5)
+        got = triton_decode.decode_attention(q, k, v, tables, None, lengths, dim**-0.5)
         # a per-head index list of 1% of the context
         n = max(context // 100, 64)
         slots = torch.sort(torch.stack([torch.randperm(context, device="cuda", generator=gen)[:n]
-                                        for _ in range(batch * HK)]).view(batch, HK, n), -1).values
-        sel_lengths = torch.full((batch, HK), n, device="cuda")
-        want_sel = reference.decode_attention(q.float(), k.float(), v.float(), tables, slots, sel_lengths, D**-0.5)
-        got_sel = triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, D**-0.5)
-        full_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, None, lengths, D**-0.5,
+                                        for _ in range(batch * kv_heads)]).view(batch, kv_heads, n), -1).values
+        sel_lengths = torch.full((batch, kv_heads), n, device="cuda")
+        want_sel = reference.decode_attention(q.float(), k.float(), v.float(), tables, slots, sel_lengths, dim**-0.5)
+        got_sel = triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, dim**-0.5)
+        full_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, None, lengths, dim**-0.5,
                                                                   max_len=context), return_mode="median")
-        ref_ms = do_bench(lambda: reference.decode_attention(q, k, v, tables, None, lengths, D**-0.5),
+        ref_ms = do_bench(lambda: reference.decode_attention(q, k, v, tables, None, lengths, dim**-0.5),
                           return_mode="median")
-        sel_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, D**-0.5),
+        sel_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, dim**-0.5),
                           return_mode="median")
-        floor_ms = 1e3 * batch * context * HK * D * 2 * 2 / bandwidth
-        rows.append(dict(kernel="decode", batch=batch, context=context, err_full=rel_err(got, want),
+        floor_ms = 1e3 * batch * context * kv_heads * dim * 2 * 2 / bandwidth
+        fa3 = {}
+        if fa3_prefill.usable(q, None, k):  # vLLM's FlashAttention 3 as vLLM decodes with it: not yet semkv's path
+            from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+            cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            used = lengths[:, 0].int()
+            block_table = tables.int()
+
+            def fa3_decode():
+                return flash_attn_varlen_func(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=context,
+                                              seqused_k=used, softmax_scale=dim**-0.5, causal=True,
+                                              block_table=block_table, fa_version=3)
+            fa3 = dict(err_fa3=rel_err(fa3_decode(), want), fa3_ms=do_bench(fa3_decode, return_mode="median"))
+        rows.append(dict(kernel="decode", batch=batch, context=context, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                         err_full=rel_err(got, want),
                          err_selected=rel_err(got_sel, want_sel), triton_ms=full_ms, reference_ms=ref_ms,
-                         selected_1pct_ms=sel_ms, floor_ms=floor_ms))
+                         selected_1pct_ms=sel_ms, floor_ms=floor_ms, **fa3))
     return rows
 
 
@@ -596,13 +612,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Prints one table; exit code 1 on a "
                                      "mismatch or without a CUDA device.")
     parser.add_argument("--prefill-only", action="store_true", help="check the prefill attention paths alone")
+    parser.add_argument("--attention-only", action="store_true", help="check the decode and prefill attention alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
-    rows = check_prefill(gen) if args.prefill_only else (
+    rows = check_prefill(gen) if args.prefill_only else check_decode(gen, bandwidth) + check_prefill(gen) \
+        if args.attention_only else (
             check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
             + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
             + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
@@ -617,9 +635,11 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         if r["kernel"] == "decode":
-            print(f"| decode | B={r['batch']} ctx={r['context']} | {r['err_full']:.1e} / {r['err_selected']:.1e} | "
+            print(f"| decode | B={r['batch']} ctx={r['context']} {r['heads']}/{r['kv_heads']}x{r['head_dim']} | "
+                  f"{r['err_full']:.1e} / {r['err_selected']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms, "
-                  f"1% list {r['selected_1pct_ms']:.3f} ms |")
+                  f"1% list {r['selected_1pct_ms']:.3f} ms"
+                  + (f", FlashAttention 3 {r['fa3_ms']:.3f} ms ({r['err_fa3']:.1e})" if "fa3_ms" in r else "") + " |")
         elif r["kernel"] == "summary_dots":
             print(f"| summary_dots | B={r['batch']} pages={r['pages']} x 32 layers | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")

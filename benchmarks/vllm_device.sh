@@ -14,14 +14,16 @@
 # --methods full,sentencekv to run fewer), kernels (kernel_check.py: each Triton kernel against its reference and
 # its speed), fa3 (FlashAttention 3, vLLM's, against cuDNN as the prefill attention: kernel_check.py's prefill rows,
 # then first_steps.py's server sessions on the model with SEMKV_PREFILL_ATTENTION=cudnn and auto, 32 x 32k with 512
-# new tokens and 128 x 2k with 64), ruler (`semkv eval` of the eight RULER NIAH tasks, 20 samples, batched, into $W/ruler; ARGS: its
+# new tokens and 128 x 2k with 64), syncs (first_steps.py --sync-debug on the model, 32 x 32k, 16 at a time, for
+# Full KV, CHESS anchor="queries" and ChunkKV neighbours=3 at 10%: every wait of the host for the device in a
+# server's session, by call site, and the steps' times), ruler (`semkv eval` of the eight RULER NIAH tasks, 20 samples, batched, into $W/ruler; ARGS: its
 # --methods, --lengths, --budgets...; a rerun resumes). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|fa3|ruler [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|fa3|syncs|ruler [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -106,6 +108,22 @@ fa3)  # the prefill attention of full chunks: FlashAttention 3 against cuDNN, ke
     done
   done
   tar czf $out/fa3.tgz -C $W fa3 device.txt ;;
+syncs)  # where a server's session waits for the device, per method (a method done while the machine is warm is kept)
+  essays
+  mkdir -p $W/syncs
+  end=$(( $(date +%s) + seconds - 20 ))
+  for mode in "full" "chess --param anchor=queries" "chunkkv --param neighbours=3"; do
+    read -ra words <<< "$mode"
+    log=$W/syncs/${words[0]}.log
+    [ -f $log ] && continue
+    (( $(date +%s) + 90 > end )) && { echo "syncs: ${words[0]} not started: too little time left"; continue; }
+    TRITON_CACHE_DIR=$W/tc-syncs PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout $(( end - $(date +%s) )) \
+      python3 benchmarks/first_steps.py --model $QWEN --text-file $W/essays.txt --runs 2 --context 32000 \
+      --requests 32 --new-tokens 512 --max-num-seqs 16 --sync-debug --method "${words[@]}" > $log.part 2>&1 \
+      && mv $log.part $log
+    echo "== ${words[*]}"; grep '^{"run": 1' $log* | cut -c1-1500
+  done
+  tar czf $out/syncs.tgz -C $W syncs device.txt ;;
 ruler)  # RULER NIAH quality of the modes named in ARGS (the suite pages' tasks and samples)
   niah=ruler_niah_single_1,ruler_niah_single_2,ruler_niah_single_3,ruler_niah_multikey_1,ruler_niah_multikey_2
   timeout $((seconds - 15)) python3 -m semkv.cli.main eval --model $QWEN --data-dir $DATA --samples 20 --batched \
