@@ -5,6 +5,7 @@ import functools
 import inspect as pyinspect
 import os
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Sequence as Seq
 
@@ -393,6 +394,9 @@ class LLM(TextModel):
                            seq.logprobs if seq.params.logprobs is not None else None)
 
 
+IDLE_METHODS = 2  # methods a server keeps with their CUDA graphs while no request uses them (`Session`)
+
+
 class Session:
     """Requests that arrive over time, for a server: one `Scheduler(contain=True)`, requests of the same method key
     sharing one bound copy of the method (so they decode in one batch). With tensor parallelism every rank keeps a
@@ -405,6 +409,9 @@ class Session:
                                    max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching)
         self.requests: dict[int, tuple[Sequence, str]] = {}  # live requests by id, with their method keys
         self.bound: dict[str, KVMethod] = {}  # method key -> the bound copy its live requests share
+        # keys of `idle_graphs` methods that no live request uses, kept with their batch's CUDA graphs (least recently
+        # used first; at most IDLE_METHODS)
+        self.idle: OrderedDict[str, None] = OrderedDict()
         if max_num_batched_tokens is not None:  # its cuts' prefill plans now, not while requests wait (on CUDA)
             llm.engine.warm_up_cuts(max_num_batched_tokens)
 
@@ -421,7 +428,10 @@ class Session:
         bound = self.bound.get(key)
         if bound is None:
             bound = method.bound(self.llm.config, self.llm.tokenizer, self.llm.engine.pool.page_size)
+            if bound.idle_graphs:
+                self.scheduler.keep(bound)
         seq = self.llm.request(seq_id, ids, params, bound)
+        self.idle.pop(key, None)
         self.bound[key] = bound
         self.requests[seq_id] = seq, key
         self.scheduler.submit(seq, bound, self.llm.stop_test(params))
@@ -458,11 +468,19 @@ class Session:
         return result
 
     def _sweep(self) -> None:
+        """Forget ended requests, and the methods no live request uses: at once, or for an `idle_graphs` method once
+        IDLE_METHODS others have been idle since (its batch and graphs go with it)."""
         for seq_id in [i for i, (s, _) in self.requests.items() if s.finished]:
             del self.requests[seq_id]
         used = {key for _, key in self.requests.values()}
-        for key in [k for k in self.bound if k not in used]:
-            del self.bound[key]
+        for key in [k for k in self.bound if k not in used and k not in self.idle]:
+            if self.bound[key].idle_graphs:
+                self.idle[key] = None
+            else:
+                del self.bound[key]
+        while len(self.idle) > IDLE_METHODS:
+            key, _ = self.idle.popitem(last=False)
+            self.scheduler.forget(self.bound.pop(key))
 
 
 def _replay(tp: TensorParallel, device: torch.device, calls, settings: dict) -> None:

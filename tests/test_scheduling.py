@@ -101,6 +101,35 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
     assert (llm.engine.pool.cached_pages > 0) == shares
 
 
+def test_a_session_keeps_the_graphs_of_idle_methods_it_may_serve_again(llm):
+    """A server's session keeps the batch (its decode steps' graphs) of an `idle_graphs` method while no request uses
+    it: the next request of that method reuses them and gets the tokens of a fresh run; past IDLE_METHODS idle ones,
+    the least recently used goes; a method whose steps read its own buffers (Quest) goes with its last request; a
+    kept batch holds no request, no page and no method state, and does not keep the session busy."""
+    from semkv.llm import IDLE_METHODS
+
+    ids = encode(llm, PROMPTS[0])
+    want = llm.generate([ids], "full", max_new_tokens=NEW, ignore_eos=True)[0].token_ids
+    driver = Driver(llm, max_num_batched_tokens=64)
+    scheduler = driver.session.scheduler
+    full = get_method("full")
+    driver.submit(ids, full)
+    driver.finish()
+    (kept,) = scheduler.batches.values()  # on CUDA it holds the graphs (`Batch.graphs`; none on the CPU)
+    assert not scheduler.busy and not kept.running
+    assert llm.engine.memory().held == (0, 0, 0, 0) and llm.engine.pool.in_use == 0
+    driver.submit(ids, full)  # the same method key: the same bound method, batch and graphs
+    assert driver.finish()[-1] == want and scheduler.batches[id(kept.method)] is kept
+    others = [get_method("snapkv", 64), get_method("chunkkv", 64), get_method("quest", 64)]
+    for method in others:
+        driver.submit(ids, method)
+        driver.finish()
+    kept_methods = {batch.method.name for batch in scheduler.batches.values()}
+    assert kept_methods == {"snapkv", "chunkkv"} and IDLE_METHODS == 2  # Full KV, the oldest, went; Quest at once
+    assert set(driver.session.bound) == set(driver.session.idle) == {repr(m) for m in others[:2]}
+    assert llm.engine.memory().held == (0, 0, 0, 0) and llm.engine.pool.in_use == 0
+
+
 def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     """The cache's counts (numpy arrays by page and block id) through two requests holding a prompt's blocks, one
     layer given back early (as `unshare` does), and eviction: idle blocks go least recently used first, a prompt's

@@ -96,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not done yet (in admission order)
         self.batches: dict[int, Batch] = {}  # id(method) -> its batch
+        self.kept: set[int] = set()  # ids of methods whose batch (its CUDA graphs) stays while no request uses them
         self.failed: list[tuple[Sequence, BaseException]] = []  # contained errors; the caller takes them
         self._method: dict[Sequence, KVMethod] = {}
         self._stop: dict[Sequence, StopTest] = {}
@@ -119,7 +120,18 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.batches)
+        return bool(self.waiting or self.prefilling or any(b.running for b in self.batches.values()))
+
+    def keep(self, method: KVMethod) -> None:
+        """Keep the batch of `method` (an `idle_graphs` one), with its captured decode steps, while no request uses
+        it, until `forget`."""
+        self.kept.add(id(method))
+
+    def forget(self, method: KVMethod) -> None:
+        """Stop keeping the batch of `method`: it goes now if no request uses the method, else with its last one."""
+        self.kept.discard(id(method))
+        if not any(m is method for m in self._method.values()):
+            self.batches.pop(id(method), None)
 
     def cancel(self, seq: Sequence) -> None:
         """End a waiting or running request now: it finishes as "cancelled" and everything it holds is freed."""
@@ -346,7 +358,8 @@ class Scheduler:
             batch.running.remove(seq)
         self.engine.finish(seq)
         if not any(m is method for m in self._method.values()):
-            self.batches.pop(id(method), None)
+            if id(method) not in self.kept:
+                self.batches.pop(id(method), None)
             self.engine.end([], method)
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:

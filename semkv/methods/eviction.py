@@ -26,6 +26,7 @@ class ScoredEviction(KVMethod):
 
     kind = "prefill_eviction"
     graph_safe = True  # decoding attends to every kept slot: the Full-KV step
+    idle_graphs = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,5 +11,6 @@ class FullKV(KVMethod):
     """Dense attention over the whole cache; `budget` is ignored (there is nothing to drop)."""
 
     graph_safe = True
+    idle_graphs = True
     name = "full"
     summary = "Full KV cache: attend to every cached token (the exact reference)"
