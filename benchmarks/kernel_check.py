@@ -103,25 +103,30 @@ def check_prefill(gen) -> list[dict]:
     from triton.testing import do_bench
 
     rows = []
-    for start, chunk in [(0, 512), (8192, 512), (32768, 2048), (0, 8192), (24576, 8192), (16401, 8176)]:
-        k, v, tables = pool(start + chunk, 1, gen)
+    # the 8B shape (32 heads, 8 KV heads, head_dim 128), then Qwen2.5-0.5B's (14, 2, 64)
+    cases = [(start, chunk, 32, 8, 128) for start, chunk in
+             [(0, 512), (8192, 512), (32768, 2048), (0, 8192), (24576, 8192), (16401, 8176)]]
+    cases += [(start, chunk, 14, 2, 64) for start, chunk in [(0, 8192), (24576, 8192), (16401, 8176), (31000, 37)]]
+    for start, chunk, heads, kv_heads, dim in cases:
+        k, v, tables = pool(start + chunk, 1, gen, kv_heads, dim)
         table = tables[0]
-        q = torch.randn(chunk, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-        want, want_lse = reference.prefill_attention(q.float(), k.float(), v.float(), table, start, None, D**-0.5,
+        q = torch.randn(chunk, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        want, want_lse = reference.prefill_attention(q.float(), k.float(), v.float(), table, start, None, dim**-0.5,
                                                      lse=True)
-        flops = 4 * chunk * (start + chunk / 2) * D * H
-        paths = [("triton", lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, D**-0.5, lse=True))]
+        flops = 4 * chunk * (start + chunk / 2) * dim * heads
+        paths = [("triton", lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, dim**-0.5, lse=True))]
         if cudnn_prefill.usable(q, None):
-            paths.append(("cudnn", lambda: cudnn_prefill.prefill_attention(q, k, v, table, start, D**-0.5, lse=True)))
+            paths.append(("cudnn", lambda: cudnn_prefill.prefill_attention(q, k, v, table, start, dim**-0.5, lse=True)))
         if fa3_prefill.usable(q, None, k):
-            paths.append(("fa3", lambda: fa3_prefill.prefill_attention(q, k, v, table, start, D**-0.5, lse=True)))
+            paths.append(("fa3", lambda: fa3_prefill.prefill_attention(q, k, v, table, start, dim**-0.5, lse=True)))
         for path, fn in paths:
             got, got_lse = fn()
             ms = do_bench(fn, return_mode="median")
-            rows.append(dict(kernel="prefill", path=path, start=start, chunk=chunk,
+            rows.append(dict(kernel="prefill", path=path, start=start, chunk=chunk, heads=heads, kv_heads=kv_heads,
+                             head_dim=dim,
                              err=max(rel_err(got, want), rel_err(got_lse, want_lse)), triton_ms=ms,
                              reference_ms=do_bench(lambda: reference.prefill_attention(q, k, v, table, start, None,
-                                                                                        D**-0.5),
+                                                                                        dim**-0.5),
                                                    return_mode="median"),
                              triton_tflops=flops / ms / 1e9))
     return rows
@@ -692,7 +697,8 @@ def main() -> int:
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:
-            print(f"| prefill ({r.get('path', 'triton')}) | start={r['start']} chunk={r['chunk']} | {r['err']:.1e} | "
+            print(f"| prefill ({r.get('path', 'triton')}) | start={r['start']} chunk={r['chunk']} "
+                  f"{r['heads']}/{r['kv_heads']}x{r['head_dim']} | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | "
                   f"{r['reference_ms']:.3f} | {r['triton_tflops']:.0f} TFLOP/s |")
     print("ALL KERNELS MATCH" if not bad else f"MISMATCH in {len(bad)} rows")
