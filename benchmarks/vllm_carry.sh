@@ -11,11 +11,13 @@
 #   .carry/vllm-extra/extra.tar.NN  the wheels left out of .carry/vllm (but the video ones): carried only if vLLM
 #                              fails there for want of one; vllm_setup.sh installs them when they are all there
 # Each folder has SHA256SUMS (of the whole file and of every part) that benchmarks/vllm_setup.sh checks there.
-# Carry one part a call (naming the part's path, so the parts already there stay), the SHA256SUMS files and
-# .carry/data with any of them; `bash benchmarks/vllm_device.sh status` there says which parts are missing.
+# Carry one part a call (naming the part's path, so the parts already there stay), the SHA256SUMS files with any of
+# them, and .carry/data in a call of its own (6.5 MiB: beside a part it passes the limit); `bash
+# benchmarks/vllm_device.sh status` there says which parts are missing.
 #
 # Usage: bash benchmarks/vllm_carry.sh [--part-mib 30] [--wheels DIR] [--work DIR]
-#   --part-mib  size of a part: 64 MiB less the working tree that travels with it, less a margin
+#   --part-mib  size of a part: 64 MiB less what the device tool counts beside it (about 31 MiB on 2026-11-29: a
+#               30 MiB part passed, 33 MiB and two parts of 30 were refused), so one part a call
 #   --wheels    the folder of ../shared/tools/vllm026/get.sh's wheels (downloaded there when missing)
 #   --work      where downloads are kept (default .whl/, ignored)
 set -euo pipefail
