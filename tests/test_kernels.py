@@ -780,6 +780,22 @@ def test_cudnn_prefill_turns_itself_off_with_one_warning_when_cudnn_refuses():
         cudnn_prefill._failed.clear()
 
 
+def test_fa3_prefill_turns_itself_off_with_one_warning_when_it_refuses(monkeypatch):
+    """FlashAttention 3 refusing a call (a shape or build it does not run) leaves prefill to the next path for the
+    rest of the process, with one warning naming the error."""
+    from semkv.kernels import fa3_prefill
+
+    monkeypatch.setattr(fa3_prefill, "available", lambda: True)  # as where vLLM is installed on a Hopper GPU
+    q, k_pool = torch.zeros(64, 4, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16)
+    assert fa3_prefill.usable(q, None, k_pool) and not fa3_prefill.usable(q, torch.zeros(1, 3), k_pool)
+    try:
+        with pytest.warns(RuntimeWarning, match="head_dim 80 is not supported"):
+            fa3_prefill.turn_off(RuntimeError("head_dim 80 is not supported"))
+        assert not fa3_prefill.usable(q, None, k_pool)
+    finally:
+        fa3_prefill._failed.clear()
+
+
 @pytest.mark.parametrize("start, chunk", [(0, 40), (0, 1100), (700, 300), (1024, 50), (1500, 1200), (2048, 1024)])
 def test_cudnn_prefill_calls_have_padded_lengths_and_equal_the_reference(monkeypatch, start, chunk):
     """The cuDNN path at any start and chunk length (a server's step budget cuts chunks anywhere): every fused call it

@@ -59,7 +59,9 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
 
         path = prefill_path()
         if path in ("auto", "fa3") and fa3_prefill.usable(q, context, k_pool):
-            return fa3_prefill.prefill_attention(q, k_pool, v_pool, table, start, scale, lse=lse)
+            out = fa3_prefill.attend(q, k_pool, v_pool, table, start, scale, lse=lse)
+            if out is not None:
+                return out
         if path in ("auto", "cudnn") and cudnn_prefill.usable(q, context):
             out = cudnn_prefill.attend(q, k_pool, v_pool, table, start, scale, lse=lse)
             if out is not None:
