@@ -16,8 +16,8 @@
 # then first_steps.py's server sessions on the model with SEMKV_PREFILL_ATTENTION=cudnn and auto, 32 x 32k with 512
 # new tokens and 128 x 2k with 64), syncs (first_steps.py --sync-debug on the model, 32 x 32k, 16 at a time, for
 # Full KV, CHESS anchor="queries" and ChunkKV neighbours=3 at 10%: every wait of the host for the device in a
-# server's session, by call site, and the steps' times), ruler (`semkv eval` of the eight RULER NIAH tasks, 20 samples, batched, into $W/ruler; ARGS: its
-# --methods, --lengths, --budgets...; a rerun resumes). SECONDS (default
+# server's session, by call site, and the steps' times), ruler (`semkv eval` of the eight RULER NIAH tasks, 20
+# samples, batched, into $W/ruler; ARGS: its --methods, --lengths, --budgets...; a rerun resumes). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
