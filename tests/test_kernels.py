@@ -774,10 +774,10 @@ def test_cudnn_prefill_turns_itself_off_with_one_warning_when_cudnn_refuses():
     q = torch.zeros(2048, 4, 16, dtype=torch.bfloat16)
     try:
         with pytest.warns(RuntimeWarning, match="no cuDNN attention in this build"):
-            cudnn_prefill.turn_off(RuntimeError("no cuDNN attention in this build"))
+            cudnn_prefill.PATH.turn_off(RuntimeError("no cuDNN attention in this build"))
         assert not cudnn_prefill.usable(q, None)
     finally:
-        cudnn_prefill._failed.clear()
+        cudnn_prefill.PATH.failed.clear()
 
 
 def test_fa3_prefill_turns_itself_off_with_one_warning_when_it_refuses(monkeypatch):
@@ -790,10 +790,10 @@ def test_fa3_prefill_turns_itself_off_with_one_warning_when_it_refuses(monkeypat
     assert fa3_prefill.usable(q, None, k_pool) and not fa3_prefill.usable(q, torch.zeros(1, 3), k_pool)
     try:
         with pytest.warns(RuntimeWarning, match="head_dim 80 is not supported"):
-            fa3_prefill.turn_off(RuntimeError("head_dim 80 is not supported"))
+            fa3_prefill.PATH.turn_off(RuntimeError("head_dim 80 is not supported"))
         assert not fa3_prefill.usable(q, None, k_pool)
     finally:
-        fa3_prefill._failed.clear()
+        fa3_prefill.PATH.failed.clear()
 
 
 @pytest.mark.parametrize("start, chunk", [(0, 40), (0, 1100), (700, 300), (1024, 50), (1500, 1200), (2048, 1024)])

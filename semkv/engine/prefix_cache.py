@@ -147,20 +147,24 @@ class PrefixCache:
         return page < len(self.owner) and self.owner[page] >= 0
 
     def _fit(self, pages: int) -> None:
-        """Per-page arrays for page ids below `pages` (grown by half at least)."""
-        if pages > len(self.owner):
-            size = max(pages, len(self.owner) * 3 // 2, 1024)
-            self.owner = np.concatenate([self.owner, np.full(size - len(self.owner), -1, dtype=np.int64)])
-            self.refs = np.concatenate([self.refs, np.zeros(size - len(self.refs), dtype=np.int64)])
+        """Per-page arrays for page ids below `pages`."""
+        self.owner, self.refs = _grown(self.owner, pages, -1), _grown(self.refs, pages, 0)
 
     def _new_ids(self, count: int) -> np.ndarray:
-        """`count` block ids: freed ones first, then new ones (the per-block arrays grown to hold them)."""
+        """`count` block ids: freed ones first, then new ones (the per-block array grown to hold them)."""
         reused = self._free_ids[len(self._free_ids) - min(count, len(self._free_ids)):]
         del self._free_ids[len(self._free_ids) - len(reused):]
         first = len(self.by_id)
         fresh = list(range(first, first + count - len(reused)))
         self.by_id.extend([None] * len(fresh))
-        if len(self.by_id) > len(self.idle):
-            self.idle = np.concatenate([self.idle, np.zeros(max(len(self.by_id), len(self.idle) * 3 // 2)
-                                                            - len(self.idle), dtype=np.int64)])
+        self.idle = _grown(self.idle, len(self.by_id), 0)
         return np.asarray(reused + fresh, dtype=np.int64)
+
+
+def _grown(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    """`values`, or when shorter than `size` a copy grown to hold it (by half at least, 1024 at least), new entries
+    `fill`."""
+    if size <= len(values):
+        return values
+    grown = max(size, len(values) * 3 // 2, 1024)
+    return np.concatenate([values, np.full(grown - len(values), fill, dtype=values.dtype)])

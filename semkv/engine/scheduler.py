@@ -130,8 +130,12 @@ class Scheduler:
     def forget(self, method: KVMethod) -> None:
         """Stop keeping the batch of `method`: it goes now if no request uses the method, else with its last one."""
         self.kept.discard(id(method))
-        if not any(m is method for m in self._method.values()):
+        if not self._in_use(method):
             self.batches.pop(id(method), None)
+
+    def _in_use(self, method: KVMethod) -> bool:
+        """True while a request (waiting, prefilling or running) uses `method`."""
+        return any(m is method for m in self._method.values())
 
     def cancel(self, seq: Sequence) -> None:
         """End a waiting or running request now: it finishes as "cancelled" and everything it holds is freed."""
@@ -357,7 +361,7 @@ class Scheduler:
         if batch is not None and seq in batch.running:
             batch.running.remove(seq)
         self.engine.finish(seq)
-        if not any(m is method for m in self._method.values()):
+        if not self._in_use(method):
             if id(method) not in self.kept:
                 self.batches.pop(id(method), None)
             self.engine.end([], method)

@@ -95,8 +95,7 @@ def _cudnn_serves(k_pool) -> bool:
     from semkv.kernels import fa3_prefill
 
     path = prefill_path()
-    return path == "cudnn" or path == "auto" and not (k_pool.dtype in (torch.bfloat16, torch.float16)
-                                                       and fa3_prefill.available())
+    return path == "cudnn" or path == "auto" and not fa3_prefill.serves(k_pool.dtype)
 
 
 def rms_norm(x, weight, eps, residual=None):

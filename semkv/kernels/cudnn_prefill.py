@@ -12,46 +12,32 @@ stay on `triton_prefill`.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from semkv.kernels.optional_path import OptionalPath
+
 MIN_CHUNK = 1024  # shorter chunks: the Triton kernel, whose context splits fill the device
 PAD = 1024  # chunk lengths are padded to a multiple of this (fewer cuDNN plans)
 
 
-_failed: list[str] = []  # the error that turned this path off in this process, if any
+PATH = OptionalPath("cuDNN prefill attention", "the Triton kernel serves prefill instead")
 
 
 def usable(q: torch.Tensor, context: torch.Tensor | None) -> bool:
     """True when this path serves the call: full attention, a long chunk, 16-bit values, head_dim <= 128, a Hopper
-    (or later) GPU whose torch build has cuDNN, and no earlier call of the path failed (`turn_off`)."""
-    return (not _failed and context is None and q.shape[0] >= MIN_CHUNK and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] <= 128 and torch.backends.cudnn.is_available()
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    (or later) GPU whose torch build has cuDNN, and no earlier call of the path failed (`PATH`)."""
+    return (not PATH.failed and context is None and q.shape[0] >= MIN_CHUNK
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 128
+            and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
 def attend(q, k_pool, v_pool, table, start, scale, lse=False):
     """`prefill_attention`, or None where cuDNN refuses the call (an old cuDNN, a torch build without its attention):
-    the path is then turned off for the process (`turn_off`). Running out of memory is not a refusal and propagates."""
-    try:
-        return prefill_attention(q, k_pool, v_pool, table, start, scale, lse)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:
-        turn_off(exc)
-        return None
-
-
-def turn_off(error: Exception) -> None:
-    """cuDNN refused a call: warn once and let the Triton kernel serve every later call of the process (the same
-    result, at its own speed)."""
-    _failed.append(f"{type(error).__name__}: {error}")
-    warnings.warn(f"cuDNN prefill attention is unavailable ({_failed[0].splitlines()[0]}); the Triton kernel serves "
-                  "prefill instead", RuntimeWarning, stacklevel=3)
+    the path is then turned off for the process (`PATH`)."""
+    return PATH.run(prefill_attention, q, k_pool, v_pool, table, start, scale, lse)
 
 
 def _attend(q, k, v, causal: bool, scale: float, lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -178,4 +164,4 @@ def warm_up_cuts(k_pool, v_pool, heads: int, scale: float, step: int, chunk: int
     except torch.cuda.OutOfMemoryError:
         raise
     except RuntimeError as exc:
-        turn_off(exc)
+        PATH.turn_off(exc)

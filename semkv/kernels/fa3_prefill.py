@@ -3,16 +3,17 @@ bundles it (`vllm.vllm_flash_attn`): an optional dependency, used where it is in
 paged cache in place through the page table (no gather of the context, as `cudnn_prefill` needs) and runs the chunk
 over every earlier slot and itself in one call with a lower-right causal mask (no second call, no merge), for a
 chunk of any length at any start: no plans to build, nothing to warm up. Where it refuses a call (a shape or a
-build it does not run), it turns itself off for the process with one warning and the next path serves (`turn_off`).
+build it does not run), it turns itself off for the process with one warning and the next path serves (`PATH`).
 """
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
-_failed: list[str] = []  # the error that turned this path off in this process, if any
+from semkv.kernels.optional_path import OptionalPath
+
+PATH = OptionalPath("FlashAttention 3 prefill attention", "cuDNN's path or the Triton kernel serves prefill instead")
 
 
 @functools.cache
@@ -25,31 +26,22 @@ def available() -> bool:
     return bool(is_fa_version_supported(3))
 
 
+def serves(dtype: torch.dtype) -> bool:
+    """True when this path may serve full prefill of `dtype` values in this process: 16-bit values, FlashAttention 3
+    available, no earlier call of the path failed (`PATH`)."""
+    return not PATH.failed and dtype in (torch.bfloat16, torch.float16) and available()
+
+
 def usable(q: torch.Tensor, context: torch.Tensor | None, k_pool: torch.Tensor) -> bool:
-    """True when this path serves the call: full attention (no index list), 16-bit values, head_dim <= 256,
-    FlashAttention 3 available and no earlier call of the path failed (`turn_off`)."""
-    return (not _failed and context is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
-            and k_pool.dtype == q.dtype and available())
+    """True when this path serves the call: full attention (no index list), head_dim <= 256, K/V of the queries'
+    dtype, and `serves` that dtype."""
+    return context is None and q.shape[-1] <= 256 and k_pool.dtype == q.dtype and serves(q.dtype)
 
 
 def attend(q, k_pool, v_pool, table, start, scale, lse=False):
     """`prefill_attention`, or None where FlashAttention 3 refuses the call: the path is then turned off for the
-    process (`turn_off`). Running out of memory is not a refusal and propagates."""
-    try:
-        return prefill_attention(q, k_pool, v_pool, table, start, scale, lse)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:
-        turn_off(exc)
-        return None
-
-
-def turn_off(error: Exception) -> None:
-    """FlashAttention 3 refused a call: warn once and let cuDNN's path or the Triton kernel serve every later call of
-    the process (the same result, at its own speed)."""
-    _failed.append(f"{type(error).__name__}: {error}")
-    warnings.warn(f"FlashAttention 3 prefill attention is unavailable ({_failed[0].splitlines()[0]}); cuDNN's "
-                  "path or the Triton kernel serves prefill instead", RuntimeWarning, stacklevel=3)
+    process (`PATH`)."""
+    return PATH.run(prefill_attention, q, k_pool, v_pool, table, start, scale, lse)
 
 
 _lengths_key: tuple = ()
