@@ -101,6 +101,33 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
     assert (llm.engine.pool.cached_pages > 0) == shares
 
 
+def test_a_last_chunk_that_evicts_nothing_takes_every_layers_pages_at_once(llm):
+    """A follow-up question on a cached document prefills only its question: a short last chunk. Where the method
+    evicts nothing at prefill (Full KV) its pages for every layer come in one allocation, one copy of their ids to
+    the device; where it does (SnapKV compacts each layer at the last chunk) a layer at a time, so a layer's pages
+    are freed before the next layer's are taken. The tokens are those of a run without the cache."""
+    layers = llm.config.num_layers
+    document = CONTEXTS[0] * 2
+    prompts = [f"{document}\n\n{q}" for q in QUESTIONS[:2]]
+    for method, at_once in ((get_method("full"), True), (get_method("snapkv", SMALL), False)):
+        want = alone(llm, method, prompts)
+        llm.engine.pool.clear_cache()
+        driver = Driver(llm, max_num_batched_tokens=4096)
+        driver.submit(encode(llm, prompts[0]), method)
+        driver.finish()
+        staging, counted = llm.engine.pool.staging, []
+        send = staging.send
+        staging.send = lambda values: counted.append(1) or send(values)  # counts the copies of new page ids
+        try:
+            driver.submit(encode(llm, prompts[1]), method)
+            driver.advance()  # its admission (its prompt ids and cached pages: two copies) and its one chunk
+        finally:
+            del staging.send
+        assert driver.seqs[1].stats.cached_tokens > 0
+        assert len(counted) == 3 if at_once else len(counted) >= 2 + layers  # (SnapKV's compaction copies too)
+        assert driver.finish() == want
+
+
 def test_a_session_keeps_the_graphs_of_idle_methods_it_may_serve_again(llm):
     """A server's session keeps the batch (its decode steps' graphs) of an `idle_graphs` method while no request uses
     it: the next request of that method reuses them and gets the tokens of a fresh run; past IDLE_METHODS idle ones,
@@ -139,17 +166,20 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     pages = np.array([[10, 20, 30], [11, 21, 31], [12, 22, 32]])  # [blocks, layers]
     assert cache.add(keys, pages, held=True) == 3 and cache.add(keys[:1], pages[:1], held=True) == 0
     assert cache.cached(21) and not cache.cached(13) and not cache.cached(5000)
-    assert cache.take(cache.match([b"a", b"b", b"x"])) == 0  # a second holder: no page was idle
+    woken, taken = cache.take(cache.match([b"a", b"b", b"x"]))
+    assert woken == 0 and np.array_equal(taken, pages[:2])  # a second holder: no page was idle
     assert cache.unref([9, 30, 31]) == ([9], 0)  # the second holder's layer 2 given back early: still held
     for layer, idled in enumerate([1, 1, 3]):  # the first holder gives back every layer, tail first
         assert cache.unref(pages[::-1, layer].tolist()) == ([], idled)
     assert cache.evictable == 3 and list(cache.lru) == [b"c"]  # "a" and "b" are held by the second request
     assert cache.unref([11, 10]) == ([], 2) and cache.unref([21, 20]) == ([], 2)
     assert list(cache.lru) == [b"c", b"b", b"a"] and cache.evictable == 9  # tail first
-    assert cache.take(cache.match([b"a"])) == 3 and list(cache.lru) == [b"c", b"b"] and cache.evictable == 6
+    assert cache.take(cache.match([b"a"]))[0] == 3 and list(cache.lru) == [b"c", b"b"] and cache.evictable == 6
     assert cache.evict(4) == [12, 22, 32, 11, 21, 31] and not cache.cached(12) and set(cache.blocks) == {b"a"}
     assert cache.add([b"d"], np.array([[40, 41, 42]]), held=False) == 1 and cache.blocks[b"d"].id in (1, 2)
-    assert list(cache.lru) == [b"d"] and cache.clear() == [40, 41, 42] and cache.hits == 3
+    assert cache.take([cache.blocks[b"d"]])[1].tolist() == [[40, 41, 42]]  # a reused id holds its new pages
+    assert cache.unref([40, 41, 42]) == ([], 3)
+    assert list(cache.lru) == [b"d"] and cache.clear() == [40, 41, 42] and cache.hits == 4
 
 
 def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):

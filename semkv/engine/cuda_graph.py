@@ -162,8 +162,9 @@ class GraphRunner:
 
 
 # prompt-chunk lengths whose dense work replays from graphs, a chunk's rows padded up to the next one; a longer chunk
-# runs eagerly (its kernels outlast the host's launches)
-PREFILL_SIZES = tuple(range(1024, 8193, 1024))
+# runs eagerly (its kernels outlast the host's launches). The short sizes serve a follow-up question on a cached
+# document, whose prefill is its question's few dozen tokens (padded to 1,024 rows they cost the dense work of 1,024)
+PREFILL_SIZES = (64, 256) + tuple(range(1024, 8193, 1024))
 
 
 class PrefillGraphs:

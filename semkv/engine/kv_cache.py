@@ -179,11 +179,12 @@ class KVPool:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return pages
 
-    def share(self, blocks: list) -> None:
-        """A request holds these cached blocks' pages now (`PrefixCache.take`)."""
-        woken = self.cache.take(blocks)
+    def share(self, blocks: list) -> np.ndarray:
+        """A request holds these cached blocks' pages now (`PrefixCache.take`): their pages [blocks, layers]."""
+        woken, pages = self.cache.take(blocks)
         self.in_use += woken
         self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return pages
 
     def release(self, pages: list[int]) -> None:
         """A request gives pages back: its own ones become free, cached ones lose a holder (idle when none is
@@ -402,9 +403,8 @@ class SeqKV:
     def share(self, blocks: list) -> None:
         """Start from cached prompt blocks (`PrefixCache.match`): their pages, in every layer, hold this sequence's
         first slots."""
-        self.pool.share(blocks)
+        pages = self.pool.share(blocks)  # [blocks, layers]
         count = len(blocks) * self.pool.page_size
-        pages = np.stack([block.pages for block in blocks])  # [blocks, layers]
         for layer, column in enumerate(pages.T.tolist()):
             self.pages[layer] = column
             self.num_slots[layer] = count

@@ -52,6 +52,7 @@ class PrefixCache:
         self.owner = np.full(0, -1, dtype=np.int64)  # page id -> id of the cached block holding it, or -1
         self.refs = np.zeros(0, dtype=np.int64)  # cached page id -> requests holding it
         self.idle = np.zeros(0, dtype=np.int64)  # block id -> its pages that no request holds
+        self.pages = np.zeros((0, num_layers), dtype=np.int64)  # block id -> its page in every layer
         self.lru: OrderedDict[bytes, Block] = OrderedDict()  # fully idle blocks, least recently used first
         self.evictable = 0  # pages of fully idle blocks
         self.hits = 0  # blocks taken by requests (counters for metrics)
@@ -66,12 +67,13 @@ class PrefixCache:
             found.append(block)
         return found
 
-    def take(self, blocks: list[Block]) -> int:
-        """A request holds these blocks' pages now; returns how many pages were idle (they leave the free count)."""
-        if not blocks:
-            return 0
+    def take(self, blocks: list[Block]) -> tuple[int, np.ndarray]:
+        """A request holds these blocks' pages now: how many pages were idle (they leave the free count), and the
+        pages [blocks, layers]."""
         ids = np.fromiter((block.id for block in blocks), dtype=np.int64, count=len(blocks))
-        pages = np.stack([block.pages for block in blocks])  # [blocks, layers]
+        pages = self.pages[ids]  # [blocks, layers]
+        if not blocks:
+            return 0, pages
         woken = (self.refs[pages] == 0).sum(1)  # [blocks]
         self.refs[pages] += 1  # a request takes each page once
         for i in np.flatnonzero(self.idle[ids] == self.num_layers).tolist():  # fully idle until now
@@ -80,7 +82,7 @@ class PrefixCache:
             self.evictable -= self.num_layers
         self.idle[ids] -= woken
         self.hits += len(blocks)
-        return int(woken.sum())
+        return int(woken.sum()), pages
 
     def add(self, keys: list[bytes], pages: np.ndarray, held: bool) -> int:
         """Cache the blocks computed for `keys` (pages [blocks, layers]: each one's page in every layer), held by one
@@ -95,6 +97,7 @@ class PrefixCache:
         for row, (i, block_id) in enumerate(zip(new, ids.tolist())):
             self.blocks[keys[i]] = self.by_id[block_id] = Block(keys[i], pages[row], block_id)
         self.owner[pages] = ids[:, None]
+        self.pages[ids] = pages
         self.refs[pages] = int(held)
         self.idle[ids] = 0 if held else self.num_layers
         if not held:
@@ -158,13 +161,14 @@ class PrefixCache:
         fresh = list(range(first, first + count - len(reused)))
         self.by_id.extend([None] * len(fresh))
         self.idle = _grown(self.idle, len(self.by_id), 0)
+        self.pages = _grown(self.pages, len(self.by_id), 0)
         return np.asarray(reused + fresh, dtype=np.int64)
 
 
 def _grown(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    """`values`, or when shorter than `size` a copy grown to hold it (by half at least, 1024 at least), new entries
-    `fill`."""
+    """`values` (indexed by its first dimension), or when shorter than `size` a copy grown to hold it (by half at
+    least, 1024 at least), new entries `fill`."""
     if size <= len(values):
         return values
     grown = max(size, len(values) * 3 // 2, 1024)
-    return np.concatenate([values, np.full(grown - len(values), fill, dtype=values.dtype)])
+    return np.concatenate([values, np.full((grown - len(values), *values.shape[1:]), fill, dtype=values.dtype)])

@@ -39,9 +39,11 @@ class PrefillStep:
         self.positions, self.end = torch.arange(start, end, device=engine.device), end  # the chunk's tokens
         self.record_window = record_window  # keep the last queries of each layer for methods applied later
         self.cos, self.sin = engine.rotary.cos_sin(self.positions, engine.dtype, seq_len=len(seq.prompt_ids))
-        # a chunk that evicts nothing and runs through every layer in turn gets every layer's pages at its first
-        # layer, in one allocation and one copy (a layer at a time costs host time a long prompt's steps wait for)
-        self.pages_at_once = not evict and not method.prefill_by_layer()
+        # a chunk that evicts nothing (not the eviction chunk, or a method with no prefill eviction) and runs through
+        # every layer in turn gets every layer's pages at its first layer, in one allocation and one copy (a layer at
+        # a time costs host time that a long prompt's steps, and a follow-up's short last chunk, wait for)
+        evicts = evict and type(method).evict_prefill is not KVMethod.evict_prefill
+        self.pages_at_once = not evicts and not method.prefill_by_layer()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         by_rank = self.method.rope_by_rank()
