@@ -344,7 +344,7 @@ def check_bucket_best(gen, bandwidth: float, batch: int = 16, context: int = 327
     from triton.testing import do_bench
 
     k_pool, _, tables = pool(context, batch, gen)
-    query = torch.randn(batch, HK, D, device="cuda", generator=gen)
+    query = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)  # the heads' queries
     rows = torch.randperm(batch + 3, device="cuda", generator=gen)[:batch]
     bucket = torch.sort(torch.randint(0, buckets, (batch + 3, HK, tokens), device="cuda", generator=gen),
                         dim=-1).values.int()

@@ -606,7 +606,7 @@ def test_chunk_best_kernel_matches_reference(group_reduce):
 @pytest.mark.parametrize("map_heads", [2, 1])
 def test_bucket_best_kernel_matches_reference(map_heads):
     """SentenceKV's score="tokens": each bucket's best query . key over a row's retained tokens (slot n_sink + t,
-    t < retained), keys read through the page tables; state rows taken out of order, rows with different sinks and
+    t < retained), the query of a KV group the mean of its heads, keys read through the page tables; state rows taken out of order, rows with different sinks and
     retained counts, a bucket map per KV head or shared, bucket ids that jump, buckets with no retained token (-inf).
     Checked against a per-bucket loop too."""
     from semkv.methods.sentencekv.triton_bucket_best import bucket_best
@@ -615,7 +615,8 @@ def test_bucket_best_kernel_matches_reference(map_heads):
     pages, page_size, kv_heads, dim, tokens, buckets = 40, 4, 2, 16, 30, 14
     k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
     tables = torch.stack([torch.randperm(pages, generator=gen)[:10] for _ in range(3)])
-    query = torch.randn(3, kv_heads, dim, generator=gen)
+    q = torch.randn(3, 3 * kv_heads, dim, generator=gen)  # 3 query heads a KV head
+    query = q.view(3, kv_heads, 3, dim).mean(2)  # [B, kv_heads, D] each group's query
     lengths = torch.randint(1, 5, (4, map_heads, tokens), generator=gen)  # bucket lengths of 4 state rows
     starts = lengths.cumsum(-1) - lengths
     bucket = torch.stack([torch.stack([torch.searchsorted(r, torch.arange(tokens), right=True) - 1 for r in row])
@@ -623,7 +624,7 @@ def test_bucket_best_kernel_matches_reference(map_heads):
     bucket, buckets = bucket * 3, buckets * 3  # ids that jump, as the retained sentences' do
     rows, n_sink = torch.tensor([3, 1, 2]), torch.tensor([4, 0, 2])
     retained = torch.tensor([26, 30, 7])
-    args = (query, k_pool, tables, bucket, rows, n_sink, retained, buckets)
+    args = (q, k_pool, tables, bucket, rows, n_sink, retained, buckets)
     want = sentencekv_reference.bucket_best(*args)
     got = bucket_best(*args)
     assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), want.isinf())

@@ -15,10 +15,10 @@ def sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, t
     return reference.sentence_slots(bucket, rows, before, first, n, n_sink, retained, capacity, tail, max_sink, width)
 
 
-def bucket_best(query, k_pool, tables, bucket, rows, n_sink, retained, buckets):
+def bucket_best(q, k_pool, tables, bucket, rows, n_sink, retained, buckets):
     """See `reference.bucket_best`."""
-    if use_triton(query.device):
+    if use_triton(q.device):
         from semkv.methods.sentencekv import triton_bucket_best
 
-        return triton_bucket_best.bucket_best(query, k_pool, tables, bucket, rows, n_sink, retained, buckets)
-    return reference.bucket_best(query, k_pool, tables, bucket, rows, n_sink, retained, buckets)
+        return triton_bucket_best.bucket_best(q, k_pool, tables, bucket, rows, n_sink, retained, buckets)
+    return reference.bucket_best(q, k_pool, tables, bucket, rows, n_sink, retained, buckets)

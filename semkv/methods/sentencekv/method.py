@@ -329,11 +329,11 @@ class SentenceKV(RowHolder, KVMethod):
         plan: SentencePlan = batch.step_plan
         rows, n_sink, retained, capacity = plan.row, plan.n_sink, plan.retained, plan.capacity
         kv_heads = batch.model.num_kv_heads
-        query = self._rows.mean_query(layer, rows, q, plan.q_count) if self.query == "mean" else q.float()
-        query = query.view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] the group's mean
+        query = self._rows.mean_query(layer, rows, q, plan.q_count) if self.query == "mean" else q  # [B, heads, D]
         if self.score == "tokens":
             before, first = self._rank_tokens(layer, batch, query, plan)
         else:
+            query = query.float().view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] a group's
             before, first = self._rows.rank(layer, rows, query, capacity)  # [B, kv_heads, buckets]
         n = batch.num_slots[:, layer] - plan.cache + plan.offloaded  # [B] virtual slots (the resident layout)
         tail = torch.minimum(plan.n_recent, n - n_sink - retained).clamp(min=1)  # [B] attended recent slots
@@ -345,9 +345,9 @@ class SentenceKV(RowHolder, KVMethod):
 
     def _rank_tokens(self, layer: int, batch: DecodeBatch, query: torch.Tensor,
                      plan: SentencePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """score="tokens": what the capacity takes of the buckets ranked by their best retained token, query
-        [B, kv_heads, D] (a group's query) -> `kernels.bucket_take`. Retained token t of a row is its slot n_sink + t
-        (K/V resident)."""
+        """score="tokens": what the capacity takes of the buckets ranked by their best retained token for each KV
+        group's query (the mean of its heads of query [B, heads, D], taken in `kernels.bucket_best`) ->
+        `kernels.bucket_take`. Retained token t of a row is its slot n_sink + t (K/V resident)."""
         rows = self._rows
         best = sentencekv_kernels.bucket_best(query, batch.pool.k, batch.tables[:, layer], rows.bucket[layer],
                                               plan.row, plan.n_sink, plan.retained, rows.count.shape[-1])

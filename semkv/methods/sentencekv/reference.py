@@ -31,14 +31,17 @@ def sentence_slots(bucket: torch.Tensor, rows: torch.Tensor, before: torch.Tenso
     return compact_chosen(chosen, n, n_sink, tail, max_sink, width)
 
 
-def bucket_best(query: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, bucket: torch.Tensor,
+def bucket_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, bucket: torch.Tensor,
                 rows: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, buckets: int) -> torch.Tensor:
-    """Each bucket's best retained token for the query (SentenceKV's score="tokens"): query [B, kv_heads, D] (a KV
-    group's query) against the keys of the retained tokens t < retained[b], at slots n_sink[b] + t of k_pool [pages,
-    page_size, kv_heads, D] through tables [B, max_pages] (one layer), maximised over the tokens of each bucket
-    (bucket [rows, kv_heads or 1, T] the bucket of every retained token of each state row, rows [B] the batch's).
-    Returns float32 [B, kv_heads, buckets], -inf for a bucket with no retained token."""
-    tokens = bucket.shape[-1]
+    """Each bucket's best retained token for the query (SentenceKV's score="tokens"): the query of each KV group (the
+    float32 mean of its heads of q [B, heads, D], in the pool's dtype) against the keys of the retained tokens t <
+    retained[b], at slots n_sink[b] + t of k_pool [pages, page_size, kv_heads, D] through tables [B, max_pages] (one
+    layer), maximised over the tokens of each bucket (bucket [rows, kv_heads or 1, T] the bucket of every retained
+    token of each state row, rows [B] the batch's). Returns float32 [B, kv_heads, buckets], -inf for a bucket with
+    no retained token."""
+    batch, heads, dim = q.shape
+    kv_heads, tokens = k_pool.shape[2], bucket.shape[-1]
+    query = q.float().view(batch, kv_heads, heads // kv_heads, dim).mean(2).to(k_pool.dtype)  # [B, kv_heads, D]
     width = min(int(n_sink.max()) + tokens, tables.shape[-1] * k_pool.shape[1])
     dots = paged_dot(query, k_pool, tables, torch.arange(width, device=query.device))  # [B, H, width] float32
     t = torch.arange(tokens, device=query.device)
