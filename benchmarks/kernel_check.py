@@ -327,12 +327,16 @@ def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int 
     ranked = count.gather(-1, rank)
     before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
     first = count.cumsum(-1, dtype=torch.int32) - count
-    args = (bucket, rows, before, first, 32 + full + 40, torch.full_like(full, 32), full, torch.full_like(full, 1984),
+    capacity = torch.full_like(full, 1984)
+    take = (capacity[:, None, None] - before).clamp(min=0).minimum(count)
+    place = take.cumsum(-1, dtype=torch.int32) - take  # as `bucket_take` gives it
+    args = (bucket, rows, before, first, 32 + full + 40, torch.full_like(full, 32), full, capacity,
             torch.full_like(full, 32), 32, 2048)
-    want, got = sentencekv_reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*args)
+    placed = (*args[:4], place, *args[4:])  # the Triton kernel's arguments
+    want, got = sentencekv_reference.sentence_slots(*args), triton_sentence_slots.sentence_slots(*placed)
     exact = all(torch.equal(a, b) for a, b in zip(want, got))
     return [dict(kernel="sentence_slots", batch=batch, tokens=tokens, err=0.0 if exact else float("inf"),
-                 triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*args)),
+                 triton_ms=do_bench(lambda: triton_sentence_slots.sentence_slots(*placed)),
                  reference_ms=do_bench(lambda: sentencekv_reference.sentence_slots(*args)))]
 
 
@@ -359,22 +363,27 @@ def check_bucket_best(gen, bandwidth: float, batch: int = 16, context: int = 327
                  floor_ms=1e3 * batch * tokens * HK * D * 2 / bandwidth)]
 
 
-def check_bucket_take(gen, batch: int = 16, buckets: int = 1400) -> list[dict]:
-    """What a budget of 1,984 tokens takes of 1,400 ranked buckets of 0-6 tokens a row and KV head (SentenceKV's
-    sentences at 32k; DynSplit-KV's chunks alike), against the reference's sort. Integers: they must agree
-    exactly."""
+def check_bucket_take(gen, batch: int = 16) -> list[dict]:
+    """What a budget of 1,984 tokens takes of ranked buckets of 0-6 tokens a row and KV head, against the reference's
+    sort: 1,400 (SentenceKV's sentences at 32k) and 2,300 (DynSplit-KV's chunks with their table's slack), the
+    threshold two bits a step (the default) or four. Integers: they must agree exactly."""
     from triton.testing import do_bench
 
     from semkv.kernels import triton_bucket_take
 
-    scores = torch.randn(batch, HK, buckets, device="cuda", generator=gen)
-    count = torch.randint(0, 7, (batch, HK, buckets), device="cuda", generator=gen, dtype=torch.int32)
-    args = (scores, count, torch.full((batch,), 1984, device="cuda"))
-    want, got = reference.bucket_take(*args), triton_bucket_take.bucket_take(*args)
-    exact = all(torch.equal(a, b) for a, b in zip(want, got))
-    return [dict(kernel="bucket_take", batch=batch, buckets=buckets, err=0.0 if exact else float("inf"),
-                 triton_ms=do_bench(lambda: triton_bucket_take.bucket_take(*args)),
-                 reference_ms=do_bench(lambda: reference.bucket_take(*args)))]
+    rows = []
+    for buckets in (1400, 2300):
+        scores = torch.randn(batch, HK, buckets, device="cuda", generator=gen)
+        count = torch.randint(0, 7, (batch, HK, buckets), device="cuda", generator=gen, dtype=torch.int32)
+        args = (scores, count, torch.full((batch,), 1984, device="cuda"))
+        want = reference.bucket_take(*args)
+        reference_ms = do_bench(lambda: reference.bucket_take(*args))
+        for bits in (2, 4):
+            exact = all(torch.equal(a, b) for a, b in zip(want, triton_bucket_take.bucket_take(*args, bits=bits)))
+            rows.append(dict(kernel="bucket_take", batch=batch, buckets=buckets, bits=bits,
+                             err=0.0 if exact else float("inf"), reference_ms=reference_ms,
+                             triton_ms=do_bench(lambda: triton_bucket_take.bucket_take(*args, bits=bits))))
+    return rows
 
 
 def check_working_set(gen, batch: int = 16, cache: int = 3200, offloaded: int = 6554) -> list[dict]:
@@ -458,12 +467,14 @@ def check_chunk_slots(gen, batch: int = 16, context: int = 32768) -> list[dict]:
     hi = torch.minimum(F.pad(start[:, 1:], (0, 1), value=context), (n - recent)[:, None])
     count = (hi - lo).clamp(min=0)
     scores = torch.randn(batch, HK, chunks, device="cuda", generator=gen)
-    before = reference.ranked_before(scores, count[:, None].expand(-1, HK, -1))
-    args = (lo, count, before, n, sinks, torch.full_like(n, 2048 - 16), recent, 0, 2048, 31)
-    want, got = dynsplit_reference.chunk_slots(*args), triton_chunk_slots.chunk_slots(*args)
+    capacity = torch.full_like(n, 2048 - 16)
+    before, _, place = reference.bucket_take(scores, count[:, None].expand(-1, HK, -1), capacity)
+    args = (lo, count, before, n, sinks, capacity, recent, 0, 2048, 31)
+    placed = (*args[:3], place, *args[3:])  # the Triton kernel's arguments
+    want, got = dynsplit_reference.chunk_slots(*args), triton_chunk_slots.chunk_slots(*placed)
     exact = all(torch.equal(a, b) for a, b in zip(want, got))
     return [dict(kernel="chunk_slots", batch=batch, chunks=chunks, context=context, err=0.0 if exact else float("inf"),
-                 triton_ms=do_bench(lambda: triton_chunk_slots.chunk_slots(*args)),
+                 triton_ms=do_bench(lambda: triton_chunk_slots.chunk_slots(*placed)),
                  reference_ms=do_bench(lambda: dynsplit_reference.chunk_slots(*args)))]
 
 
@@ -618,22 +629,28 @@ def main() -> int:
                                      "mismatch or without a CUDA device.")
     parser.add_argument("--prefill-only", action="store_true", help="check the prefill attention paths alone")
     parser.add_argument("--attention-only", action="store_true", help="check the decode and prefill attention alone")
+    parser.add_argument("--buckets-only", action="store_true",
+                        help="check SentenceKV's and DynSplit-KV's ranking and slot-list kernels alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
-    rows = check_prefill(gen) if args.prefill_only else check_decode(gen, bandwidth) + check_prefill(gen) \
-        if args.attention_only else (
-            check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
-            + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen) + check_block_slots(gen)
-            + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
-            + check_chunk_slots(gen)
-            + check_chunk_refresh(gen) + check_slot_stamps(gen)
-            + check_chunk_best(gen, bandwidth)
-            + check_plan_slots(gen) + check_working_set(gen)
-            + check_token_select(gen, bandwidth) + check_soft_vote(gen) + check_prefill_context(gen))
+    if args.prefill_only:
+        rows = check_prefill(gen)
+    elif args.attention_only:
+        rows = check_decode(gen, bandwidth) + check_prefill(gen)
+    elif args.buckets_only:
+        rows = (check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
+                + check_chunk_slots(gen) + check_chunk_best(gen, bandwidth))
+    else:
+        rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
+                + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen)
+                + check_block_slots(gen) + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth)
+                + check_bucket_take(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
+                + check_chunk_best(gen, bandwidth) + check_plan_slots(gen) + check_working_set(gen)
+                + check_token_select(gen, bandwidth) + check_soft_vote(gen) + check_prefill_context(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -665,6 +682,9 @@ def main() -> int:
         elif r["kernel"] == "sentence_slots":
             print(exact_row("SentenceKV sentence_slots (one layer)",
                             f"B={r['batch']} x {r['tokens']} tokens, budget 2048", r))
+        elif r["kernel"] == "bucket_take":
+            print(exact_row(f"bucket_take ({r['bits']} bits a step, one layer)",
+                            f"B={r['batch']} x {r['buckets']} buckets, budget 1984", r))
         elif r["kernel"] == "working_set":
             print(f"| working_set (offload, one layer) | B={r['batch']} x {r['cache']} slots per KV head | "
                   f"{'exact' if r['err'] == 0 else 'DIFFERS'} | 10% missing {r['miss_ms']:.3f} / all found "

@@ -353,8 +353,10 @@ def test_block_slots_kernel_matches_reference(block_size):
 
 def test_sentence_slots_kernel_matches_reference():
     """SentenceKV's slot lists from bucket ranks: buckets fill the capacity in rank order and the last one keeps its
-    leading tokens; rows read their own state rows (one twice, one padding row on row 0), a row with fewer retained
-    tokens than the map holds, a row with no sinks, a row whose capacity covers everything it retained."""
+    leading tokens; rows read their own state rows (one three times, one padding row on row 0), a row with fewer
+    retained tokens than the map holds, a row with no sinks, a row whose capacity covers everything it retained, a
+    row that takes none of its retained tokens. The kernel places each block of 8 tokens (5 a row) on its own from
+    each bucket's `place`."""
     from semkv.methods.sentencekv.triton_sentence_slots import sentence_slots
 
     gen = torch.Generator().manual_seed(0)
@@ -366,16 +368,18 @@ def test_sentence_slots_kernel_matches_reference():
     bucket = torch.where(torch.arange(tokens) < held[:, None, None], bucket, 0)
     count = torch.zeros(4, heads, buckets, dtype=torch.int32).scatter_add_(
         -1, bucket.long(), (torch.arange(tokens) < held[:, None, None]).int().expand_as(bucket).contiguous())
-    rows = torch.tensor([2, 1, 0, 2, 3])
+    rows = torch.tensor([2, 1, 0, 2, 3, 2])
     rank = torch.rand(len(rows), heads, buckets, generator=gen).argsort(-1)  # the buckets' order, best first
     ranked = count[rows].gather(-1, rank)
     before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
     first = count[rows].cumsum(-1, dtype=torch.int32) - count[rows]
     retained = held[rows]
-    capacity = torch.tensor([17, 9, 0, 25, 30])
-    n_sink = torch.tensor([4, 0, 0, 4, 3])
-    tail = torch.tensor([5, 3, 1, 6, 2])
-    n = n_sink + retained + tail + torch.tensor([2, 0, 0, 7, 1])  # tokens waiting between the retained and the tail
+    capacity = torch.tensor([17, 9, 0, 25, 30, 0])
+    take = (capacity[:, None, None] - before).clamp(min=0).minimum(count[rows])
+    place = take.cumsum(-1, dtype=torch.int32) - take  # as `bucket_take` gives it
+    n_sink = torch.tensor([4, 0, 0, 4, 3, 2])
+    tail = torch.tensor([5, 3, 1, 6, 2, 4])
+    n = n_sink + retained + tail + torch.tensor([2, 0, 0, 7, 1, 0])  # tokens waiting between the retained and the tail
     width = 4 + 25 + 6
     args = (bucket, rows, before, first, n, n_sink, retained, capacity, tail, 4, width)
     want_slots, want_lengths = sentencekv_reference.sentence_slots(*args)
@@ -388,7 +392,7 @@ def test_sentence_slots_kernel_matches_reference():
                         + list(range(int(n[b] - tail[b]), int(n[b]))))
             assert want_slots[b, h, : int(want_lengths[b, h])].tolist() == expected
             assert (want_slots[b, h, int(want_lengths[b, h]):] == 0).all()
-    got_slots, got_lengths = sentence_slots(*args, span=8)
+    got_slots, got_lengths = sentence_slots(*args[:4], place, *args[4:], span=8)
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)
 
 
@@ -513,32 +517,34 @@ def test_put_host_kernel_writes_the_store_like_the_reference():
 
 def test_chunk_slots_kernel_matches_reference():
     """DynSplit-KV's slot lists: contiguous chunks ranked per KV head take the capacity in rank order (the last one
-    its leading slots); a chunk cut by the sinks, chunks cut or emptied by a shorter context and the recent window,
-    unused chunk columns, a capacity that covers everything; the kernel walks blocks of chunks (some taking nothing)
-    and long chunks in runs."""
+    its leading slots, ties to the earlier chunk); a chunk cut by the sinks, chunks cut or emptied by a shorter
+    context and the recent window, unused chunk columns, a capacity that covers everything, a capacity of 0. The
+    kernel places each block of 4 chunks (3 a row, some taking nothing) on its own from `bucket_take`'s `place`, long
+    chunks in runs."""
     from semkv.methods.dynsplit.triton_chunk_slots import chunk_slots
 
     gen = torch.Generator().manual_seed(1)
     heads = 3
     ends = torch.tensor([0, 7, 15, 22, 30, 41, 50, 60, 60, 60])  # chunk starts and the end; two unused columns
-    n, n_sink, tail = torch.tensor([60, 45, 60]), torch.tensor([3, 0, 2]), torch.tensor([8, 4, 1])
+    n, n_sink, tail = torch.tensor([60, 45, 60, 52]), torch.tensor([3, 0, 2, 1]), torch.tensor([8, 4, 1, 3])
     lo = torch.maximum(ends[:-1][None], n_sink[:, None])
     hi = torch.minimum(ends[1:][None], (n - tail)[:, None])
     count = (hi - lo).clamp(min=0)  # [B, chunks] slots between the forced ones
-    scores = torch.randn(3, heads, len(ends) - 1, generator=gen)
-    before = reference.ranked_before(scores, count[:, None].expand(-1, heads, -1))
-    capacity = torch.tensor([20, 13, 100])
+    scores = torch.randn(4, heads, len(ends) - 1, generator=gen)
+    scores[1] = torch.randint(-1, 2, scores[1].shape, generator=gen).float()  # ties
+    capacity = torch.tensor([20, 13, 100, 0])
+    before, _, place = reference.bucket_take(scores, count[:, None].expand(-1, heads, -1), capacity)
     args = (lo, count, before, n, n_sink, capacity, tail, 4, 64, 11)
     want_slots, want_lengths = dynsplit_reference.chunk_slots(*args)
     labels = torch.bucketize(torch.arange(60), ends[1:], right=True)
-    for b in range(3):
+    for b in range(4):
         for h in range(heads):
             free = [p for p in range(int(n_sink[b]), int(n[b] - tail[b]))]
             order = sorted(free, key=lambda p: (-float(scores[b, h, labels[p]]), p))[: int(capacity[b])]
             expected = sorted(set(range(int(n_sink[b]))) | set(order) | set(range(int(n[b] - tail[b]), int(n[b]))))
             assert want_slots[b, h, : int(want_lengths[b, h])].tolist() == expected
             assert (want_slots[b, h, int(want_lengths[b, h]):] == 0).all()
-    got_slots, got_lengths = chunk_slots(*args, block=4, run=4, span=8)
+    got_slots, got_lengths = chunk_slots(*args[:3], place, *args[3:], block=4, run=4, span=8)
     assert torch.equal(got_lengths, want_lengths) and torch.equal(got_slots, want_slots)
 
 
@@ -646,14 +652,15 @@ def test_bucket_best_kernel_matches_reference(map_heads):
 
 def test_bucket_take_decides_as_the_full_ranking_and_the_kernel_matches():
     """`bucket_take` (what a capacity takes of ranked buckets, without ranking them all) takes exactly the tokens the
-    exact rank prefix (`ranked_before`) takes, for every bucket and offset: scores with ties (ties go to the lower
-    bucket id), -inf and -0.0 scores, empty buckets, capacities of 0, inside a bucket, on a bucket's edge and past
-    every token; the count shared over the KV heads (an expanded tensor, as DynSplit-KV passes it) or per head. The
-    Triton kernel gives the same integers."""
+    exact rank prefix (`ranked_before`) takes, for every bucket and offset, and places them one after another in
+    bucket-id order: scores with ties (ties go to the lower bucket id), -inf and -0.0 scores, empty buckets,
+    capacities below 0, of 0, inside a bucket, on a bucket's edge and past every token; the count shared over the KV
+    heads (an expanded tensor, as DynSplit-KV passes it) or per head. The Triton kernel gives the same integers, two or
+    four bits of the threshold a step."""
     from semkv.kernels.triton_bucket_take import bucket_take
 
     gen = torch.Generator().manual_seed(7)
-    batch, heads, n = 6, 2, 37
+    batch, heads, n = 7, 2, 37
     scores = torch.randint(-3, 4, (batch, heads, n), generator=gen).float()  # many ties
     scores[0, 0, :5] = float("-inf")
     scores[1, 1, 3] = -0.0
@@ -661,25 +668,29 @@ def test_bucket_take_decides_as_the_full_ranking_and_the_kernel_matches():
     count[:, :, 10] = 0
     total = count.sum(-1)[:, 0]
     edge = int(count[3, 0][scores[3, 0] > 0].sum())  # the capacity ends exactly after the positive buckets
-    capacity = torch.tensor([0, 17, int(total[2]) + 5, edge, int(total[4]), 1])
-    for shared in (False, True):
-        counts = count[:, :1].expand(-1, heads, -1) if shared else count
-        before, first = reference.bucket_take(scores, counts, capacity)
+    capacity = torch.tensor([0, 17, int(total[2]) + 5, edge, int(total[4]), 1, -2])
+    offsets = torch.arange(8)
+    cap = capacity[:, None, None, None]
+
+    def check(scores, counts):
+        before, first, place = reference.bucket_take(scores, counts, capacity)
         exact = reference.ranked_before(scores, counts)
         assert torch.equal(first, counts.cumsum(-1, dtype=torch.int32) - counts)
-        offsets = torch.arange(8)
         inside = offsets < counts[..., None]
-        cap = capacity[:, None, None, None]
         taken = lambda before: ((before[..., None] + offsets) < cap) & inside  # noqa: E731  [B, S, n, 8]
         assert torch.equal(taken(before), taken(exact))
-        got = bucket_take(scores, counts, capacity)
-        assert torch.equal(got[0], before) and torch.equal(got[1], first)
+        for b in range(batch):  # the taken tokens, each at place + offset, fill 0..taken-1 once each
+            for h in range(heads):
+                at = (place[b, h, :, None] + offsets)[taken(before)[b, h]]
+                assert sorted(at.tolist()) == list(range(int(taken(before)[b, h].sum())))
+        for bits in (2, 4):  # the threshold two bits a step (the default) or four
+            got = bucket_take(scores, counts, capacity, bits=bits)
+            assert all(torch.equal(g, w) for g, w in zip(got, (before, first, place)))
+
+    for shared in (False, True):
+        check(scores, count[:, :1].expand(-1, heads, -1) if shared else count)
     # scores without ties: the capacity ends at a key found down to its last bits
-    scores = torch.randn(batch, heads, n, generator=gen) * torch.logspace(-30, 30, n)
-    before = reference.bucket_take(scores, count, capacity)[0]
-    assert torch.equal(bucket_take(scores, count, capacity)[0], before)
-    inside = offsets < count[..., None]
-    assert torch.equal(taken(before), taken(reference.ranked_before(scores, count)))
+    check(torch.randn(batch, heads, n, generator=gen) * torch.logspace(-30, 30, n), count)
 
 
 def test_slot_stamps_kernel_matches_reference():

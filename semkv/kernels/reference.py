@@ -101,19 +101,22 @@ def ranked_before(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def bucket_take(scores: torch.Tensor, count: torch.Tensor,
-                capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a capacity takes of buckets ranked as `ranked_before` ranks them: scores / count [B, S, buckets] (float,
-    tokens), capacity [B] (tokens a row takes) -> `before` and `first`, int32 [B, S, buckets] each. Token o of a
-    bucket (o < its count) is taken when before + o < capacity, as with the exact rank prefix (`ranked_before`):
+    tokens), capacity [B] (tokens a row takes) -> `before`, `first` and `place`, int32 [B, S, buckets] each. Token o
+    of a bucket (o < its count) is taken when before + o < capacity, as with the exact rank prefix (`ranked_before`):
     `before` is that prefix for the bucket the capacity ends in, 0 for a bucket taken whole and `capacity` for one
     taken not at all (an empty bucket too), so a kernel need not rank every bucket, only find where the capacity
-    ends. `first` is the index of each bucket's first token (buckets are contiguous token ranges in id order). What
-    SentenceKV's `sentence_slots` and DynSplit-KV's `chunk_slots` take."""
+    ends. `first` is the index of each bucket's first token (buckets are contiguous token ranges in id order).
+    `place` is the index of a bucket's first taken token among all the taken ones in id order: the tokens the
+    buckets before it take (clamp(capacity - before, 0, count) each), so that a token's place in a slot list needs
+    no running count. What SentenceKV's `sentence_slots` and DynSplit-KV's `chunk_slots` take."""
     count = count.int()
-    before = ranked_before(scores, count)
     cap = capacity[:, None, None].int()
-    mapped = torch.where(before + count <= cap, 0, torch.where(before >= cap, cap, before))
-    return torch.where(count == 0, cap, mapped).int(), count.cumsum(-1, dtype=torch.int32) - count
+    exact = ranked_before(scores, count)
+    before = torch.where(count == 0, cap, torch.where(exact + count <= cap, 0, torch.where(exact >= cap, cap, exact)))
+    take = (cap - before).clamp(min=0).minimum(count)
+    return before, count.cumsum(-1, dtype=torch.int32) - count, take.cumsum(-1, dtype=torch.int32) - take
 
 
 def compact_chosen(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor,

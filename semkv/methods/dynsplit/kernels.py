@@ -5,12 +5,14 @@ from semkv.kernels import use_triton
 from semkv.methods.dynsplit import reference
 
 
-def chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest):
-    """See `reference.chunk_slots`."""
+def chunk_slots(lo, count, before, place, n, n_sink, capacity, tail, max_sink, width, longest):
+    """See `reference.chunk_slots`; place [B, S, chunks] (`kernels.bucket_take`) is what the Triton kernel reads
+    besides (the reference marks and compacts instead)."""
     if use_triton(lo.device):
         from semkv.methods.dynsplit import triton_chunk_slots
 
-        return triton_chunk_slots.chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest)
+        return triton_chunk_slots.chunk_slots(lo, count, before, place, n, n_sink, capacity, tail, max_sink, width,
+                                              longest)
     return reference.chunk_slots(lo, count, before, n, n_sink, capacity, tail, max_sink, width, longest)
 
 

@@ -16,13 +16,13 @@ summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs 
 start of a chunk it closed reaches the device in the step plan; each layer refreshes the summaries of the chunks the
 new token touched (`kernels.chunk_refresh`, from the last chunk_size + max_deviation + 1 keys), bounds every chunk
 with `kernels.page_bound` (a chunk read as a page of one slot), finds what the budget takes of the ranked chunks
-(`kernels.bucket_take`, without sorting them) and writes the slot lists with `kernels.chunk_slots` (a walk over
-chunks, each taking its leading slots): the same selection as V2F's token sort (whole chunks by score, ties to the
-earlier chunk, the last one cut to its leading tokens). With `count_reuse`, reuse is counted on the device from
-per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
+(`kernels.bucket_take`, without sorting them) and writes the slot lists with `kernels.chunk_slots` (each chunk's
+leading slots, placed after those the chunks before it take): the same selection as V2F's token sort (whole chunks
+by score, ties to the earlier chunk, the last one cut to its leading tokens). With `count_reuse`, reuse is counted
+on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
 With score="tokens" (opt-in) a layer scores each chunk by its best token instead (`kernels.chunk_best`: the query's
 dot products with every key between the sinks and the recent window, read in place, a max per chunk; no summaries
-are kept), then the same ranking and walk.
+are kept), then the same ranking and slot lists.
 
 Offload (the paper's CPU-GPU setting, min/max pooling): the same selection runs over virtual slots (every token in
 position order, as resident), and `WorkingSets.load` makes it device slots. On the device a sequence keeps its
@@ -476,8 +476,8 @@ class DynSplitKV(RowHolder, KVMethod):
                                         self.group_reduce)  # [B, kv_heads, chunks]
         sinks, recent = plan.n_sink, plan.n_recent
         capacity = plan.k - sinks - recent
-        before = kernels.bucket_take(scores, count[:, None].expand_as(scores), capacity)[0]
-        slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, n, sinks, capacity,
+        before, _, place = kernels.bucket_take(scores, count[:, None].expand_as(scores), capacity)
+        slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, place, n, sinks, capacity,
                                                       torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink,
                                                       width, span)
         if self.offload:  # reuse is the working set's: tokens found on the device

@@ -88,7 +88,7 @@ class SentenceRows(DeviceRows):
         return total / (steps + 1)[:, None, None]
 
     def rank(self, layer: int, rows: torch.Tensor, query: torch.Tensor,
-             capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What `capacity` [B] takes of the buckets ranked by descending query . sentence vector: query [B, kv_heads,
         D], rows [B] -> `kernels.bucket_take` ([B, kv_heads, buckets] int32 each)."""
         every = torch.zeros(self.vectors.shape[1], *query.shape[1:], device=query.device)  # [rows, H, D]
@@ -97,7 +97,7 @@ class SentenceRows(DeviceRows):
         return kernels.bucket_take(scores, self.count[layer, rows], capacity)
 
     def rank_best(self, layer: int, rows: torch.Tensor, best: torch.Tensor,
-                  capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What `capacity` [B] takes of the buckets ranked by descending best token: best [B, kv_heads, buckets]
         (each bucket's best query . key of its retained tokens, `kernels.bucket_best`), rows [B] ->
         `kernels.bucket_take`."""

@@ -156,6 +156,7 @@ class SentenceKV(RowHolder, KVMethod):
         if self.score == "tokens" and self.offload is not False:
             raise SemkvError(f"score='tokens' reads the retained keys from the device each step: it needs "
                              f"offload=False (got offload={self.offload})")
+        self._ends: tuple[torch.Tensor, torch.Tensor] = ()  # the step's virtual slots and recent window, at layer 0
 
     @property
     def graph_safe(self) -> bool:
@@ -307,7 +308,7 @@ class SentenceKV(RowHolder, KVMethod):
                 [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent,
                  st.retained if st.offload else 0, st.cache]
                 for st in states]
-        return SentencePlan(*torch.tensor(rows, device=batch.positions.device).unbind(1))
+        return SentencePlan(*batch.pool.staging.send(rows).unbind(1))  # one copy that does not wait
 
     def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "SentencePlan":
         return SentencePlan.static(size, device)
@@ -331,20 +332,23 @@ class SentenceKV(RowHolder, KVMethod):
         kv_heads = batch.model.num_kv_heads
         query = self._rows.mean_query(layer, rows, q, plan.q_count) if self.query == "mean" else q  # [B, heads, D]
         if self.score == "tokens":
-            before, first = self._rank_tokens(layer, batch, query, plan)
+            before, first, place = self._rank_tokens(layer, batch, query, plan)
         else:
             query = query.float().view(q.shape[0], kv_heads, -1, q.shape[-1]).mean(2)  # [B, kv_heads, D] a group's
-            before, first = self._rows.rank(layer, rows, query, capacity)  # [B, kv_heads, buckets]
-        n = batch.num_slots[:, layer] - plan.cache + plan.offloaded  # [B] virtual slots (the resident layout)
-        tail = torch.minimum(plan.n_recent, n - n_sink - retained).clamp(min=1)  # [B] attended recent slots
-        selection = Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, n,
-                                                                 n_sink, retained, capacity, tail, self.n_sink, width))
+            before, first, place = self._rows.rank(layer, rows, query, capacity)  # [B, kv_heads, buckets] each
+        if layer == 0:  # every layer holds as many slots (each retains as many tokens): once a step
+            n = batch.num_slots[:, 0] - plan.cache + plan.offloaded  # [B] virtual slots (the resident layout)
+            self._ends = n, torch.minimum(plan.n_recent, n - n_sink - retained).clamp(min=1)  # and attended recent
+        n, tail = self._ends
+        selection = Selection(*sentencekv_kernels.sentence_slots(self._rows.bucket[layer], rows, before, first, place,
+                                                                 n, n_sink, retained, capacity, tail, self.n_sink,
+                                                                 width))
         if self._sets is None:
             return selection
         return self._sets.load(layer, batch, selection, rows, n_sink, plan.offloaded, plan.cache)
 
     def _rank_tokens(self, layer: int, batch: DecodeBatch, query: torch.Tensor,
-                     plan: SentencePlan) -> tuple[torch.Tensor, torch.Tensor]:
+                     plan: SentencePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """score="tokens": what the capacity takes of the buckets ranked by their best retained token for each KV
         group's query (the mean of its heads of query [B, heads, D], taken in `kernels.bucket_best`) ->
         `kernels.bucket_take`. Retained token t of a row is its slot n_sink + t (K/V resident)."""
