@@ -80,6 +80,21 @@ def test_sampling_is_seeded(tiny_llm):
     assert a != tiny_llm.generate(PROMPTS[0], seed=4, **kw)[0].token_ids
 
 
+def test_tokens_chosen_together_are_those_chosen_one_by_one():
+    """`sample_each` (a step's first tokens, the greedy ones read from the device at once) gives each request the
+    token `sample` gives it: greedy rows their argmax (ties to the lower id), sampled rows from their own generator."""
+    from semkv.engine.sampler import sample, sample_each
+
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(50, generator=gen) for _ in range(5)]
+    logits[1][[3, 7]] = 9.0  # a tie
+    params = [SamplingParams(temperature=t, top_k=10) for t in (0.0, 0.0, 1.0, 0.0, 0.8)]
+    seeds = [torch.Generator().manual_seed(i) for i in range(5)]
+    again = [torch.Generator().manual_seed(i) for i in range(5)]
+    assert sample_each(logits, params, seeds) == [sample(x, p, g) for x, p, g in zip(logits, params, again)]
+    assert sample_each(logits, params, seeds)[1] == 3 and sample_each([], [], []) == []
+
+
 def test_top_k_one_is_greedy(tiny_llm):
     sampled = tiny_llm.generate(PROMPTS[0], max_new_tokens=12, temperature=0.7, top_k=1, chat=False, ignore_eos=True)
     assert sampled[0].token_ids == greedy(tiny_llm, PROMPTS[:1])[0][:12]

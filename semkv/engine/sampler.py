@@ -24,6 +24,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def sample_each(logits: list[torch.Tensor], params: list[SamplingParams],
+                generators: list[torch.Generator]) -> list[int]:
+    """`sample` for several requests (logits [vocab] each): the greedy ones' tokens read from the device together,
+    one wait for all of them instead of one a request."""
+    tokens = [0] * len(logits)
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    if greedy:
+        for i, token in zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist()):
+            tokens[i] = token
+    for i in sorted(set(range(len(logits))) - set(greedy)):
+        tokens[i] = sample(logits[i], params[i], generators[i])
+    return tokens
+
+
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The log-probability of `token` under logits [vocab] and the `top` most likely tokens with theirs."""
     logprobs = torch.log_softmax(logits.float(), -1)

@@ -35,7 +35,7 @@ import torch
 from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import KVMethod
 from semkv.engine.prefix_cache import PrefixCache
-from semkv.engine.sampler import sample
+from semkv.engine.sampler import sample_each
 from semkv.engine.sequence import Sequence
 
 StopTest = Callable[[Sequence], str]  # why a request stops after its last token ("eos", "stop", "length"), or ""
@@ -105,6 +105,7 @@ class Scheduler:
         self._order = itertools.count()
         self._bypassed = 0  # admissions past the request at the head of the queue
         self._timing: deque[tuple[str, Mark, Mark]] = deque()  # (kind, start, end) of steps not yet counted
+        self._done: list[tuple[Sequence, torch.Tensor]] = []  # prompts done this step, their last logits [vocab]
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
         """Queue a request (its `method_state` made already) behind the waiting ones."""
@@ -156,6 +157,7 @@ class Scheduler:
         if budget is None:  # whole prompts first, as many as fit
             while (seq := self._admit()) is not None:
                 prompt += self._prefill(seq, 0, progress)
+            self._first_tokens()
             tokens = prompt
         for batch in [b for b in self.batches.values() if b.running]:
             try:
@@ -179,6 +181,7 @@ class Scheduler:
             while left > 0 and (seq := self._admit()) is not None:
                 done = self._prefill(seq, left)
                 left, tokens, prompt = left - done, tokens + done, prompt + done
+            self._first_tokens()
         self.engine.reserved = 0  # the promises hold while this scheduler steps
         if tokens:
             self.counters.steps += 1
@@ -253,7 +256,7 @@ class Scheduler:
 
     def _prefill(self, seq: Sequence, budget: int, progress: bool = False) -> int:
         """Run prefill chunks of an admitted request, `budget` tokens' worth (0: all of them); once its prompt is done
-        it gets its first token and joins its method's batch. The prompt tokens computed."""
+        it waits in `_done` for its first token (`_first_tokens`). The prompt tokens computed."""
         before = seq.num_computed
         try:
             if budget:
@@ -264,18 +267,36 @@ class Scheduler:
                 self.engine.cache_prompt(seq)
             if first is not None:
                 self.prefilling.remove(seq)
-                if not seq.output_ids:  # else recomputed after preemption: its next tokens are its output's
-                    token = self.engine.agree([sample(first, seq.params, seq.generator)])[0]
-                    self.engine.append_token(seq, token, self._stop[seq], first)
+                self._done.append((seq, first))
         except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
             self._fail([seq], error)
             return 0
-        if first is not None:
+        return seq.num_computed - before
+
+    def _first_tokens(self) -> None:
+        """The prompts done in this step get their first tokens, chosen together (one wait for the device, not one
+        a prompt, so the host prepares a prompt's chunk while the device runs the one before), and join their
+        method's batch. A prompt recomputed after preemption gets none: its next tokens are its output's."""
+        done, self._done = self._done, []
+        fresh = [(seq, logits) for seq, logits in done if not seq.output_ids]
+        try:
+            tokens = self.engine.agree(sample_each([logits for _, logits in fresh], [seq.params for seq, _ in fresh],
+                                                   [seq.generator for seq, _ in fresh]))
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail([seq for seq, _ in done], error)
+            return
+        for (seq, logits), token in zip(fresh, tokens):
+            try:
+                self.engine.append_token(seq, token, self._stop[seq], logits)
+            except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+                self._fail([seq], error)
+        for seq, _ in done:
+            if seq.finish_reason == "error":
+                continue
             if seq.finished:
                 self._end(seq)
             else:
                 self._batch(self._method[seq], seq).running.append(seq)
-        return seq.num_computed - before
 
     def _reserved(self) -> int:
         """Pages promised to the prompts being prefilled (their prefill's pages not taken yet); a request whose
