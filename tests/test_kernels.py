@@ -612,9 +612,9 @@ def test_chunk_best_kernel_matches_reference(group_reduce):
 @pytest.mark.parametrize("map_heads", [2, 1])
 def test_bucket_best_kernel_matches_reference(map_heads):
     """SentenceKV's score="tokens": each bucket's best query . key over a row's retained tokens (slot n_sink + t,
-    t < retained), the query of a KV group the mean of its heads, keys read through the page tables; state rows taken out of order, rows with different sinks and
-    retained counts, a bucket map per KV head or shared, bucket ids that jump, buckets with no retained token (-inf).
-    Checked against a per-bucket loop too."""
+    t < retained), the query of a KV group the mean of its heads, keys read through the page tables; state rows taken
+    out of order, rows with different sinks and retained counts, a bucket map per KV head or shared, bucket ids that
+    jump, buckets with no retained token (-inf). Checked against a per-bucket loop too."""
     from semkv.methods.sentencekv.triton_bucket_best import bucket_best
 
     gen = torch.Generator().manual_seed(6)
