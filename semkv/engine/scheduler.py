@@ -389,6 +389,7 @@ class Scheduler:
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
         if not self.contain:
+            self._done.clear()  # the run ends: no prompt's logits outlive it in the error's traceback
             raise error
         for seq in seqs:
             if seq in self.waiting:

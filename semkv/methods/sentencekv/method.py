@@ -215,6 +215,10 @@ class SentenceKV(RowHolder, KVMethod):
             self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         return st
 
+    def reset(self) -> None:
+        super().reset()
+        self._ends = ()
+
     def takes_row(self, seq: Sequence) -> bool:
         st: SentenceState = seq.method_state
         return not st.dense and not st.row
@@ -361,6 +365,7 @@ class SentenceKV(RowHolder, KVMethod):
         """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the
         recent window join their buckets (and move to the host when offloading) once `offload_chunk` of them
         wait."""
+        self._ends = ()  # the step's tensors go with it (a graph keeps its own copy)
         vector_bytes = self._rows.row_bytes()
         counts = self._traffic(seqs)
         leaving = []  # (sequence, state, tokens that leave its recent window now)
