@@ -328,8 +328,7 @@ def check_sentence_slots(gen, batch: int = 16, tokens: int = 4608, buckets: int 
     before = torch.empty_like(ranked).scatter_(-1, rank, ranked.cumsum(-1, dtype=torch.int32) - ranked)
     first = count.cumsum(-1, dtype=torch.int32) - count
     capacity = torch.full_like(full, 1984)
-    take = (capacity[:, None, None] - before).clamp(min=0).minimum(count)
-    place = take.cumsum(-1, dtype=torch.int32) - take  # as `bucket_take` gives it
+    place = reference.taken_place(before, count, capacity)  # as `bucket_take` gives it
     args = (bucket, rows, before, first, 32 + full + 40, torch.full_like(full, 32), full, capacity,
             torch.full_like(full, 32), 32, 2048)
     placed = (*args[:4], place, *args[4:])  # the Triton kernel's arguments

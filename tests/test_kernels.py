@@ -375,8 +375,7 @@ def test_sentence_slots_kernel_matches_reference():
     first = count[rows].cumsum(-1, dtype=torch.int32) - count[rows]
     retained = held[rows]
     capacity = torch.tensor([17, 9, 0, 25, 30, 0])
-    take = (capacity[:, None, None] - before).clamp(min=0).minimum(count[rows])
-    place = take.cumsum(-1, dtype=torch.int32) - take  # as `bucket_take` gives it
+    place = reference.taken_place(before, count[rows], capacity)  # as `bucket_take` gives it
     n_sink = torch.tensor([4, 0, 0, 4, 3, 2])
     tail = torch.tensor([5, 3, 1, 6, 2, 4])
     n = n_sink + retained + tail + torch.tensor([2, 0, 0, 7, 1, 0])  # tokens waiting between the retained and the tail

@@ -32,8 +32,7 @@ def block_keys(ids: list[int], page_size: int, count: int) -> list[bytes]:
 @dataclass(slots=True)
 class Block:
     key: bytes
-    pages: np.ndarray  # [layers] int64: one physical page per layer
-    id: int  # its index in the cache's arrays (reused once it is evicted)
+    id: int  # its index in the cache's arrays (its pages: `PrefixCache.pages[id]`; reused once it is evicted)
 
 
 class PrefixCache:
@@ -94,8 +93,8 @@ class PrefixCache:
         pages = np.asarray(pages, dtype=np.int64)[new]
         self._fit(int(pages.max()) + 1)
         ids = self._new_ids(len(new))
-        for row, (i, block_id) in enumerate(zip(new, ids.tolist())):
-            self.blocks[keys[i]] = self.by_id[block_id] = Block(keys[i], pages[row], block_id)
+        for i, block_id in zip(new, ids.tolist()):
+            self.blocks[keys[i]] = self.by_id[block_id] = Block(keys[i], block_id)
         self.owner[pages] = ids[:, None]
         self.pages[ids] = pages
         self.refs[pages] = int(held)
@@ -129,13 +128,14 @@ class PrefixCache:
         freed: list[int] = []
         while len(freed) < pages and self.lru:
             _, block = self.lru.popitem(last=False)
-            self.evictable -= len(block.pages)
+            its = self.pages[block.id]  # [layers]
+            self.evictable -= self.num_layers
             del self.blocks[block.key]
-            self.owner[block.pages] = -1
-            self.refs[block.pages] = 0
+            self.owner[its] = -1
+            self.refs[its] = 0
             self.by_id[block.id] = None
             self._free_ids.append(block.id)
-            freed.extend(block.pages.tolist())
+            freed.extend(its.tolist())
         return freed
 
     def clear(self) -> list[int]:
@@ -144,7 +144,7 @@ class PrefixCache:
 
     def _idle(self, block: Block) -> None:
         self.lru[block.key] = block
-        self.evictable += len(block.pages)
+        self.evictable += self.num_layers
 
     def cached(self, page: int) -> bool:
         return page < len(self.owner) and self.owner[page] >= 0

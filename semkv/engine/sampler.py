@@ -33,8 +33,9 @@ def sample_each(logits: list[torch.Tensor], params: list[SamplingParams],
     if greedy:
         for i, token in zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist()):
             tokens[i] = token
-    for i in sorted(set(range(len(logits))) - set(greedy)):
-        tokens[i] = sample(logits[i], params[i], generators[i])
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            tokens[i] = sample(logits[i], p, generators[i])
     return tokens
 
 

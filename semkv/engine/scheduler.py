@@ -291,7 +291,7 @@ class Scheduler:
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([seq], error)
         for seq, _ in done:
-            if seq.finish_reason == "error":
+            if seq not in self._method:  # failed above: ended already
                 continue
             if seq.finished:
                 self._end(seq)

@@ -115,8 +115,14 @@ def bucket_take(scores: torch.Tensor, count: torch.Tensor,
     cap = capacity[:, None, None].int()
     exact = ranked_before(scores, count)
     before = torch.where(count == 0, cap, torch.where(exact + count <= cap, 0, torch.where(exact >= cap, cap, exact)))
-    take = (cap - before).clamp(min=0).minimum(count)
-    return before, count.cumsum(-1, dtype=torch.int32) - count, take.cumsum(-1, dtype=torch.int32) - take
+    return before, count.cumsum(-1, dtype=torch.int32) - count, taken_place(before, count, capacity)
+
+
+def taken_place(before: torch.Tensor, count: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """`bucket_take`'s `place` from any `before` it accepts (the exact rank prefix too): before / count [B, S,
+    buckets], capacity [B] -> the tokens the buckets before each one in id order take, int32 [B, S, buckets]."""
+    take = (capacity[:, None, None].int() - before).clamp(min=0).minimum(count.int())
+    return take.cumsum(-1, dtype=torch.int32) - take
 
 
 def compact_chosen(chosen: torch.Tensor, n: torch.Tensor, n_sink: torch.Tensor, tail: torch.Tensor,
