@@ -254,6 +254,14 @@ def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny
                 positions = seq.kv.gather(layer, slots[None].expand(llm.config.num_kv_heads, -1))[2]
             want = bucket_of(st.starts, positions)
             assert torch.equal(method._rows.bucket[layer, st.row, :, : st.retained].long(), want), layer
+            count = method._rows.count[layer, st.row]  # [kv_heads, buckets]: every retained token counted once
+            assert torch.equal(count.long(), torch.stack([w.bincount(minlength=count.shape[-1]) for w in want]))
+            if score == "vector" and not offload:  # each bucket's vector: the mean of its retained keys
+                keys = seq.kv.gather(layer, slots[None].expand(llm.config.num_kv_heads, -1))[0].float()
+                sums = torch.zeros(*count.shape, keys.shape[-1]).index_put_(
+                    (torch.arange(count.shape[0])[:, None], want), keys, accumulate=True)
+                means = sums / count.clamp(min=1)[..., None]
+                torch.testing.assert_close(method._rows.vectors[layer, st.row], means, rtol=1e-4, atol=1e-5)
     llm.engine.end(seqs, method)
 
 

@@ -502,11 +502,13 @@ class Engine:
         if tokens is not None:
             rows.append(tokens.double())  # token ids are exact in float64
         read = torch.stack(rows).tolist()
-        for b, seq in enumerate(seqs):
+        selection_s = (step.selection_s + self.step_plan_s) / n
+        for seq, attended, widest in zip(seqs, read[0], read[1]):
             seq.num_computed += 1
-            seq.attended_total += read[0][b]
-            seq.stats.kv_attended_max = max(seq.stats.kv_attended_max, int(read[1][b]))
-            seq.stats.selection_s += (step.selection_s + self.step_plan_s) / n
+            seq.attended_total += attended
+            stats = seq.stats
+            stats.kv_attended_max = max(stats.kv_attended_max, int(widest))
+            stats.selection_s += selection_s
         return [int(t) for t in read[2]] if tokens is not None else None
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False,
@@ -595,10 +597,11 @@ class Engine:
         elapsed = time.perf_counter() - started
         for b, (seq, token) in enumerate(zip(running, tokens)):
             resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step
-            seq.stats.kv_resident_tokens = max(seq.stats.kv_resident_tokens, resident)
-            seq.stats.decode_s += elapsed
+            stats = seq.stats
+            stats.kv_resident_tokens = max(stats.kv_resident_tokens, resident)
+            stats.decode_s += elapsed
             if known[b] is None:
-                self.append_token(seq, token, is_stop, logits[b])
+                self.append_token(seq, token, is_stop, logits[b] if seq.params.logprobs is not None else None)
 
     def agree(self, tokens: list[int]) -> list[int]:
         """Rank 0's tokens on every rank with tensor parallelism (its sampler decides), else the tokens."""

@@ -64,21 +64,22 @@ class SentenceRows(DeviceRows):
         for name in self.shapes(*self.sizes()):
             getattr(self, name)[:, row] = 0
 
-    def add(self, row: int, layers: slice, keys: torch.Tensor | None, bucket: torch.Tensor, at: int) -> None:
-        """Retained tokens numbered at.. of one row: bucket ids [L', kv_heads, m] (after every earlier token's) join
-        their buckets: counts grow, and with sentence vectors kept their keys [L', kv_heads, m, D] (else None) make
-        the new means."""
-        m = bucket.shape[-1]
-        count = self.count[layers, row]  # [L', H, buckets] views
-        grew = torch.zeros_like(count).scatter_add_(2, bucket, torch.ones_like(bucket, dtype=torch.int32))
-        total = count + grew
+    def add(self, rows: torch.Tensor, layers: slice, keys: torch.Tensor | None, bucket: torch.Tensor,
+            at: torch.Tensor) -> None:
+        """Retained tokens numbered at[r].. of each row of rows [R] join their buckets: bucket ids [L', R, kv_heads,
+        m] (after every earlier retained token's of the row); counts grow, and with sentence vectors kept their keys
+        [L', R, kv_heads, m, D] (else None) move the means, mean + sum(key - mean) / new count (one scatter for every
+        row: SentenceKV's tokens that leave the recent windows of many rows at one step)."""
+        span = range(self.layers)[layers]
+        dev = self.count.device
+        index = (torch.arange(span.start, span.stop, device=dev)[:, None, None, None], rows[None, :, None, None],
+                 torch.arange(self.kv_heads, device=dev)[None, None, :, None], bucket.long())
+        self.count.index_put_(index, torch.ones((), dtype=torch.int32, device=dev), accumulate=True)
         if self.vectors is not None:
-            vectors = self.vectors[layers, row]
-            added = torch.zeros_like(vectors).scatter_add_(2, bucket[..., None].expand(-1, -1, -1, keys.shape[-1]),
-                                                           keys.float())
-            vectors.copy_((vectors * count[..., None] + added) / total.clamp(min=1)[..., None])
-        count.copy_(total)
-        self.bucket[layers, row, :, at : at + m] = bucket.int()
+            old = self.vectors[index]  # [L', R, H, m, D] the means before these tokens
+            self.vectors.index_put_(index, (keys.float() - old) / self.count[index][..., None], accumulate=True)
+        slots = at[None, :, None, None] + torch.arange(bucket.shape[-1], device=dev)  # [1, R, 1, m]
+        self.bucket[index[:3] + (slots,)] = bucket.int()
 
     def mean_query(self, layer: int, rows: torch.Tensor, q: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """The mean of the current sentence's queries, this one included: q [B, heads, D], rows [B], steps [B] earlier

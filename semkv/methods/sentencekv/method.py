@@ -81,6 +81,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
@@ -94,7 +95,7 @@ from semkv.methods.sentencekv import kernels as sentencekv_kernels
 from semkv.methods.sentencekv.buckets import SentenceRows, SentenceState, bucket_of
 from semkv.methods.sentencekv.sentences import SentenceRule, segment
 from semkv.methods.state.rows import RowHolder
-from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_range, working_set_slots
+from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_ranges, working_set_slots
 
 KEEP_ALL = 1 << 40  # the recent window of a row that keeps everything
 
@@ -277,8 +278,10 @@ class SentenceKV(RowHolder, KVMethod):
         else:
             retained = keep_top(importance, size) + st.n_sink  # [kv_heads, R] ascending
         heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
-        vectors = keys[heads, retained][None] if self._rows.vectors is not None else None  # [1, kv_heads, R, D]
-        self._rows.add(st.row, slice(layer, layer + 1), vectors, bucket_of(st.starts, retained)[None], at=0)
+        vectors = keys[heads, retained][None, None] if self._rows.vectors is not None else None  # [1, 1, H, R, D]
+        row = torch.tensor([st.row], device=keys.device)
+        self._rows.add(row, slice(layer, layer + 1), vectors, bucket_of(st.starts, retained)[None, None],
+                       torch.zeros_like(row))
         resident = retained
         if st.offload:
             st.store.put(slice(layer, layer + 1), keys[heads, retained][None], values[heads, retained][None],
@@ -298,7 +301,6 @@ class SentenceKV(RowHolder, KVMethod):
         if st.offload:
             for layer in range(seq.kv.pool.num_layers):
                 move_tail(seq.kv, layer, st.n_sink + min(st.cache, st.retained), st.tail_start)
-        self._record(seq, self._rows.row_bytes())
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def step_plan(self, batch: DecodeBatch) -> "SentencePlan | None":
@@ -364,10 +366,8 @@ class SentenceKV(RowHolder, KVMethod):
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
         """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the
         recent window join their buckets (and move to the host when offloading) once `offload_chunk` of them
-        wait."""
+        wait, those of every row at once."""
         self._ends = ()  # the step's tensors go with it (a graph keeps its own copy)
-        vector_bytes = self._rows.row_bytes()
-        counts = self._traffic(seqs)
         leaving = []  # (sequence, state, tokens that leave its recent window now)
         for seq, token in zip(seqs, tokens):
             st: SentenceState = seq.method_state
@@ -378,8 +378,9 @@ class SentenceKV(RowHolder, KVMethod):
             if self.buckets == "sentences":  # does the token before `token` end a sentence of the open bucket
                 if st.scan is None:
                     st.scan = self.rule.scan()
-                for t in seq.output_ids[st.starts[-1] - len(seq.prompt_ids) + st.scan.length:]:
-                    st.scan.push(t)  # the open bucket's tokens not pushed yet (its first)
+                    for t in seq.output_ids[st.starts[-1] - len(seq.prompt_ids) : next_pos - len(seq.prompt_ids)]:
+                        st.scan.push(t)  # the open bucket's tokens before `token` (its first; a recomputed
+                        # request's output holds later ones too)
                 ended = st.scan.push(token)
             if ended or next_pos - st.starts[-1] >= st.limit:
                 st.starts.append(next_pos)
@@ -387,56 +388,70 @@ class SentenceKV(RowHolder, KVMethod):
                 st.q_count = 0
             else:
                 st.q_count += 1
-            stored = seq.kv.num_slots[0] - seq.slot_ready  # not counting a slot prepared for the next step
-            st.device_peak = max(st.device_peak, stored)
-            waiting = stored - st.tail_start - st.n_recent
+            waiting = seq.kv.num_slots[0] - seq.slot_ready - st.tail_start - st.n_recent
             if waiting >= self.offload_chunk:
                 leaving.append((seq, st, waiting - waiting % self.offload_chunk))
-        buckets = self._leaving_buckets(leaving, seqs[0].kv.pool) if leaving else []
-        for (seq, st, m), bucket in zip(leaving, buckets):
-            self._offload_waiting(seq, st, m, bucket)
-        for seq in seqs:
-            if not seq.method_state.dense:
-                self._record(seq, vector_bytes, counts.get(seq.method_state.row))
+        pool = seqs[0].kv.pool
+        for m in sorted({m for _, _, m in leaving}):
+            self._join_buckets([(seq, st) for seq, st, size in leaving if size == m], m, pool)
+        offloading = [seq for seq in seqs if seq.method_state.offload]
+        if offloading:  # their traffic, each step (the largest step's bytes are a statistic)
+            counts = self._sets.counts([seq.method_state.row for seq in offloading])
+            vector_bytes = self._rows.row_bytes()
+            for seq, found_loaded in zip(offloading, counts):
+                self._record(seq, vector_bytes, found_loaded)
 
-    @staticmethod
-    def _leaving_buckets(leaving: list[tuple[Sequence, SentenceState, int]], pool: KVPool) -> list[torch.Tensor]:
-        """The bucket of every token leaving a recent window, one [m] tensor a sequence, decided on the host (the
-        tail holds consecutive positions) and copied in one transfer that does not wait for the device (the pool's
-        staging ring)."""
-        ids = [bisect.bisect_right(st.starts, p) - 1 for _, st, m in leaving
-               for p in range(st.tail_pos, st.tail_pos + m)]
-        return list(pool.staging.send(ids).split([m for _, _, m in leaving]))
-
-    def _offload_waiting(self, seq: Sequence, st: SentenceState, m: int, bucket: torch.Tensor) -> None:
-        """The m oldest tokens of the recent window (their buckets: bucket [m]) join their buckets, every layer at
-        once (and with offload go to the host: their pages, which start where the working set ends, leave the page
-        table)."""
-        kv, start, pool = seq.kv, st.tail_start, seq.kv.pool
+    def _join_buckets(self, group: list[tuple[Sequence, SentenceState]], m: int, pool: KVPool) -> None:
+        """The m oldest tokens of the recent window of each of these rows join their buckets, every layer at once
+        (and with offload go to the host: their pages, which start where the working set ends, leave the page
+        table). The buckets are decided on the host (the tail holds consecutive positions; only the buckets that
+        start inside it are looked at) and reach the device with the rows and places in one copy that does not
+        wait; one scatter updates every row's counts, map and vectors."""
+        needs = [self.row_needs(seq, st.row, m) for seq, st in group]
+        self.ensure_rows(tuple(map(max, zip(*needs))), pool)
+        first = np.array([bisect.bisect_right(st.starts, st.tail_pos) - 1 for _, st in group])  # [R] bucket of each
+        # tail's first token, and the starts of the later buckets inside the tail (padded past it)
+        later = [st.starts[j + 1 : bisect.bisect_left(st.starts, st.tail_pos + m, j + 1)] for (_, st), j in
+                 zip(group, first.tolist())]
+        inside = np.full((len(group), max(map(len, later), default=0)), np.iinfo(np.int64).max)
+        for r, starts in enumerate(later):
+            inside[r, : len(starts)] = starts
+        positions = np.array([st.tail_pos for _, st in group])[:, None] + np.arange(m)  # [R, m]
+        bucket = first[:, None] + (inside[:, None, :] <= positions[:, :, None]).sum(-1)  # [R, m]
+        sent = pool.staging.send(np.concatenate([np.array([[st.row, st.retained, st.tail_start] for _, st in group]),
+                                                 bucket], 1))  # [R, 3 + m]
+        rows, at, start, bucket = sent[:, 0], sent[:, 1], sent[:, 2], sent[:, 3:]
         k = v = pos = None
-        if st.offload or self._rows.vectors is not None:  # [layers, kv_heads, m, D] x 2, [layers, kv_heads, m]
-            k, v, pos = slot_range(kv, slice(None), start, m)
-        self.ensure_rows(self.row_needs(seq, st.row, m), pool)
-        self._rows.add(st.row, slice(None), k, bucket.expand(pool.num_layers, pool.num_kv_heads, m), at=st.retained)
-        if st.offload:
-            st.store.put(slice(None), k, v, pos)
-            kv.drop_pages(start // kv.pool.page_size, m // kv.pool.page_size)
-        st.retained += m
-        st.tail_pos += m
+        if self._rows.vectors is not None or any(st.offload for _, st in group):  # [L, R, kv_heads, m, D] x 2, ...
+            k, v, pos = slot_ranges([seq.kv for seq, _ in group], start, m)
+        layers, heads = pool.num_layers, pool.num_kv_heads
+        self._rows.add(rows, slice(None), k, bucket[None, :, None].expand(layers, -1, heads, -1), at)
+        for r, (seq, st) in enumerate(group):
+            if st.offload:
+                st.device_peak = max(st.device_peak, seq.kv.num_slots[0] - seq.slot_ready)
+                st.store.put(slice(None), k[:, r], v[:, r], pos[:, r])
+                seq.kv.drop_pages(st.tail_start // pool.page_size, m // pool.page_size)
+            st.retained += m
+            st.tail_pos += m
 
-    def _traffic(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
-        """Offloading rows: (found, loaded) chosen tokens so far, by row (one small read)."""
-        rows = [s.method_state.row for s in seqs if s.method_state.offload]
-        return dict(zip(rows, self._sets.counts(rows))) if rows else {}
+    def release(self, seq: Sequence) -> None:
+        """The request's statistics are final (a row that keeps everything records none), then its row is free."""
+        st: SentenceState | None = seq.method_state
+        if st is not None and not st.dense and self._rows is not None:
+            self._record(seq, self._rows.row_bytes())
+        super().release(seq)
 
     @staticmethod
     def _record(seq: Sequence, vector_bytes: int, counts: tuple[int, int] | None = None) -> None:
+        """The request's statistics; counts: an offloading request's (found, loaded) chosen tokens so far, read this
+        step (None: its traffic stays as last recorded)."""
         st: SentenceState = seq.method_state
         stats = seq.stats
-        if st.store is not None:
+        if counts is not None:
             before = stats.h2d_bytes
-            record_traffic(seq, *(counts or (0, 0)))
+            record_traffic(seq, *counts)
             st.h2d_step_max = max(st.h2d_step_max, stats.h2d_bytes - before)
+        if st.store is not None:
             stats.d2h_bytes = st.store.d2h_bytes
         stats.extra.update(
             sentences=len(st.starts), offload=st.offload, h2d_bytes_step_max=st.h2d_step_max,

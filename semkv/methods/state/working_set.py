@@ -17,7 +17,7 @@ import torch
 
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, Selection
-from semkv.engine.kv_cache import SeqKV
+from semkv.engine.kv_cache import SeqKV, stack_tables
 from semkv.engine.offload import HostKVStore, token_bytes
 from semkv.engine.sequence import Sequence
 from semkv.kernels import reference
@@ -114,6 +114,17 @@ def slot_range(kv: SeqKV, layers: slice, start: int, m: int) -> tuple[torch.Tens
     slots = torch.arange(start, start + m, device=kv.table.device).expand(count, -1)
     rows = reference.physical_rows(kv.table[layers], slots, kv.pool.page_size)  # [L', m] flat pool rows
     return tuple(x[rows].transpose(1, 2) for x in kv.pool.flat())
+
+
+def slot_ranges(kvs: list[SeqKV], start: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_range` of every layer of several sequences of one pool at once, sequence r from slot start[r] (a
+    device tensor [R]): keys, values [L, R, kv_heads, m, D] and positions [L, R, kv_heads, m]."""
+    pool = kvs[0].pool
+    tables = stack_tables([kv.table for kv in kvs])  # [R, L, pages]
+    count, layers = tables.shape[:2]
+    slots = (start[:, None] + torch.arange(m, device=start.device))[:, None].expand(-1, layers, -1)  # [R, L, m]
+    rows = reference.physical_rows(tables.flatten(0, 1), slots.flatten(0, 1), pool.page_size)  # [R * L, m]
+    return tuple(x[rows].view(count, layers, m, *x.shape[1:]).transpose(2, 3).transpose(0, 1) for x in pool.flat())
 
 
 def record_traffic(seq: Sequence, found: int, loaded: int) -> None:
