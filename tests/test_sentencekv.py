@@ -221,6 +221,20 @@ def test_token_scores_rank_sentences_by_their_best_retained_token(tiny_llm):
     assert differ
 
 
+def prefilled_rows(llm, method, length: int, max_new_tokens: int) -> list[Sequence]:
+    """Two requests of `length` and `length` + 37 tokens of the book, admitted under `method` and prefilled, with
+    their first tokens."""
+    seqs = []
+    for i, start in enumerate((0.2, 0.6)):
+        ids = llm.tokenizer(book_text(2500, start=start))["input_ids"][:length + 37 * i]
+        seq = Sequence(i, ids, SamplingParams(max_new_tokens=max_new_tokens), SeqKV(llm.engine.pool))
+        seq.method_state = method.new_state(seq)
+        method.admit(seq)
+        seq.output_ids.append(int(llm.engine.prefill(seq, method).argmax()))
+        seqs.append(seq)
+    return seqs
+
+
 @pytest.mark.parametrize("offload, score", [(False, "vector"), (True, "vector"), (False, "tokens")])
 def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny_llm, offload, score):
     """Every `offload_chunk` steps the oldest tokens of each row's recent window join their buckets (the prompt's
@@ -232,14 +246,7 @@ def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny
     method = SentenceKV(budget=64, n_sink=4, n_recent=8, offload=offload, offload_chunk=page if offload else 4,
                         score=score)
     method.bind(llm.config, llm.tokenizer, page)
-    seqs = []
-    for i, start in enumerate((0.2, 0.6)):
-        ids = llm.tokenizer(book_text(2500, start=start))["input_ids"][:400 + 37 * i]
-        seq = Sequence(i, ids, SamplingParams(max_new_tokens=60), SeqKV(llm.engine.pool))
-        seq.method_state = method.new_state(seq)
-        method.admit(seq)
-        seq.output_ids.append(int(llm.engine.prefill(seq, method).argmax()))
-        seqs.append(seq)
+    seqs = prefilled_rows(llm, method, 400, 60)
     with torch.inference_mode():
         for _ in range(40):
             llm.engine.step(seqs, method, None, lambda seq: "")
@@ -262,6 +269,27 @@ def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny
                     (torch.arange(count.shape[0])[:, None], want), keys, accumulate=True)
                 means = sums / count.clamp(min=1)[..., None]
                 torch.testing.assert_close(method._rows.vectors[layer, st.row], means, rtol=1e-4, atol=1e-5)
+    llm.engine.end(seqs, method)
+
+
+def test_a_generating_row_never_grows_the_device_state(tiny_llm):
+    """Admission makes room in the device rows for every token a request may generate (each may join the retained
+    tokens and, with score="tokens", start a bucket), so no decode step grows them: a growth moves the tensors and
+    makes every row's captured steps be captured again (`graph_epoch`)."""
+    llm = tiny_llm
+    method = SentenceKV(budget=64, n_sink=4, n_recent=8, offload_chunk=4, score="tokens", max_sentence=2)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    seqs = prefilled_rows(llm, method, 300, 320)
+    epoch, sizes = method.graph_epoch, method._rows.sizes()
+    starts = [len(seq.method_state.starts) for seq in seqs]
+    with torch.inference_mode():
+        for _ in range(318):
+            llm.engine.step(seqs, method, None, lambda seq: "")
+    # buckets of at most 2 tokens: generated text starts a bucket every other token or sooner (more than the rows'
+    # slack of 64), and 300 tokens left each recent window into the retained region (more than its slack of 256)
+    assert all(len(seq.method_state.starts) >= n + 150 for seq, n in zip(seqs, starts))
+    assert all(seq.method_state.retained >= int(method.keep_factor * seq.method_state.budget) + 300 for seq in seqs)
+    assert method.graph_epoch == epoch and method._rows.sizes() == sizes
     llm.engine.end(seqs, method)
 
 

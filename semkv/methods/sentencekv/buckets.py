@@ -131,6 +131,9 @@ class SentenceState:
     h2d_step_max: int = 0
     device_peak: int = 0
     tail_pos: int = 0  # position of the oldest token of the tail (the recent window and what waits to leave it)
+    # buckets and retained tokens its device row holds room for from admission on: every generated token may join
+    # the retained ones, and (without sentence vectors, whose room is 64x larger) start a bucket
+    room: tuple[int, int] = (0, 0)
 
     @property
     def tail_start(self) -> int:

@@ -209,6 +209,8 @@ class SentenceKV(RowHolder, KVMethod):
                            retained=0 if dense else min(int(self.keep_factor * budget), middle), store=None,
                            cache=self._cache(n_sink, capacity, n + seq.params.max_new_tokens - n_sink - n_recent,
                                              pool.page_size) if offload else 0)
+        new = seq.params.max_new_tokens  # each generated token may join the retained ones and start a bucket
+        st.room = len(st.starts) + (new if self.score == "tokens" else 0), st.retained + new
         if self._rows is None:  # also when every row keeps everything: a graphed step still reads row 0
             self._rows = SentenceRows(self.model.num_layers, self.model.num_heads, pool.num_kv_heads, pool.head_dim,
                                       pool.device, vectors=self.score == "vector")
@@ -226,9 +228,10 @@ class SentenceKV(RowHolder, KVMethod):
 
     def row_needs(self, seq: Sequence, row: int, more_tokens: int = 0) -> tuple[int, int, int]:
         """(rows, buckets, retained tokens) the device state needs for `seq` in `row` with `more_tokens` further
-        retained tokens."""
+        retained tokens: at least the room for all it may reach while generating (`SentenceState.room`), so that the
+        state does not grow, and the captured steps of every row are not captured again, mid-generation."""
         st: SentenceState = seq.method_state
-        return row + 1, len(st.starts), st.retained + more_tokens
+        return row + 1, max(len(st.starts), st.room[0]), max(st.retained + more_tokens, st.room[1])
 
     def set_needs(self, seq: Sequence, row: int) -> tuple[int, int, int] | None:
         """(rows, working-set slots, offloaded tokens: the retained prompt and every generated token), or None
