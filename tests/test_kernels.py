@@ -685,6 +685,11 @@ def test_bucket_take_decides_as_the_full_ranking_and_the_kernel_matches():
         for bits in (2, 4):  # the threshold two bits a step (the default) or four
             got = bucket_take(scores, counts, capacity, bits=bits)
             assert all(torch.equal(g, w) for g, w in zip(got, (before, first, place)))
+        rows = torch.randperm(batch + 2, generator=gen)[:batch]  # the counts of state rows, read in place
+        table = torch.zeros(batch + 2, heads, n, dtype=torch.int32)
+        table[rows] = counts
+        for take in (reference.bucket_take, bucket_take):
+            assert all(torch.equal(g, w) for g, w in zip(take(scores, table, capacity, rows), (before, first, place)))
 
     for shared in (False, True):
         check(scores, count[:, :1].expand(-1, heads, -1) if shared else count)

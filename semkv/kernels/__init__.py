@@ -177,10 +177,10 @@ def put_host(k, v, pos, store_k, store_v, store_pos, first: int, n: int) -> None
     return reference.put_host(k, v, pos, store_k, store_v, store_pos, first, n)
 
 
-def bucket_take(scores, count, capacity):
+def bucket_take(scores, count, capacity, rows=None):
     """See `reference.bucket_take`."""
     if use_triton(scores.device):
         from semkv.kernels import triton_bucket_take
 
-        return triton_bucket_take.bucket_take(scores, count, capacity)
-    return reference.bucket_take(scores, count, capacity)
+        return triton_bucket_take.bucket_take(scores, count, capacity, rows)
+    return reference.bucket_take(scores, count, capacity, rows)

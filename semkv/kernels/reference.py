@@ -100,8 +100,8 @@ def ranked_before(scores: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(count).scatter_(-1, order, ranked.cumsum(-1, dtype=torch.int32) - ranked)
 
 
-def bucket_take(scores: torch.Tensor, count: torch.Tensor,
-                capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def bucket_take(scores: torch.Tensor, count: torch.Tensor, capacity: torch.Tensor,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a capacity takes of buckets ranked as `ranked_before` ranks them: scores / count [B, S, buckets] (float,
     tokens), capacity [B] (tokens a row takes) -> `before`, `first` and `place`, int32 [B, S, buckets] each. Token o
     of a bucket (o < its count) is taken when before + o < capacity, as with the exact rank prefix (`ranked_before`):
@@ -110,8 +110,9 @@ def bucket_take(scores: torch.Tensor, count: torch.Tensor,
     ends. `first` is the index of each bucket's first token (buckets are contiguous token ranges in id order).
     `place` is the index of a bucket's first taken token among all the taken ones in id order: the tokens the
     buckets before it take (clamp(capacity - before, 0, count) each), so that a token's place in a slot list needs
-    no running count. What SentenceKV's `sentence_slots` and DynSplit-KV's `chunk_slots` take."""
-    count = count.int()
+    no running count. What SentenceKV's `sentence_slots` and DynSplit-KV's `chunk_slots` take. With rows [B],
+    count [R, S, buckets] holds the counts of state rows, row rows[b] for batch row b."""
+    count = (count if rows is None else count[rows]).int()
     cap = capacity[:, None, None].int()
     exact = ranked_before(scores, count)
     before = torch.where(count == 0, cap, torch.where(exact + count <= cap, 0, torch.where(exact >= cap, cap, exact)))

@@ -30,14 +30,18 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _bucket_take(SCORES, COUNT, CAPACITY, BEFORE, FIRST, PLACE, n, heads, count_b, count_h, BLOCK: tl.constexpr,
-                 BITS: tl.constexpr):
+def _bucket_take(SCORES, COUNT, ROWS, CAPACITY, BEFORE, FIRST, PLACE, n, heads, count_b, count_h, BLOCK: tl.constexpr,
+                 BITS: tl.constexpr, HAS_ROWS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * heads + h
     b, h = row // heads, row % heads
+    if HAS_ROWS:  # the counts of state row ROWS[b]
+        count_row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        count_row = b
     i = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]: the layout of the [2^BITS, BLOCK] comparisons, none converted
     inside = i < n
     score = tl.load(SCORES + row * n + i, mask=inside, other=0.0) + 0.0  # -0.0 + 0.0 is +0.0: ties as in a sort
-    count = tl.load(COUNT + b * count_b + h * count_h + i, mask=inside, other=0).to(tl.int32)
+    count = tl.load(COUNT + count_row * count_b + h * count_h + i, mask=inside, other=0).to(tl.int32)
     bits = score.to(tl.uint32, bitcast=True)
     key = tl.where(bits < 0x80000000, bits | 0x80000000, ~bits)  # order-preserving, unsigned
     cap = tl.load(CAPACITY + b).to(tl.int32)
@@ -72,10 +76,11 @@ def _bucket_take(SCORES, COUNT, CAPACITY, BEFORE, FIRST, PLACE, n, heads, count_
     tl.store(PLACE + row * n + i, place, mask=inside)
 
 
-def bucket_take(scores: torch.Tensor, count: torch.Tensor, capacity: torch.Tensor,
+def bucket_take(scores: torch.Tensor, count: torch.Tensor, capacity: torch.Tensor, rows: torch.Tensor | None = None,
                 bits: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same arguments and result as `reference.bucket_take` (count may be expanded: strides of 0 are read as such).
-    bits: of the threshold found a step (a divisor of 32; see the module docstring)."""
+    """Same arguments and result as `reference.bucket_take` (count may be expanded: strides of 0 are read as such;
+    with rows, count [R, S, buckets] is read at rows [B] in place). bits: of the threshold found a step (a divisor
+    of 32; see the module docstring)."""
     if 32 % bits:
         raise ValueError(f"bits={bits} must divide 32 (1, 2, 4, 8, 16)")
     batch, heads, n = scores.shape
@@ -84,7 +89,8 @@ def bucket_take(scores: torch.Tensor, count: torch.Tensor, capacity: torch.Tenso
     if count.stride(-1) != 1:
         count = count.contiguous()
     block = max(16, triton.next_power_of_2(n))
-    _bucket_take[(batch * heads,)](scores.float().contiguous(), count, capacity.contiguous(), before, first, place, n,
-                                   heads, count.stride(0), count.stride(1), BLOCK=block, BITS=bits,
+    _bucket_take[(batch * heads,)](scores.float().contiguous(), count, before if rows is None else rows.contiguous(),
+                                   capacity.contiguous(), before, first, place, n, heads, count.stride(0),
+                                   count.stride(1), BLOCK=block, BITS=bits, HAS_ROWS=rows is not None,
                                    num_warps=8 if block <= 4096 else 16)
     return before, first, place

@@ -95,14 +95,14 @@ class SentenceRows(DeviceRows):
         every = torch.zeros(self.vectors.shape[1], *query.shape[1:], device=query.device)  # [rows, H, D]
         every[rows] = query.float()  # padding rows all write row 0; what they read is not used
         scores = torch.matmul(self.vectors[layer], every[..., None])[..., 0][rows]  # [B, H, buckets]
-        return kernels.bucket_take(scores, self.count[layer, rows], capacity)
+        return kernels.bucket_take(scores, self.count[layer], capacity, rows)
 
     def rank_best(self, layer: int, rows: torch.Tensor, best: torch.Tensor,
                   capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What `capacity` [B] takes of the buckets ranked by descending best token: best [B, kv_heads, buckets]
         (each bucket's best query . key of its retained tokens, `kernels.bucket_best`), rows [B] ->
         `kernels.bucket_take`."""
-        return kernels.bucket_take(best, self.count[layer, rows], capacity)
+        return kernels.bucket_take(best, self.count[layer], capacity, rows)
 
     def row_bytes(self) -> int:
         """Device bytes of one row: sentence vectors, counts, token -> bucket map and query sum."""
