@@ -415,7 +415,7 @@ class DynSplitKV(RowHolder, KVMethod):
                          closed_at or len(state.ids), state.row * chunks + dirty,
                          state.row * chunks + dirty + 1 if closed_at else 0, self._step, int(len(seq.output_ids) == 1),
                          state.sinks, state.offloaded, state.cache])
-        table = torch.tensor(plan, device=batch.positions.device)  # [B, 14]: one copy to the device
+        table = batch.pool.staging.send(plan)  # [B, 14]: one copy to the device that does not wait for it
         return ChunkPlan(*table[:, :7].unbind(1), table[:, 7:9], table[:, 9], table[:, 10], table[:, 11],
                          table[:, 12], table[:, 13])
 
