@@ -41,8 +41,9 @@ def bucket_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, buc
                 rows: torch.Tensor, n_sink: torch.Tensor, retained: torch.Tensor, buckets: int,
                 block_n: int = 64, num_warps: int = 2) -> torch.Tensor:
     """Same arguments and result as `reference.bucket_best`. Two warps a program of 64 tokens: on an H200 at the 0.5B
-    model's shape 0.043 ms against 0.067 with four at 16 rows, 0.47 against 0.75 at 335 (1,400 buckets of 2-3
-    retained tokens each, the atomics' worst case; `benchmarks/results/2026-11-29-h200-sentencekv-batch.md`)."""
+    model's shape and 335 rows, 0.16 ms against 0.22 with four for whole retained sentences, 0.47 against 0.75 for
+    buckets of 2-3 tokens (the atomics' worst case); alike at 16 rows
+    (`benchmarks/results/2026-11-29-h200-sentencekv-batch.md`)."""
     batch, heads, dim = q.shape
     page_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
     tokens = bucket.shape[-1]
