@@ -80,8 +80,9 @@ def launch(q, k, v, tables, slots, lengths, scale, splits, block_n, warps, stage
     )
     final = torch.empty_like(q)
     triton_decode._combine[(batch, heads)](
-        out, lse, final, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        final.stride(0), final.stride(1), splits, SPLITS_PAD=triton_decode.splits_pad(splits), D=dim,
+        out, lse, final, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        final.stride(0), final.stride(1), splits, SPLITS_PAD=triton_decode.splits_pad(splits), D=dim, LOG2=False,
+        WRITE_LSE=False,
     )
     return final
 

@@ -73,6 +73,24 @@ def test_pages_are_returned_after_generation(tiny_llm):
     assert tiny_llm.engine.pool.in_use == 0
 
 
+def test_a_request_gets_its_whole_page_table_at_admission(tiny_llm):
+    """The engine makes a request's page table as wide as its prompt and output can fill when it admits it, so that
+    neither its prefill nor its decode steps make a new one (each a device allocation on the step's path)."""
+    engine = tiny_llm.engine
+    ids = list(range(5, 5 + 7 * engine.pool.page_size + 7))  # 8 pages: a new table fills them
+    seq = Sequence(0, ids, SamplingParams(max_new_tokens=2 * engine.pool.page_size), SeqKV(engine.pool))
+    method = get_method("full")
+    seq.method_state = method.new_state(seq)
+    with torch.inference_mode():
+        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+        table = seq.kv.table
+        assert table.shape[1] * engine.pool.page_size >= len(ids) + seq.params.max_new_tokens
+        for _ in range(seq.params.max_new_tokens - 1):
+            engine.step([seq], method, None, lambda s: "")
+    assert seq.kv.table is table and seq.num_computed == len(ids) + seq.params.max_new_tokens - 1
+    engine.end([seq], method)
+
+
 def test_sampling_is_seeded(tiny_llm):
     kw = dict(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.9, chat=False, ignore_eos=True)
     a = tiny_llm.generate(PROMPTS[0], seed=3, **kw)[0].token_ids

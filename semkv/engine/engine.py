@@ -277,6 +277,7 @@ class Engine:
         seq.block_keys = block_keys(seq.prompt_ids, page, n // page)
         blocks = self.pool.cache.match(seq.block_keys[: (n - max(method.window_size(), 1)) // page])
         if blocks:
+            self.reserve_table(seq)
             seq.kv.share(blocks)
             seq.num_computed = len(blocks) * page
             if not seq.output_ids:  # not a recompute after preemption (its own pages may be cached by then)
@@ -340,7 +341,12 @@ class Engine:
 
     def _admit(self, seq: Sequence, method: KVMethod) -> None:
         self._live[seq] = method
+        self.reserve_table(seq)
         method.admit(seq)
+
+    def reserve_table(self, seq: Sequence) -> None:
+        """Make a request's page table as wide as its prompt and output can fill (`SeqKV.reserve`)."""
+        seq.kv.reserve(-(-(len(seq.prompt_ids) + seq.params.max_new_tokens) // self.pool.page_size) + 1)
 
     def release(self, seq: Sequence) -> None:
         """Free everything a request holds: its pages, its method state and the method's record of it. Called when
@@ -601,7 +607,7 @@ class Engine:
             stats.kv_resident_tokens = max(stats.kv_resident_tokens, resident)
             stats.decode_s += elapsed
             if known[b] is None:
-                self.append_token(seq, token, is_stop, logits[b] if seq.params.logprobs is not None else None)
+                self.append_token(seq, token, is_stop, None if seq.params.logprobs is None else logits[b])
 
     def agree(self, tokens: list[int]) -> list[int]:
         """Rank 0's tokens on every rank with tensor parallelism (its sampler decides), else the tokens."""

@@ -362,13 +362,21 @@ class SeqKV:
         """Record that a layer now holds `pages` pages: the table grows (doubling) where it is too narrow, and the
         version changes."""
         self.widest = max(self.widest, pages)
-        if pages > self.table.shape[1]:
-            with torch.inference_mode(False):  # a normal tensor even when it grows during generation
-                grown = torch.zeros(self.table.shape[0], max(pages, 2 * self.table.shape[1]), dtype=torch.long,
-                                    device=self.table.device)
-                grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
+        self.reserve(pages, doubling=True)
         self.version = next(_versions)
+
+    def reserve(self, pages: int, doubling: bool = False) -> None:
+        """A table at least `pages` wide (with `doubling`, at least twice its width when it grows), its entries
+        kept. The engine reserves a request's whole length when it admits it, so that its table is made once, not
+        grown as its prompt and output fill it (each growth a new device tensor: on a GPU whose memory the pool
+        fills, milliseconds of the host's time that a server's step waits for)."""
+        if pages <= self.table.shape[1]:
+            return
+        with torch.inference_mode(False):  # a normal tensor even when it grows during generation
+            grown = torch.zeros(self.table.shape[0], max(pages, 2 * self.table.shape[1] if doubling else pages),
+                                dtype=torch.long, device=self.table.device)
+            grown[:, : self.table.shape[1]] = self.table
+        self.table = grown
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Logical slots (any shape) of `layer` -> physical rows of the flattened pool."""

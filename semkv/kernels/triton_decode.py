@@ -91,20 +91,34 @@ def _partial(
 
 
 @triton.jit(do_not_specialize=["stride_ob", "stride_eb", "stride_eh", "splits"])
-def _combine(Out, Lse, O, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, stride_fb, stride_fh, splits,
-             SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+def _combine(Out, Lse, O, LseOut, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, stride_es, stride_fb,
+             stride_fh, splits, SPLITS_PAD: tl.constexpr, D: tl.constexpr, LOG2: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """One row b (a decode row, or a prefill chunk's query) and head h: the parts' outputs Out [.., splits, D]
+    weighted by their shares of the softmax mass (log-sum-exps Lse, natural or with LOG2 base-2 units) into O; with
+    WRITE_LSE the merged natural log-sum-exp into LseOut [rows, heads] (contiguous). Shared by the decode and prefill
+    kernels."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
     mask = s < splits
-    lse = tl.load(Lse + b * stride_eb + h * stride_eh + s, mask=mask, other=float("-inf"))
+    lse = tl.load(Lse + b * stride_eb + h * stride_eh + s * stride_es, mask=mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.where(mask, tl.exp(lse - m), 0.0)
+    if LOG2:
+        w = tl.where(mask, tl.exp2(lse - m), 0.0)
+    else:
+        w = tl.where(mask, tl.exp(lse - m), 0.0)
     part = tl.load(Out + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=mask[:, None],
                    other=0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / total
     tl.store(O + b * stride_fb + h * stride_fh + d, o.to(O.dtype.element_ty))
+    if WRITE_LSE:
+        if LOG2:
+            merged = (m + tl.log2(total)) * 0.6931471805599453  # natural
+        else:
+            merged = m + tl.log(total)
+        tl.store(LseOut + b * tl.num_programs(1) + h, merged)
 
 
 @functools.cache
@@ -172,7 +186,7 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, num_split
     )
     final = torch.empty_like(q)
     _combine[(batch, n_heads)](
-        out, lse, final, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        final.stride(0), final.stride(1), splits, SPLITS_PAD=splits_pad(splits), D=dim,
+        out, lse, final, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        final.stride(0), final.stride(1), splits, SPLITS_PAD=splits_pad(splits), D=dim, LOG2=False, WRITE_LSE=False,
     )
     return final

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from semkv.kernels.triton_decode import _combine
+
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for head_dim <= 128 on Hopper (the best at a 512-query chunk over 1M
@@ -150,10 +152,14 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
         HAS_CONTEXT=context is not None, PER_HEAD=context is not None and context.shape[0] > 1,
         WRITE_LSE=lse or splits > 1, num_warps=warps, num_stages=stages,
     )
-    if splits > 1:
-        natural = lse_out * math.log(2)  # [splits, C, heads]
-        weights = torch.softmax(natural, dim=0)  # each part's share of the softmax mass
-        natural = torch.logsumexp(natural, dim=0)
-        out = (weights[..., None] * out).sum(0).to(q.dtype)
-        return (out, natural) if lse else out
+    if splits > 1:  # parts [splits, C, heads, D] -> [C, heads, D] and the merged log-sum-exp in one kernel (torch's
+        # softmax, logsumexp and weighted sum were six launches a layer: a short chunk's host time)
+        merged = torch.empty(chunk, n_heads, dim, device=q.device, dtype=q.dtype)
+        merged_lse = torch.empty(chunk, n_heads, device=q.device, dtype=torch.float32) if lse else merged
+        _combine[(chunk, n_heads)](out, lse_out, merged, merged_lse, out.stride(1), out.stride(2), out.stride(0),
+                                   lse_out.stride(1), lse_out.stride(2), lse_out.stride(0), merged.stride(0),
+                                   merged.stride(1), splits, SPLITS_PAD=triton.next_power_of_2(splits), D=dim,
+                                   LOG2=True, WRITE_LSE=lse)
+        return (merged, merged_lse) if lse else merged
     return (out, lse_out * math.log(2)) if lse else out
+
