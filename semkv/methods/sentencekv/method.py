@@ -282,7 +282,7 @@ class SentenceKV(RowHolder, KVMethod):
             retained = keep_top(importance, size) + st.n_sink  # [kv_heads, R] ascending
         heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
         vectors = keys[heads, retained][None, None] if self._rows.vectors is not None else None  # [1, 1, H, R, D]
-        row = torch.tensor([st.row], device=keys.device)
+        row = torch.full((1,), st.row, device=keys.device)  # a fill, not a copy from the host that waits
         self._rows.add(row, slice(layer, layer + 1), vectors, bucket_of(st.starts, retained)[None, None],
                        torch.zeros_like(row))
         resident = retained
