@@ -572,15 +572,16 @@ def test_chunk_refresh_kernel_matches_reference():
     assert want[0][3].abs().sum() > 0 and want[0][7].abs().sum() > 0  # open chunks summarised
 
 
-@pytest.mark.parametrize("group_reduce", ["mean", "max"])
-def test_chunk_best_kernel_matches_reference(group_reduce):
+@pytest.mark.parametrize("group_reduce, dim", [("mean", 16), ("max", 16), ("mean", 8)])
+def test_chunk_best_kernel_matches_reference(group_reduce, dim):
     """DynSplit-KV's score="tokens": each chunk's best (group-reduced) query . key over the slots in [lo, hi) of its
     row, keys read through the page tables; rows of different lengths and candidate ranges, a chunk wholly outside
-    the range (-inf) and one past a row's chunks (-inf). Checked against a per-chunk loop too."""
+    the range (-inf) and one past a row's chunks (-inf); dim 8: key channels (score_keys="channels"), narrower than
+    the kernel's smallest block. Checked against a per-chunk loop too."""
     from semkv.methods.dynsplit.triton_chunk_best import chunk_best
 
     gen = torch.Generator().manual_seed(5)
-    pages, page_size, heads, kv_heads, dim, width = 30, 4, 6, 2, 16, 40
+    pages, page_size, heads, kv_heads, width = 30, 4, 6, 2, 40
     k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
     tables = torch.stack([torch.randperm(pages, generator=gen)[: width // page_size] for _ in range(3)])
     q = torch.randn(3, heads, dim, generator=gen)
