@@ -15,6 +15,7 @@ from semkv.methods import DynSplitKV, calibration
 from semkv.methods.dynsplit.method import prefilled_state
 from semkv.methods.dynsplit.split import AttentionDependency, dd_select
 from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
+from semkv.methods.state import key_channels
 
 TEXT = ("The cache is split into chunks. Each chunk ends at a delimiter; the weight decides which one! Does it work? "
         "Yes: it does, mostly (as far as we know).\n") * 12  # 456 tokens: each delimiter 7 times past R = 128
@@ -211,12 +212,16 @@ def test_v2f_selection_equals_a_per_block_reference(seed):
     assert torch.equal(mask.sum(-1), k[:, None].expand(-1, 3))
 
 
-@pytest.mark.parametrize("group_reduce", ["mean", "max"])
-def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce):
+@pytest.mark.parametrize("group_reduce, score_keys", [("mean", "exact"), ("max", "exact"), ("mean", "channels"),
+                                                      ("max", "channels")])
+def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, score_keys):
     """score="tokens": in every layer and KV head of a decode step the attended slots are the sinks, the recent
     window and whole chunks ranked by the best (group-reduced) query . key of their other tokens, as the per-block
-    reference takes them."""
-    method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce=group_reduce)
+    reference takes them; with score_keys="channels" the dot products of the row's key channels of the layer, the
+    tokens generated before the current one scored too (n_recent=1: their kept channels are read)."""
+    recent = dict(n_recent=1, channels=4) if score_keys == "channels" else {}
+    method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce=group_reduce,
+                        score_keys=score_keys, **recent)
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     engine, seen = llm.engine, {}
     select = method.select
@@ -238,7 +243,13 @@ def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce):
     kv_heads = llm.config.num_kv_heads
     for layer, (q, selection) in seen.items():
         keys = seq.kv.gather(layer, seq.kv.all_slots(layer))[0].float()  # [kv_heads, n, D]
-        dots = torch.einsum("hgd,hnd->hgn", q[0].float().view(kv_heads, -1, q.shape[-1]), keys)
+        q = q[0].float().view(kv_heads, -1, q.shape[-1])  # [kv_heads, group, D]
+        if score_keys == "channels":
+            chosen = method._rows.channels[state.row, layer]  # [kv_heads, channels]
+            assert chosen.shape == (kv_heads, 4) and chosen.unique().numel() > 1
+            keys, q = keys.gather(2, chosen[:, None].expand(-1, n, -1)), q.gather(2, chosen[:, None].expand_as(
+                q[..., :4]))
+        dots = torch.einsum("hgd,hnd->hgn", q, keys)
         dots = dots.mean(1) if group_reduce == "mean" else dots.amax(1)
         dots = dots.masked_fill(forced, float("-inf"))
         scores = torch.full((kv_heads, int(labels.max()) + 1), float("-inf")).scatter_reduce(
@@ -249,6 +260,33 @@ def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce):
             got[0, h, selection.slots[0, h, : selection.lengths[0, h]]] = True
         assert torch.equal(got, want), layer
     engine.release(seq)
+
+
+def test_key_channels_are_the_pairs_that_rank_tokens():
+    """`key_channels.choose` keeps whole rotary pairs (d, d + D/2), ranked by the variation of q . k they carry: a pair
+    with large but constant keys ranks no token and is left out; a pair the queries ignore is left out too."""
+    torch.manual_seed(0)
+    n, dim = 500, 8  # pairs (0, 4), (1, 5), (2, 6), (3, 7)
+    keys = torch.randn(2, n, dim) * 0.1
+    keys[:, :, 0] += 100.0  # pair 0: large, constant
+    keys[:, :, [1, 5]] *= 30  # pair 1: varies, the queries weigh it
+    keys[:, :, [2, 6]] *= 60  # pair 2: varies most, the queries of KV head 0 ignore it
+    keys[:, :, [3, 7]] *= 5  # pair 3: varies a little
+    q = torch.ones(6, 4, dim)  # [w, heads, D]: 2 heads a KV group
+    q[:, :2, [2, 6]] = 0.0
+    chosen = key_channels.choose(q, keys, 4, mean=True)
+    assert chosen.tolist() == [[1, 3, 5, 7], [1, 2, 5, 6]]
+    assert key_channels.choose(q, keys, 2, mean=False).tolist() == [[1, 5], [2, 6]]
+
+
+def test_key_channels_need_token_scores_and_fit_the_head(llm):
+    for params in (dict(score_keys="channels"), dict(score="tokens", score_keys="channels", n_recent=0),
+                   dict(score="tokens", score_keys="channels", channels=3)):
+        with pytest.raises(semkv.SemkvError, match="channels"):
+            DynSplitKV(budget=40, **params)
+    method = DynSplitKV(budget=40, score="tokens", score_keys="channels", channels=2 * llm.config.head_dim)
+    with pytest.raises(semkv.SemkvError, match="head_dim"):
+        method.bind(llm.config, llm.tokenizer, 16)
 
 
 def test_token_scores_need_resident_keys():

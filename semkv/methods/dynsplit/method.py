@@ -22,7 +22,10 @@ by score, ties to the earlier chunk, the last one cut to its leading tokens). Wi
 on the device from per-slot stamps (`kernels.slot_stamps`). Mean pooling keeps a per-sequence path.
 With score="tokens" (opt-in) a layer scores each chunk by its best token instead (`kernels.chunk_best`: the query's
 dot products with every key between the sinks and the recent window, read in place, a max per chunk; no summaries
-are kept), then the same ranking and slot lists.
+are kept), then the same ranking and slot lists. With score_keys="channels" too (opt-in, issue 55) the tokens are
+scored from a few channels of each key (`state/key_channels.py`: Double Sparsity's label channels, chosen for each
+request, layer and KV head from the prompt's last queries at the end of prefill), kept by page beside the pool; the
+chosen chunks are attended with their exact keys.
 
 Offload (the paper's CPU-GPU setting, min/max pooling): the same selection runs over virtual slots (every token in
 position order, as resident), and `WorkingSets.load` makes it device slots. On the device a sequence keeps its
@@ -45,18 +48,22 @@ from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import use_triton
+from semkv.kernels.reference import physical_rows
 from semkv.methods import calibration
 from semkv.methods.dynsplit import kernels as dynsplit_kernels
 from semkv.methods.dynsplit.rows import DynSplitRows
 from semkv.methods.dynsplit.split import (DEFAULT_DELIMITERS, AttentionDependency, arrange_weights, dd_select,
                                           delimiter_candidates, normalise, table7_weight)
 from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
+from semkv.methods.state import key_channels
 from semkv.methods.state.rows import RowHolder
 from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_range, working_set_slots
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
+CHANNEL_WINDOW = 32  # score_keys="channels": the prompt's last queries the key channels are chosen for
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
-           "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max"), "score": ("bound", "tokens")}
+           "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max"), "score": ("bound", "tokens"),
+           "score_keys": ("exact", "channels")}
 
 
 @dataclass
@@ -113,6 +120,15 @@ class DynSplitKV(RowHolder, KVMethod):
         the best query . key of its tokens, read from the cache every step, so it ranks by its best-matching token
         whatever its length (and is taken from its start, as every chunk). Opt-in: it reads every key each step
         (about half of Full KV's decode bytes) and keeps no summaries; K/V resident, min/max path.
+    score_keys: with score="tokens", the keys a step scores tokens with: "exact" (the cache's) or "channels" (opt-in,
+        issue 55: `channels` of each key's D channels, kept by page beside the pool, `channels / (2 D)` of the K/V's
+        memory (12.5% at 16 of 64); chosen for each request, layer and KV head at the end of prefill, as whole rotary
+        pairs, by how much of q . k's variation over the prompt they carry for its last 32 queries). Below the
+        quality of exact scores on Qwen2.5-0.5B (RULER NIAH at 10%: 16 channels 8-10 points under Full KV, 8 channels
+        30-42; benchmarks/results/2026-11-29-h200-key-channels.md), and its memory does not fit at Full KV's
+        largest batch: a measured option, not a recommendation.
+    channels: with score_keys="channels", the key channels kept, 16 (even, at most head_dim; Double Sparsity keeps
+        16 of 128).
     group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest):
         of the bounds, or with score="tokens" of the dot products.
     n_sink: first tokens always attended, 0 (the paper names none). n_recent: newest tokens always attended, 16 (one
@@ -145,6 +161,8 @@ class DynSplitKV(RowHolder, KVMethod):
     document_tokens: int = 0
     pooling: str = "minmax"
     score: str = "bound"
+    score_keys: str = "exact"
+    channels: int = 16
     group_reduce: str = "mean"
     n_sink: int = 0
     n_recent: int = 16
@@ -175,6 +193,9 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("offload_chunk", self.offload_chunk, 1, None, int)
         check_range("cache_factor", self.cache_factor, 1.0, 64.0)
         check_range("count_reuse", self.count_reuse, types=bool)
+        check_range("channels", self.channels, 2, None, int)
+        if self.channels % 2:
+            raise SemkvError(f"channels={self.channels} must be even: the key channels are kept as rotary pairs")
         for field, allowed in CHOICES.items():
             check_choice(field, getattr(self, field), allowed)
         if self.offload and self.pooling == "mean":
@@ -182,6 +203,9 @@ class DynSplitKV(RowHolder, KVMethod):
         if self.score == "tokens" and (self.offload or self.pooling == "mean"):
             raise SemkvError(f"score='tokens' reads every key from the device each step: it needs offload=False and "
                              f"pooling='minmax' (got offload={self.offload}, pooling={self.pooling!r})")
+        if self.score_keys == "channels" and (self.score != "tokens" or self.n_recent < 1):
+            raise SemkvError(f"score_keys='channels' needs score='tokens' and n_recent >= 1 (a step keeps the channels "
+                             f"of the token before it; got score={self.score!r}, n_recent={self.n_recent})")
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
 
@@ -207,6 +231,7 @@ class DynSplitKV(RowHolder, KVMethod):
         super().reset()  # the device rows
         self._step = 0  # decode steps of this method: the stamps of attended slots
         self._ranges: tuple[torch.Tensor, ...] = ()  # the step's chunk ranges, made at layer 0 (`_chunk_ranges`)
+        self._chosen: torch.Tensor | None = None  # score_keys="channels": the rows' key channels [B, L, H, channels]
 
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -217,6 +242,8 @@ class DynSplitKV(RowHolder, KVMethod):
             base.update({int(t): w for t, w in saved["weights"].items() if int(t) in self.candidates})
         self.base_weights = base
         self.token_weights = arrange_weights(base, self.weights)
+        if self.score_keys == "channels" and self.channels > model.head_dim:
+            raise SemkvError(f"channels={self.channels} must be at most the model's head_dim ({model.head_dim})")
 
     def new_state(self, seq: Sequence) -> DynSplitState:
         pool = seq.kv.pool
@@ -224,7 +251,8 @@ class DynSplitKV(RowHolder, KVMethod):
             self._sets = WorkingSets(pool.num_layers, pool.num_kv_heads, pool.device)
         if self.batched and self._rows is None:
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
-                                      stamped=self._stamped, summarised=self.score == "bound")
+                                      stamped=self._stamped, summarised=self.score == "bound",
+                                      channels=self.channels if self.score_keys == "channels" else 0)
         state = DynSplitState(pool.num_layers, self.token_weights, pool.device)
         if self.offload:
             state.sinks, state.cache = self._device_layout(len(seq.prompt_ids), seq.params.max_new_tokens,
@@ -237,8 +265,11 @@ class DynSplitKV(RowHolder, KVMethod):
         return self.batched and self.count_reuse and not self.offload
 
     def page_state_bytes(self, pool: KVPool) -> int:
-        """The attended-step stamps of every slot (`DynSplitRows.stamps`; with `count_reuse`, not with offload)."""
-        return pool.page_size * pool.num_kv_heads * 4 if self._stamped else 0
+        """The attended-step stamps of every slot (`DynSplitRows.stamps`; with `count_reuse`, not with offload) and
+        with score_keys="channels" the chosen channels of its keys."""
+        stamps = 4 if self._stamped else 0
+        kept = self.channels * pool.dtype.itemsize if self.score_keys == "channels" else 0
+        return pool.page_size * pool.num_kv_heads * (stamps + kept)
 
     def _device_layout(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
         """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, times
@@ -278,6 +309,9 @@ class DynSplitKV(RowHolder, KVMethod):
     def own_prefill(self, has_question: bool) -> bool:
         return self.document_tokens > 0  # otherwise the prefill is plain Full KV and can be shared
 
+    def window_size(self) -> int:
+        return CHANNEL_WINDOW if self.score_keys == "channels" else 0
+
     # -- prefill --------------------------------------------------------------------------------------------------
     def observe_prefill(self, layer: int, seq: Sequence, q: torch.Tensor, start: int,
                         lse: torch.Tensor | None) -> None:
@@ -295,7 +329,11 @@ class DynSplitKV(RowHolder, KVMethod):
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> None:
         """Offload with a split known before the prompt is read (`document_tokens=0`): this layer's chunk summaries
         go into the sequence's device row and its tokens to the host as soon as the layer is computed, so a prefill
-        holds one layer's whole prompt on the device, not every layer's. Otherwise `finish_prefill` does it."""
+        holds one layer's whole prompt on the device, not every layer's. Otherwise `finish_prefill` does it.
+        score_keys="channels": this layer's key channels are chosen for q_window [w, heads, D] and kept of every
+        prompt slot."""
+        if self.score_keys == "channels":
+            self._keep_channels(layer, seq, q_window)
         if not self.prefill_by_layer():
             return None
         state = seq.method_state
@@ -304,6 +342,17 @@ class DynSplitKV(RowHolder, KVMethod):
             self._prefill_starts(seq, state)
         self._prefill_layer(seq, state, layer)
         return None
+
+    def _keep_channels(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> None:
+        """The request's key channels of `layer` ([kv_heads, channels], into its device row), and those channels of
+        every slot's key."""
+        kv, rows, row = seq.kv, self._rows, seq.method_state.row
+        self.ensure_rows((row + 1, 1), kv.pool)  # the key channels cover the pool's pages
+        chosen = key_channels.choose(q_window, kv.keys(layer), self.channels, self.group_reduce == "mean")
+        rows.channels[row, layer] = chosen
+        n = kv.num_slots[layer]
+        flat = physical_rows(kv.table[layer][None], torch.arange(n, device=chosen.device)[None], kv.pool.page_size)
+        rows.key_channels.write(kv.pool, flat[0], chosen.expand(n, -1, -1))
 
     def prefill_by_layer(self) -> bool:
         """Offload with a split known before the prompt is read: each layer is summarised and offloaded as soon as it
@@ -465,7 +514,10 @@ class DynSplitKV(RowHolder, KVMethod):
             self._ranges = self._chunk_ranges(plan, n, self._token_width(batch) if self.score == "tokens" else 0)
         table, lo, count, chunk_of = self._ranges
         if self.score == "tokens":  # the best token of each chunk between the forced ones
-            scores = dynsplit_kernels.chunk_best(q, pool.k, batch.tables[:, layer], chunk_of, plan.n_sink,
+            keys = pool.k
+            if self.score_keys == "channels":
+                keys, q = state.key_channels.keys.data, self._channel_queries(layer, batch, q)
+            scores = dynsplit_kernels.chunk_best(q, keys, batch.tables[:, layer], chunk_of, plan.n_sink,
                                                  n - plan.n_recent, state.chunks, self.group_reduce)
         else:
             kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
@@ -488,6 +540,20 @@ class DynSplitKV(RowHolder, KVMethod):
                                          pool.page_size, slots, lengths, n - 1, plan.step, plan.first_step,
                                          state.reuse, plan.row, pool.scratch)  # reuse counts
         return Selection(slots, lengths)
+
+    def _channel_queries(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
+        """score_keys="channels": q [B, heads, D] at each row's key channels of `layer` ([B, heads, channels]). At
+        layer 0 the channels of the token before the current one are kept, in every layer (the step before stored
+        it; it is scored from this step on where n_recent is 1)."""
+        state, pool = self._rows, batch.pool
+        if layer == 0:
+            self._chosen = chosen = state.channels[batch.step_plan.row]  # [B, L, H, channels]
+            before = (batch.num_slots[:, 0] - 2).clamp(min=0).repeat_interleave(chosen.shape[1])  # [B * L]
+            flat = physical_rows(batch.tables.flatten(0, 1), before[:, None], pool.page_size)[:, 0]
+            state.key_channels.write(pool, flat, chosen.flatten(0, 1))
+        size, kv_heads, dim = q.shape[0], pool.num_kv_heads, q.shape[-1]
+        chosen = self._chosen[:, layer, :, None].expand(-1, -1, q.shape[1] // kv_heads, -1)  # [B, H, group, c]
+        return q.view(size, kv_heads, -1, dim).gather(3, chosen).flatten(1, 2)
 
     @staticmethod
     def _token_width(batch: DecodeBatch) -> int:

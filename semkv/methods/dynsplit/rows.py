@@ -1,7 +1,8 @@
 """DynSplit-KV's device state for batched, graph-captured decoding (K/V resident, min/max pooling): for every sequence,
 one row each, the min / max key of every chunk per layer and KV head (none when chunks are scored by their tokens),
 each chunk's first position and the reuse counters; beside the KV pool, the step at which each slot was last attended
-(the reuse statistics). The split itself (DD-Select) stays on the host and reaches these tensors between steps. Used
+(the reuse statistics) and, with score_keys="channels", the chosen channels of every key (`KeyChannels`) and each row's
+choice of them. The split itself (DD-Select) stays on the host and reaches these tensors between steps. Used
 by `semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from semkv.engine.kv_cache import KVPool
+from semkv.methods.state.key_channels import KeyChannels
 from semkv.methods.state.page_storage import PageStorage
 from semkv.methods.state.rows import DeviceRows
 
@@ -23,7 +25,7 @@ class DynSplitRows(DeviceRows):
     layered = ("kmin", "kmax")
 
     def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device,
-                 stamped: bool = True, summarised: bool = True):
+                 stamped: bool = True, summarised: bool = True, channels: int = 0):
         super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
         self.summary_layers = layers if summarised else 0  # score="tokens" keeps no summaries
@@ -36,6 +38,10 @@ class DynSplitRows(DeviceRows):
         # (not with offload: the working sets count reuse)
         self.stamps = PageStorage(lambda pool: (pool.page_size, pool.num_kv_heads), dtype=torch.int32) if stamped \
             else None
+        # score_keys="channels": the key channels each row scores with, [rows, layers, H, channels] (`key_channels`),
+        # and those channels of every slot's key, [pages, page_size, H, channels]
+        self.channels = torch.zeros(1, layers, kv_heads, channels, dtype=torch.long, device=device)
+        self.key_channels = KeyChannels(channels) if channels else None
 
     @property
     def chunks(self) -> int:
@@ -46,20 +52,23 @@ class DynSplitRows(DeviceRows):
 
     def shapes(self, rows: int, chunks: int) -> dict[str, tuple[int, ...]]:
         summary = (self.summary_layers, rows, chunks, self.kv_heads, self.dim)
-        return dict(kmin=summary, kmax=summary, start=(rows, chunks), reuse=(rows, 2))
+        return dict(kmin=summary, kmax=summary, start=(rows, chunks), reuse=(rows, 2),
+                    channels=(rows, *self.channels.shape[1:]))
 
     def ensure(self, needs: tuple[int, int], pool: KVPool) -> bool:
-        """Room for needs = (rows, chunks per row), and stamps for every page of the pool; True when a tensor
-        moved."""
+        """Room for needs = (rows, chunks per row), and stamps and key channels for every page of the pool; True
+        when a tensor moved."""
         moved = self.stamps is not None and self.stamps.ensure(pool)
+        moved = self.key_channels is not None and self.key_channels.ensure(pool) or moved
         return self.grow(needs) or moved
 
     def growth_bytes(self, needs: tuple[int, int], pool: KVPool) -> int:
-        return super().growth_bytes(needs, pool) + (self.stamps.growth_bytes(pool) if self.stamps else 0)
+        return (super().growth_bytes(needs, pool) + (self.stamps.growth_bytes(pool) if self.stamps else 0)
+                + (self.key_channels.growth_bytes(pool) if self.key_channels else 0))
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
         for t in self.kmin + self.kmax:
             t[row] = 0
-        for t in (self.start, self.reuse):
+        for t in (self.start, self.reuse, self.channels):
             t[row] = 0
