@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import semkv
+from semkv.engine.hooks import StepPlan
+from semkv.engine.staging import HostStaging
 from semkv.engine.step import plan_chunks
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots
 from semkv.engine.memory import held_bytes
@@ -96,6 +98,28 @@ def test_sampling_is_seeded(tiny_llm):
     a = tiny_llm.generate(PROMPTS[0], seed=3, **kw)[0].token_ids
     assert a == tiny_llm.generate(PROMPTS[0], seed=3, **kw)[0].token_ids
     assert a != tiny_llm.generate(PROMPTS[0], seed=4, **kw)[0].token_ids
+
+
+@dataclasses.dataclass
+class _Plan(StepPlan):
+    row: torch.Tensor
+    window: torch.Tensor = dataclasses.field(metadata={"pad": -1})
+
+
+def test_a_packed_step_plan_is_one_tensor_and_fills_the_static_rows_below_with_padding():
+    """A plan of [B] fields sent from host rows is one [fields, B] tensor whose rows are the fields; copied into packed
+    static buffers, rows past the batch hold each field's padding, also after a larger batch wrote there; a plan made
+    field by field fills packed buffers the same."""
+    staging = HostStaging(torch.device("cpu"))
+    static = _Plan.static(5, torch.device("cpu"))
+    assert static.packed.shape == (2, 5) and static.window.tolist() == [-1] * 5
+    _Plan.send(staging, [[1, 10], [2, 20], [3, 30], [4, 40], [5, 50]]).copy_to(static, 5)
+    plan = _Plan.send(staging, [[7, 70], [8, 80]])
+    assert plan.packed.shape == (2, 2) and plan.row.tolist() == [7, 8] and plan.window.is_contiguous()
+    plan.copy_to(static, 2)
+    assert static.row.tolist() == [7, 8, 0, 0, 0] and static.window.tolist() == [70, 80, -1, -1, -1]
+    _Plan(torch.tensor([9]), torch.tensor([90])).copy_to(static, 1)
+    assert static.row.tolist() == [9, 0, 0, 0, 0] and static.window.tolist() == [90, -1, -1, -1, -1]
 
 
 def test_tokens_chosen_together_are_those_chosen_one_by_one():

@@ -42,6 +42,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from semkv.errors import INT_MAX, SemkvError
@@ -75,18 +76,47 @@ class StepPlan:
     """Per-sequence decisions of one decode step, made on the host before the forward (`BatchedHooks.step_plan`). A
     method subclasses it as a dataclass of int64 tensors, batch first: [B] (one value a row) or [B, w] (a padded
     list a row). Under CUDA graphs the plan is copied into static buffers of the same type (`static`); a field's
-    padding value is its `pad` metadata (default 0): `pages: torch.Tensor = field(metadata={"pad": -1})`."""
+    padding value is its `pad` metadata (default 0): `pages: torch.Tensor = field(metadata={"pad": -1})`.
+
+    A plan of [B] fields only may be `packed`: every field a row of one [fields, B] tensor, sent from the host in one
+    copy (`send`) and copied into packed static buffers in two (not two a field: SentenceKV's eight fields were 16
+    small copies a step)."""
+
+    # not dataclass fields (no annotations): set on packed plans
+    packed = None  # [fields, B] int64 whose rows are the fields, or None
+    padding = None  # packed static buffers: [fields, 1], each field's padding value
 
     @classmethod
     def static(cls, size: int, device: torch.device, widths: dict[str, int] | None = None) -> "StepPlan":
-        """Buffers for `size` rows, filled with padding; `widths` gives the columns of each [B, w] field."""
-        widths = widths or {}
+        """Buffers for `size` rows, filled with padding; `widths` gives the columns of each [B, w] field (none:
+        packed)."""
+        if not widths:
+            padding = torch.tensor([[f.metadata.get("pad", 0)] for f in fields(cls)], dtype=torch.long, device=device)
+            plan = cls._packed(padding.repeat(1, size))
+            plan.padding = padding
+            return plan
         return cls(**{f.name: torch.full((size, widths[f.name]) if f.name in widths else (size,),
                                          f.metadata.get("pad", 0), dtype=torch.long, device=device)
                       for f in fields(cls)})
 
+    @classmethod
+    def send(cls, staging: Any, rows: list[list[int]]) -> "StepPlan":
+        """A packed plan from each row's values, in field order (host ints [B][fields]): one copy to the device
+        through `staging` (`engine.staging.HostStaging`) that does not wait for it."""
+        return cls._packed(staging.send(np.asarray(rows, dtype=np.int64).reshape(len(rows), -1).T))
+
+    @classmethod
+    def _packed(cls, packed: torch.Tensor) -> "StepPlan":
+        plan = cls(*packed.unbind(0))
+        plan.packed = packed
+        return plan
+
     def copy_to(self, static: "StepPlan", n: int) -> None:
         """Into static buffers: this plan's n rows, padding to the right of each list and in the rows below."""
+        if self.packed is not None and static.packed is not None:
+            static.packed[:, :n] = self.packed
+            static.packed[:, n:] = static.padding
+            return
         for f in fields(self):
             given, buffer, pad = getattr(self, f.name), getattr(static, f.name), f.metadata.get("pad", 0)
             if given.dim() == 1:

@@ -317,7 +317,7 @@ class SentenceKV(RowHolder, KVMethod):
                 [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent,
                  st.retained if st.offload else 0, st.cache]
                 for st in states]
-        return SentencePlan(*batch.pool.staging.send(rows).unbind(1))  # one copy that does not wait
+        return SentencePlan.send(batch.pool.staging, rows)  # one copy that does not wait
 
     def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "SentencePlan":
         return SentencePlan.static(size, device)
