@@ -101,7 +101,7 @@ class StepPlan:
 
     @classmethod
     def send(cls, staging: Any, rows: list[list[int]]) -> "StepPlan":
-        """A packed plan from each row's values, in field order (host ints [B][fields]): one copy to the device
+        """A packed plan from each row's values, in field order (B lists of host ints): one copy to the device
         through `staging` (`engine.staging.HostStaging`) that does not wait for it."""
         return cls._packed(staging.send(np.asarray(rows, dtype=np.int64).reshape(len(rows), -1).T))
 
