@@ -293,6 +293,38 @@ def test_a_generating_row_never_grows_the_device_state(tiny_llm):
     llm.engine.end(seqs, method)
 
 
+@pytest.mark.parametrize("query", ["current", "mean"])
+def test_the_step_plan_is_sent_again_only_when_its_values_change(tiny_llm, query):
+    """Without query="mean" a row's plan changes only when tokens join its buckets (every `offload_chunk` steps): the
+    steps between reuse the last plan (the same values); with query="mean" the count of the open sentence's queries
+    changes every step, and so does the plan."""
+    llm = tiny_llm
+    method = SentenceKV(budget=64, n_sink=4, n_recent=8, offload_chunk=4, score="tokens", query=query)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    seqs = prefilled_rows(llm, method, 300, 40)
+    plans, sent = [], []
+    step_plan = method.step_plan
+
+    def recording(batch):
+        plan = step_plan(batch)
+        plans.append(plan)
+        sent.append(plan.packed.clone())
+        return plan
+
+    method.step_plan = recording
+    with torch.inference_mode():
+        for _ in range(12):
+            llm.engine.step(seqs, method, None, lambda seq: "")
+    new = [i for i in range(1, len(plans)) if plans[i] is not plans[i - 1]]
+    if query == "mean":
+        assert len(new) == len(plans) - 1
+    else:
+        assert 1 <= len(new) <= 4  # tokens join every 4 steps
+        assert all(torch.equal(sent[i], sent[i - 1]) for i in range(1, len(plans)) if i not in new)
+        assert all(not torch.equal(sent[i], sent[i - 1]) for i in new)
+    llm.engine.end(seqs, method)
+
+
 def test_token_scores_keep_no_sentence_vectors_so_more_rows_fit(tiny_llm):
     """score="tokens" ranks buckets by their retained keys in the cache, so its rows hold no sentence vectors (a
     float32 mean key per bucket, KV head and layer): a row holds a fraction of the bytes, and what admission and

@@ -221,6 +221,7 @@ class SentenceKV(RowHolder, KVMethod):
     def reset(self) -> None:
         super().reset()
         self._ends = ()
+        self._plan: tuple[list[list[int]], SentencePlan] | None = None  # the last step plan and its values
 
     def takes_row(self, seq: Sequence) -> bool:
         st: SentenceState = seq.method_state
@@ -309,15 +310,20 @@ class SentenceKV(RowHolder, KVMethod):
     def step_plan(self, batch: DecodeBatch) -> "SentencePlan | None":
         """Each row's place in the device state and budget split (`SentencePlan`); a row that keeps
         everything reads as row 0 with an unbounded recent window. None when every row keeps everything
-        (eager steps only: a graphed step always takes a plan)."""
+        (eager steps only: a graphed step always takes a plan). The last plan again while its values hold (without
+        query="mean" they change only when tokens join the buckets, one step in `offload_chunk`): no copy to the
+        device, and none into a graph's buffers."""
         states: list[SentenceState] = [s.method_state for s in batch.seqs]
         if all(st.dense for st in states) and not self.graph_safe:
             return None
+        mean = self.query == "mean"  # q_count is read on the device only then
         rows = [[0, 0, 0, 0, 0, KEEP_ALL, 0, 0] if st.dense else
-                [st.row, st.q_count, st.n_sink, st.retained, st.capacity, st.n_recent,
+                [st.row, st.q_count if mean else 0, st.n_sink, st.retained, st.capacity, st.n_recent,
                  st.retained if st.offload else 0, st.cache]
                 for st in states]
-        return SentencePlan.send(batch.pool.staging, rows)  # one copy that does not wait
+        if self._plan is None or self._plan[0] != rows:
+            self._plan = rows, SentencePlan.send(batch.pool.staging, rows)  # one copy that does not wait
+        return self._plan[1]
 
     def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "SentencePlan":
         return SentencePlan.static(size, device)
@@ -442,6 +448,7 @@ class SentenceKV(RowHolder, KVMethod):
         st: SentenceState | None = seq.method_state
         if st is not None and not st.dense and self._rows is not None:
             self._record(seq, self._rows.row_bytes())
+        self._plan = None  # the batch changes; nothing of a request is kept past it
         super().release(seq)
 
     @staticmethod
