@@ -15,6 +15,7 @@ from semkv.engine.trace import Trace
 from semkv.errors import SemkvError, check_text
 from semkv.models.config import ModelConfig
 from semkv.models.loader import load_text
+from semkv.prefix_tokens import PrefixTokens
 
 
 @dataclass
@@ -67,12 +68,21 @@ class TextModel:
             raise SemkvError(f"this model's tokenizer has no chat template; {hint}")
         return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
+    def tokens(self, text: str, special: bool) -> tuple[list[int], Any]:
+        """Token ids of `text` (with the tokenizer's special tokens when `special`) and each token's end offset
+        ([ids] int32), reusing the tokens of a recent text that starts alike (`PrefixTokens`: a follow-up question on a
+        long document is tokenized from near the document's end)."""
+        cache = getattr(self, "_prefix_tokens", None)
+        if cache is None or cache.tokenizer is not self.tokenizer:
+            cache = self._prefix_tokens = PrefixTokens(self.tokenizer)
+        return cache(text, special)
+
     def encode_chat(self, messages: Seq[dict[str, str]]) -> list[int]:
         """Token ids of `chat_text(messages)`."""
         for i, message in enumerate(messages):
             check_text(f"message {i}'s content", message.get("content") if isinstance(message, dict) else message)
         text = self.chat_text(messages, "send a completion prompt instead")
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokens(text, False)[0]
 
     def encode(self, prompt: str, question: str | None = None, chat: bool = True,
                answer_prefix: str = "") -> tuple[list[int], int | None]:
@@ -84,19 +94,18 @@ class TextModel:
         check_text("the answer prefix", answer_prefix)
         text = self.prompt_text(prompt, question, chat, answer_prefix)
         special = not chat  # the chat template writes its own special tokens
+        ids, ends = self.tokens(text, special)
         if question is None:
-            return self.tokenizer(text, add_special_tokens=special)["input_ids"], None
-        enc = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+            return ids, None
         where = text.rfind(question, 0, len(text) - len(answer_prefix))
         # the first token that ends past the question's first character holds its start
-        start = next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > where)
-        return enc["input_ids"], start
+        return ids, int((ends > where).argmax())
 
     def token_ids(self, tokens: str | Seq[int], what: str) -> list[int]:
         """Token ids of a text (no special tokens added) or checked ids; SemkvError names `what` if they are bad."""
         if isinstance(tokens, str):
             check_text(f"the {what}", tokens)
-            tokens = self.tokenizer(tokens, add_special_tokens=False)["input_ids"]
+            tokens = self.tokens(tokens, False)[0]
         vocab = self.config.vocab_size
         ids = list(tokens) if isinstance(tokens, Seq) else []
         if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
