@@ -33,10 +33,18 @@ class PrefixTokens:
         self._recent: OrderedDict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
         self.reused = 0  # texts tokenized from a recent one's tokens (statistics for tests and benchmarks)
+        self.offsets = True  # False once the tokenizer refused to give character offsets
 
-    def __call__(self, text: str, special: bool) -> tuple[list[int], np.ndarray]:
-        """Token ids of `text` and the end offset of each token's characters ([ids] int32)."""
-        ids, starts, ends = self._tokens(text, special)
+    def __call__(self, text: str, special: bool) -> tuple[list[int], np.ndarray | None]:
+        """Token ids of `text` and the end offset of each token's characters ([ids] int32; None from a tokenizer
+        that gives no offsets, which is then only called)."""
+        if not self.offsets:
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"], None
+        try:
+            ids, starts, ends = self._tokens(text, special)
+        except NotImplementedError:  # a tokenizer without offsets (a slow one): tokenize whole, as before
+            self.offsets = False
+            return self(text, special)
         if len(text) >= MIN_SHARED:
             with self._lock:
                 self._recent[(text, special)] = ids, starts, ends

@@ -97,6 +97,9 @@ class TextModel:
         ids, ends = self.tokens(text, special)
         if question is None:
             return ids, None
+        if ends is None:
+            raise SemkvError("this model's tokenizer gives no character offsets, which a prompt with a question needs; "
+                             "join the question to the prompt instead")
         where = text.rfind(question, 0, len(text) - len(answer_prefix))
         # the first token that ends past the question's first character holds its start
         return ids, int((ends > where).argmax())

@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 
+from semkv.errors import SemkvError
 from semkv.prefix_tokens import MIN_SHARED, PrefixTokens
 from semkv.text import TextModel
 
@@ -68,3 +69,29 @@ def test_short_and_unrelated_texts_are_tokenized_whole(text_model, essay_text):
         assert cache(text, False)[0] == plain(tokenizer, text, False)
     assert cache.reused == 0
     assert isinstance(cache(essay_text[:9000], False)[1], np.ndarray)
+
+
+class NoOffsets:
+    """The embedded tokenizer as a backend that gives no character offsets (a slow tokenizer) would."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def __call__(self, text, return_offsets_mapping=False, **kwargs):
+        if return_offsets_mapping:
+            raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+        return self.inner(text, **kwargs)
+
+
+def test_a_tokenizer_without_offsets_is_called_as_before(text_model, essay_text):
+    """Prompts are tokenized whole, and a prompt with a question, which needs offsets, gets one clear error."""
+    tokenizer = text_model.tokenizer
+    cache = PrefixTokens(NoOffsets(tokenizer))
+    for text in (essay_text[:9000], essay_text[:9000] + " more"):
+        ids, ends = cache(text, True)
+        assert ids == plain(tokenizer, text, True) and ends is None
+    assert cache.reused == 0
+    model = TextModel(NoOffsets(tokenizer), text_model.config)
+    assert model.encode(essay_text[:500], chat=False)[0] == plain(tokenizer, essay_text[:500], True)
+    with pytest.raises(SemkvError, match="offsets"):
+        model.encode(essay_text[:500], "Why?", chat=False)
