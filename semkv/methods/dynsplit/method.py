@@ -516,7 +516,7 @@ class DynSplitKV(RowHolder, KVMethod):
         if self.score == "tokens":  # the best token of each chunk between the forced ones
             keys = pool.k
             if self.score_keys == "channels":
-                keys, q = state.key_channels.keys.data, self._channel_queries(layer, batch, q)
+                keys, q = state.key_channels.data, self._channel_queries(layer, batch, q)
             scores = dynsplit_kernels.chunk_best(q, keys, batch.tables[:, layer], chunk_of, plan.n_sink,
                                                  n - plan.n_recent, state.chunks, self.group_reduce)
         else:

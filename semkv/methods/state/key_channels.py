@@ -35,26 +35,16 @@ def choose(q: torch.Tensor, keys: torch.Tensor, count: int, mean: bool) -> torch
     return torch.cat((pairs, pairs + half), -1)
 
 
-class KeyChannels:
+class KeyChannels(PageStorage):
     """The chosen channels [pages, page_size, kv_heads, count] of the keys of every page id the pool covers, in the
-    cache's dtype (a `PageStorage`, grown with the pool's coverage). The method writes the channels of every slot it
-    will score before it scores it."""
+    cache's dtype (grown with the pool's coverage). The method writes the channels of every slot it will score before
+    it scores it."""
 
     def __init__(self, count: int) -> None:
+        super().__init__(lambda pool: (pool.page_size, pool.num_kv_heads, count), pool_dtype=True)
         self.count = count
-        self.keys = PageStorage(lambda pool: (pool.page_size, pool.num_kv_heads, count), pool_dtype=True)
-
-    def bytes_per_page(self, pool: KVPool) -> int:
-        return self.keys.bytes_per_page(pool)
-
-    def growth_bytes(self, pool: KVPool) -> int:
-        return self.keys.growth_bytes(pool)
-
-    def ensure(self, pool: KVPool) -> bool:
-        """Cover the pool's pages (and grow with it); True when the tensor moved (graphs must be captured again)."""
-        return self.keys.ensure(pool)
 
     def write(self, pool: KVPool, rows: torch.Tensor, channels: torch.Tensor) -> None:
         """Keep channels [n, kv_heads, count] (int64) of the keys at flat pool rows `rows` [n] (page * page_size +
         offset), covered by an `ensure` first (whose move the caller answers)."""
-        self.keys.data.view(-1, pool.num_kv_heads, self.count)[rows] = pool.flat()[0][rows].gather(-1, channels)
+        self.data.view(-1, pool.num_kv_heads, self.count)[rows] = pool.flat()[0][rows].gather(-1, channels)
