@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import semkv
-from semkv.engine.engine import PrefillPlan
+from semkv.engine.engine import LaunchedStep, PrefillPlan, StepRead
 from semkv.engine.hooks import Selection, StepPlan
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.memory import held_bytes
@@ -191,7 +191,8 @@ def frame_tensors(traceback) -> set[int]:
             found.add(value.untyped_storage().data_ptr())
         elif isinstance(value, (list, tuple)):
             values.extend(value)
-        elif isinstance(value, (PrefillPlan, PrefillStep, DecodeStep, StepInputs, StepPlan, Selection)):
+        elif isinstance(value, (PrefillPlan, PrefillStep, DecodeStep, StepInputs, StepPlan, Selection, LaunchedStep,
+                                StepRead)):
             values.extend(vars(value).values())
     return found
 

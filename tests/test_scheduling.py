@@ -262,3 +262,45 @@ def test_a_step_keeps_to_its_budget_while_requests_decode_and_takes_the_engine_c
     assert busy and max(busy) <= 16
     assert idle and max(idle) == 48 and len(idle) == -(-first // 48) < -(-first // 16)
     assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_decode_step_ends_after_the_running_prompts_chunks_are_queued_and_before_admissions(llm, monkeypatch):
+    """In a step with decoding requests, a prompt being prefilled and new ones waiting: the decode step is launched,
+    the running prompt's chunk queued, then the decode step's tokens read (on a GPU the device runs the chunk
+    meanwhile), then new prompts admitted (after the requests that finished are released); the tokens are those of
+    whole prompts."""
+    full = get_method("full")
+    prompts = PROMPTS[:4]
+    want = alone(llm, full, prompts, 6)
+    engine, calls = llm.engine, []
+
+    def recorded(name):
+        inner = getattr(engine, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, args[0].seq_id if name in ("continue_prefill", "start_prefill") else None))
+            return inner(*args, **kwargs)
+        return call
+
+    for name in ("launch_step", "complete_step", "continue_prefill", "start_prefill"):
+        monkeypatch.setattr(engine, name, recorded(name))
+    driver = Driver(llm, max_num_batched_tokens=16, max_num_seqs=2, enable_prefix_caching=False)
+    for prompt in prompts:
+        driver.submit(encode(llm, prompt), full, new=6)
+    scheduler, overlapped = driver.session.scheduler, 0
+    while scheduler.busy:
+        calls.clear()
+        prefilling = {seq.seq_id for seq in scheduler.prefilling}
+        driver.advance()
+        names = [name for name, _ in calls]
+        if "launch_step" not in names:
+            continue
+        complete = names.index("complete_step")
+        assert names.index("launch_step") < complete
+        chunks = [i for i, (name, seq) in enumerate(calls) if name == "continue_prefill" and seq in prefilling]
+        assert all(i < complete for i in chunks)  # the running prompts' chunks before the decode step's end
+        assert all(i > complete for i, (name, _) in enumerate(calls) if name == "start_prefill")  # admissions after
+        overlapped += bool(chunks)
+    assert overlapped >= 3
+    assert [s.output_ids for s in driver.seqs] == want
+    assert engine.memory().held == (0, 0, 0, 0)

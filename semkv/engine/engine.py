@@ -64,6 +64,28 @@ class PrefillPlan:
     layers: Generator[int, None, torch.Tensor] | None = None  # a prefill by layer under way (`LlamaModel.by_layer`)
 
 
+@dataclass
+class StepRead:
+    """What a decode step's accounting reads from the device (`Engine.read_step`)."""
+
+    values: torch.Tensor  # [2 or 3, B] float64: attended tokens a layer, the most attended, the greedy tokens
+    ready: torch.cuda.Event | None  # recorded after an early copy into pinned host memory; None: read when needed
+    selection_s: float  # host seconds of the step's selection and plan, a row's share
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step whose forward is queued, waiting for `Engine.complete_step`."""
+
+    running: list[Sequence]
+    method: KVMethod
+    logits: torch.Tensor  # [B, vocab]
+    read: StepRead
+    steady: bool  # no request is replaying a recomputed output
+    pick: Callable  # the token choice of a non-greedy step (seq, logits) -> token
+    host_s: float  # host time of the launch (the request's decode time counts it, not what ran in between)
+
+
 def _sample(seq: Sequence, logits: torch.Tensor) -> int:
     return sample(logits, seq.params, seq.generator)
 
@@ -503,19 +525,39 @@ class Engine:
                     tokens: torch.Tensor | None = None) -> list[int] | None:
         """Account a finished forward in one read from the device: the step's attention statistics and, given the
         next tokens [B] on the device, those tokens (returned)."""
+        return self.finish_read(seqs, self.read_step(seqs, step, tokens))
+
+    def read_step(self, seqs: list[Sequence], step: DecodeStep, tokens: torch.Tensor | None = None,
+                  early: bool = False) -> StepRead:
+        """What a decode step's accounting reads: its attention statistics and, given, the next tokens [B]; early
+        (on CUDA): copied now into pinned host memory, without waiting."""
         n = len(seqs)
         rows = [step.attended_sum[:n].double() / self.config.num_layers, step.attended_max[:n].double()]
         if tokens is not None:
             rows.append(tokens.double())  # token ids are exact in float64
-        read = torch.stack(rows).tolist()
+        values = torch.stack(rows)  # [2 or 3, B]
         selection_s = (step.selection_s + self.step_plan_s) / n
-        for seq, attended, widest in zip(seqs, read[0], read[1]):
+        if not early or self.device.type != "cuda":
+            return StepRead(values, None, selection_s)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepRead(host, ready, selection_s)
+
+    def finish_read(self, seqs: list[Sequence], read: StepRead) -> list[int] | None:
+        """`finish_step` from a `read_step`: waits for the read (only for it, when it was early), accounts the
+        step's statistics, returns its tokens when it read them."""
+        if read.ready is not None:
+            read.ready.synchronize()
+        values = read.values.tolist()
+        for seq, attended, widest in zip(seqs, values[0], values[1]):
             seq.num_computed += 1
             seq.attended_total += attended
             stats = seq.stats
             stats.kv_attended_max = max(stats.kv_attended_max, int(widest))
-            stats.selection_s += selection_s
-        return [int(t) for t in read[2]] if tokens is not None else None
+            stats.selection_s += read.selection_s
+        return [int(t) for t in values[2]] if len(values) == 3 else None
 
     def run(self, seqs: list[Sequence], method: KVMethod, is_stop, progress: bool = False,
             prefix_caching: bool = False) -> None:
@@ -557,7 +599,16 @@ class Engine:
              pick=_sample) -> None:
         """One decode step of the running batch: the forward (graph replay when it fits), the method's
         `observe_logits` and the next step's inputs while it runs, the next tokens, the method's `end_step`,
-        statistics and stop checks (what `run`, `generate` and the benchmarks time)."""
+        statistics and stop checks (what `run`, `generate` and the benchmarks time): `launch_step` then
+        `complete_step`."""
+        self.complete_step(self.launch_step(running, method, graphs, pick), is_stop)
+
+    def launch_step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, pick=_sample,
+                    early: bool = False) -> LaunchedStep:
+        """A decode step up to its read: the forward (graph replay when it fits), the greedy tokens chosen on the
+        device, the next step's inputs prepared while it runs, the method's `observe_logits`. early: the read is
+        copied to the host as soon as the forward is done (CUDA), so that `complete_step` waits for this step only,
+        not for work queued after it (a scheduler's prompt chunks)."""
         started = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         inputs = ahead[1] if ahead is not None and len(ahead[0]) == len(running) and all(
@@ -574,6 +625,7 @@ class Engine:
         chosen = logits.argmax(-1) if greedy else None
         if chosen is not None and self.tp is not None:
             self.tp.broadcast(chosen)  # rank 0's sampler decides
+        read = self.read_step(running, step, chosen, early)
         steady = not any(s.replaying for s in running)  # a recomputed request's next input is its output, not this
         if (greedy and steady and method.graph_safe and method.steady_slots and type(method).begin_step is
                 KVMethod.begin_step and self.can_grow(running, method)):
@@ -588,19 +640,27 @@ class Engine:
         method.observe_logits(running, logits)
         if span:
             self.timer.stop(span)
-        tokens = self.finish_step(running, step, chosen)  # greedy: one read for everything
+        return LaunchedStep(running, method, logits, read, steady, pick, time.perf_counter() - started)
+
+    def complete_step(self, launched: LaunchedStep, is_stop) -> None:
+        """The rest of a launched decode step: its tokens and statistics in one read (greedy), the method's
+        `end_step`, each request's next token and stop check."""
+        started = time.perf_counter()
+        running, method, logits, pick = launched.running, launched.method, launched.logits, launched.pick
+        tokens = self.finish_read(running, launched.read)
         # a request recomputed after preemption (`Sequence.replaying`) knows its next token: its output's
         known = [s.output_ids[s.num_computed - len(s.prompt_ids)] if s.num_computed < s.num_tokens else None
                  for s in running]
         if tokens is None:
-            tokens = self.agree([pick(s, logits[b]) if k is None else k for b, (s, k) in enumerate(zip(running, known))])
-        elif not steady:
+            tokens = self.agree([pick(s, logits[b]) if k is None else k
+                                 for b, (s, k) in enumerate(zip(running, known))])
+        elif not launched.steady:
             tokens = [t if k is None else k for t, k in zip(tokens, known)]
         span = self.timer.start("selection") if self.timer else None
         method.end_step(running, logits, tokens)
         if span:
             self.timer.stop(span)
-        elapsed = time.perf_counter() - started
+        elapsed = launched.host_s + time.perf_counter() - started
         for b, (seq, token) in enumerate(zip(running, tokens)):
             resident = seq.kv.resident_slots() - seq.slot_ready  # not counting a slot prepared for the next step
             stats = seq.stats

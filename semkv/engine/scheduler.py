@@ -5,8 +5,12 @@ per `advance`. With a token budget (`max_num_batched_tokens`, the server) a step
 then prompt chunks up to what the budget has left (a chunk cut to it; a method's own chunks stay whole), so a long
 prompt is prefilled over several steps while the running requests keep decoding; a step in which no request decodes
 prefills up to the engine's own chunk (`Engine.prefill_chunk`) when it is larger than the budget, which bounds the
-time between a running request's tokens, not a prefill's. Without a budget (`Engine.run`), waiting requests are
-admitted and prefilled whole before the decode steps.
+time between a running request's tokens, not a prefill's. The last batch's decode step ends (its tokens read, the
+method's `end_step`, its finished requests released) after the chunks of the prompts already being prefilled are
+queued and before new prompts are admitted: the device runs those chunks while the host ends the step, instead of
+idling between the decode step's end and the first chunk (an H200, 64 requests of 32,000 tokens: a mixed step
+54.2 -> 49.7 ms, benchmarks/results/2026-11-29-h200-mixed-steps.md). Without a budget (`Engine.run`), waiting
+requests are admitted and prefilled whole before the decode steps.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
@@ -159,17 +163,23 @@ class Scheduler:
                 prompt += self._prefill(seq, 0, progress)
             self._first_tokens()
             tokens = prompt
-        for batch in [b for b in self.batches.values() if b.running]:
+        active = [b for b in self.batches.values() if b.running]
+        launched = None  # the last batch's step, completed after the running prompts' chunks are queued
+        for i, batch in enumerate(active):
             try:
                 self._make_room(batch)
                 if not batch.running:
                     continue
-                self.engine.step(batch.running, batch.method, batch.graphs, self._stop_any)
+                overlap = i == len(active) - 1 and budget is not None and bool(self.prefilling)
+                step = self.engine.launch_step(batch.running, batch.method, batch.graphs, early=overlap)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([s for s in batch.running if not s.finished], error)  # not those it finished before
+                continue
             tokens += len(batch.running)
-            for seq in [s for s in batch.running if s.finished]:
-                self._end(seq)
+            if overlap:
+                launched = (batch, step)
+            else:
+                self._complete(batch, step)
         if budget is not None:  # what the decode steps left of the budget goes to prompts; a step in which no
             # request decodes keeps no one from a token: it prefills up to the engine's own chunk when that is larger
             left = budget - tokens if tokens else max(budget, self.engine.prefill_chunk)
@@ -178,6 +188,8 @@ class Scheduler:
                     break
                 done = self._prefill(seq, left)
                 left, tokens, prompt = left - done, tokens + done, prompt + done
+            if launched is not None:  # the device runs those chunks while the host ends the decode step
+                self._complete(*launched)
             while left > 0 and (seq := self._admit()) is not None:
                 done = self._prefill(seq, left)
                 left, tokens, prompt = left - done, tokens + done, prompt + done
@@ -189,6 +201,15 @@ class Scheduler:
             kind = "decode" if not prompt else "prefill" if prompt == tokens else "mixed"
             self._timing.append((kind, started, self._mark()))
         self._count_time()
+
+    def _complete(self, batch: Batch, step) -> None:
+        """End a batch's launched decode step (`Engine.complete_step`); its finished requests are released."""
+        try:
+            self.engine.complete_step(step, self._stop_any)
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail([s for s in batch.running if not s.finished], error)
+        for seq in [s for s in batch.running if s.finished]:
+            self._end(seq)
 
     def _mark(self) -> Mark:
         """Now, for a step's time: a CUDA event recorded on the stream the steps run on, the clock on the CPU."""
