@@ -66,8 +66,9 @@ def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, ch
     padded = F.pad(token_scores, (0, n_chunks * chunk_size - prefix))
     chunk_scores = padded.view(padded.shape[0], n_chunks, chunk_size).sum(-1)  # [S, n_chunks]
     chunk_scores = neighbour_max(chunk_scores, neighbours)
-    sizes = torch.full((n_chunks,), chunk_size, device=probs.device)
-    sizes[-1] = prefix - (n_chunks - 1) * chunk_size
+    # tokens of each chunk, the last one's cut by the prefix's end (computed on the device: writing a Python number
+    # into a device tensor makes the host wait for the device, once a layer)
+    sizes = (prefix - chunk_size * torch.arange(n_chunks, device=probs.device)).clamp_(max=chunk_size)  # [n_chunks]
     order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [S, n_chunks] best first
     filled_before = sizes[order].cumsum(-1) - sizes[order]
     chosen = torch.zeros_like(chunk_scores, dtype=torch.bool).scatter_(-1, order, filled_before < fill)
