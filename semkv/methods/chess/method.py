@@ -328,10 +328,10 @@ class Chess(KVMethod):
         width = max(-(-end // size) - first for end, first in zip(upto, firsts))
         if tables is None:
             tables = self.stacked_tables(seqs, max(firsts) + width)
-        device = tables.device
-        cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [b, width]
-        filled = (torch.tensor(upto, device=device)[:, None] - cols * size).clamp(0, size)  # 0: nothing written
-        pool = seqs[0].kv.pool
+        device, pool = tables.device, seqs[0].kv.pool
+        first, end = pool.staging.send([firsts, upto])  # [2, b], in a copy that does not wait for the device
+        cols = first[:, None] + torch.arange(width, device=device)  # [b, width]
+        filled = (end[:, None] - cols * size).clamp(0, size)  # 0: nothing written
         ids = torch.gather(tables, 2, cols.clamp(max=tables.shape[2] - 1)[:, None].expand(-1, tables.shape[1], -1))
         ids = torch.where((cols < tables.shape[2])[:, None], ids, pool.scratch)  # past the tables: nothing to fold
         self.summaries.rebuild(pool, ids, filled[:, None].expand_as(ids))
@@ -397,7 +397,7 @@ class Chess(KVMethod):
         if self._plan is None or self._plan[0] != key:
             width = max(1, max(st.ranked.shape[0] for st in states))
             pages = torch.stack([F.pad(st.ranked, (0, width - st.ranked.shape[0]), value=-1) for st in states])
-            window = torch.tensor([st.window_start for st in states], device=pages.device)
+            window = batch.seqs[0].kv.pool.staging.send([st.window_start for st in states])  # [b], does not wait
             self._plan = key, PagePlan(pages, window)
         return self._plan[1]
 
@@ -423,8 +423,9 @@ class Chess(KVMethod):
             return neighbour_max(scores, self.neighbours)
         device = candidates.device
         window = (start[:, None] + torch.arange(self.recent_pages, device=device)).clamp(max=width - 1)
-        anchor = self.mean_vector(seqs, summarized, window, window < torch.tensor(n_pages, device=device)[:, None],
-                                  width, tables)  # Eq. 3: [b, layers, kv_heads, D]
+        pages = seqs[0].kv.pool.staging.send(n_pages)  # [b]
+        anchor = self.mean_vector(seqs, summarized, window, window < pages[:, None], width,
+                                  tables)  # Eq. 3: [b, layers, kv_heads, D]
         if not self.center:
             return self.page_dots(seqs, summarized, width, anchor[:, None], tables)[:, 0]  # Eq. 4
         # (v - mean) . (anchor - mean)
@@ -445,7 +446,7 @@ class Chess(KVMethod):
         if self.anchor == "keys":
             self.fold(seqs, [c - 1 for c in counts], tables)
         device = tables.device
-        n, start = torch.tensor(counts, device=device), torch.tensor(starts, device=device)
+        n, start = seqs[0].kv.pool.staging.send([counts, starts])  # [b] each, in a copy that does not wait
         summarized = n - 1
         _, _, k = safety(n, budget_tokens(self.budget, n), start, size)
         page = torch.arange(width, device=device)[None, :]
