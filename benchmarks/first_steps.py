@@ -8,7 +8,11 @@ off). For each session: its wall time, output tokens/s, the steps by kind with t
 events), the slowest steps, and the Triton kernels compiled meanwhile (folders new in `TRITON_CACHE_DIR`: give each
 process its own to count them), each with the signature Triton specialized it for. One JSON line per session.
 `--sync-debug` also counts, in the last session, every operation that made the host wait for the device (torch's
-sync debug mode), by the semkv lines that called it: a step should wait once, to read its tokens.
+sync debug mode), by the semkv lines that called it: a step should wait once, to read its tokens. `--profile DIR`
+runs `--profile-steps` steps of the last session, from its step `--profile-from`, under torch.profiler: the
+operations by device time and by host time, and for each step the tokens it computed, its host time, and the
+device's busy time against its span (a kernel counts for the step whose host range launched it: the runtime's or the
+driver's launch), with the Chrome trace (gzipped) in DIR.
 
     TRITON_CACHE_DIR=/tmp/tc python benchmarks/first_steps.py --tokenizer DIR --text-file essays.txt
     # another version of semkv against this one, in one call: PYTHONPATH=OLD_TREE:benchmarks TRITON_CACHE_DIR=...
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gzip
 import json
 import os
 import tempfile
@@ -85,6 +90,47 @@ class SyncSites:
         self.sites[" < ".join(frames[::-1][:3]) or f"{Path(filename).name}:{lineno}"] += 1
 
 
+def report_profile(profiler, folder: Path, step_tokens: dict[str, int]) -> None:
+    """Print the profiled steps' kernels by device time and, for each step, the device's busy time (the union of
+    the kernels its host range launched) against their span; write the Chrome trace, gzipped, into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    averages = profiler.key_averages()
+    print(averages.table(sort_by="self_device_time_total", row_limit=40), flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    trace = folder / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    with gzip.open(folder / "trace.json.gz", "wt") as out:
+        json.dump(events, out)
+    trace.unlink()
+    steps = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("cat") == "user_annotation" and e["name"].startswith("step "))
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["args"].get("correlation") in launches:
+            at = launches[e["args"]["correlation"]]
+            for start, end, name in steps:
+                if start <= at <= end:
+                    kernels[name].append((e["ts"], e["ts"] + e["dur"]))
+                    break
+    for start, end, name in steps:
+        spans = sorted(kernels[name])
+        busy, reach = 0.0, None
+        for a, b in spans:
+            if reach is None or a > reach:
+                busy += b - a
+                reach = b
+            elif b > reach:
+                busy += b - reach
+                reach = b
+        span = spans[-1][1] - spans[0][0] if spans else 0.0
+        print(json.dumps(dict(step=name, tokens=step_tokens.get(name), host_ms=round((end - start) / 1e3, 2),
+                              device_span_ms=round(span / 1e3, 2), device_busy_ms=round(busy / 1e3, 2),
+                              kernels=len(spans))), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_arguments(p)
@@ -98,6 +144,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--sync-debug", action="store_true", help="count the host's waits in the last session")
+    p.add_argument("--profile", type=Path, help="profile steps of the last session; the trace goes here")
+    p.add_argument("--profile-from", type=int, default=100, help="the first profiled step")
+    p.add_argument("--profile-steps", type=int, default=40)
     args = p.parse_args()
     params = parse_params(args.param)
     seen = compiled()
@@ -122,11 +171,27 @@ def main() -> None:
         syncs = SyncSites() if args.sync_debug and run == args.runs - 1 else contextlib.nullcontext()
         torch.cuda.synchronize()
         started = time.perf_counter()
+        profiled = args.profile is not None and run == args.runs - 1
+        step_tokens: dict[str, int] = {}  # profiled step -> the tokens it computed (decode rows and prompt chunks)
         with syncs:
             while session.scheduler.busy:
+                if profiled and len(walls) == args.profile_from:
+                    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                  torch.profiler.ProfilerActivity.CUDA])
+                    profiler.start()
                 step = time.perf_counter()
-                session.advance()
+                if profiled and args.profile_from <= len(walls) < args.profile_from + args.profile_steps:
+                    with torch.profiler.record_function(f"step {len(walls)}"):
+                        session.advance()
+                    step_tokens[f"step {len(walls)}"] = session.scheduler.counters.step_tokens
+                else:
+                    session.advance()
                 walls.append(time.perf_counter() - step)
+                if profiled and len(walls) == args.profile_from + args.profile_steps:
+                    torch.cuda.synchronize()
+                    profiler.stop()
+                    report_profile(profiler, args.profile, step_tokens)
+                    profiled = False
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         session.advance()  # counts the steps whose end the device had not reached at the last one
