@@ -51,6 +51,8 @@ def tiny_hf_config(arch: str, vocab_size: int):
         return LlamaConfig(**dict(base, max_position_embeddings=256))
     if arch == "llama_tied":
         return LlamaConfig(**dict(base, tie_word_embeddings=True))
+    if arch == "llama_deep":  # twice the layers: what a step does once a layer shows as twice as many calls
+        return LlamaConfig(**dict(base, num_hidden_layers=2 * TINY["num_hidden_layers"]))
     if arch == "mistral":
         return MistralConfig(**base, sliding_window=None)
     if arch == "qwen2":

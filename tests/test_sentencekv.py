@@ -165,7 +165,7 @@ def test_retain_sentences_keeps_whole_sentences(tiny_llm):
         cut[retain] = 0
         for layer in range(llm.config.num_layers):
             for head in state.store.pos[layer][:, : state.retained]:
-                buckets, counts = bucket_of(state.starts, head).unique(return_counts=True)
+                buckets, counts = bucket_of(torch.tensor(state.starts), head).unique(return_counts=True)
                 cut[retain] += int((counts < sizes[buckets]).sum())
                 assert head.shape[0] == int(2.0 * budget)
         if retain == "sentences":
@@ -259,7 +259,7 @@ def test_tokens_leaving_the_recent_window_join_the_bucket_of_their_position(tiny
             else:
                 slots = torch.arange(st.n_sink, st.n_sink + st.retained)
                 positions = seq.kv.gather(layer, slots[None].expand(llm.config.num_kv_heads, -1))[2]
-            want = bucket_of(st.starts, positions)
+            want = bucket_of(torch.tensor(st.starts), positions)
             assert torch.equal(method._rows.bucket[layer, st.row, :, : st.retained].long(), want), layer
             count = method._rows.count[layer, st.row]  # [kv_heads, buckets]: every retained token counted once
             assert torch.equal(count.long(), torch.stack([w.bincount(minlength=count.shape[-1]) for w in want]))

@@ -38,8 +38,10 @@ def pooled_window_scores(q_window: torch.Tensor, keys: torch.Tensor, positions: 
         pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
         prefix = pool(prefix[:, None], kernel_size, stride=1, padding=kernel_size // 2)[:, 0]
     scores = per_kv_head(prefix, keys.shape[0])
-    fill = scores.max() if scores.numel() else torch.tensor(1.0)
-    return F.pad(scores, (0, w), value=float(fill))
+    if not scores.numel():
+        return scores.new_ones(scores.shape[0], w)
+    # the window's keys score the highest score, on the device (reading it would make the host wait, once a layer)
+    return torch.cat([scores, scores.max().expand(scores.shape[0], w)], dim=-1)
 
 
 @dataclass

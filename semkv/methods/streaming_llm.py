@@ -46,8 +46,9 @@ class StreamingLLM(KVMethod):
         if n_keep >= n:
             return None
         sinks = min(self.n_sink, n_keep)
-        keep = torch.cat([torch.arange(sinks), torch.arange(n - (n_keep - sinks), n)])
-        return keep.to(seq.kv.table.device)[None]
+        device = seq.kv.table.device  # made there: a copy from the host would wait for the device, once a layer
+        keep = torch.cat([torch.arange(sinks, device=device), torch.arange(n - (n_keep - sinks), n, device=device)])
+        return keep[None]
 
     def begin_step(self, batch: DecodeBatch) -> torch.Tensor | None:
         """Overwrite the oldest window slot wherever the cache is full; otherwise append. Decided on the host from

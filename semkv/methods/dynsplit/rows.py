@@ -68,7 +68,5 @@ class DynSplitRows(DeviceRows):
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
-        for t in self.kmin + self.kmax:
-            t[row] = 0
-        for t in (self.start, self.reuse, self.channels):
-            t[row] = 0
+        for t in (*self.kmin, *self.kmax, self.start, self.reuse, self.channels):
+            t[row].zero_()  # a kernel: writing a Python number would wait for the device, twice a layer

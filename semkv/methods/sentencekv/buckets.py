@@ -20,10 +20,9 @@ from semkv.methods.sentencekv.sentences import SentenceScan
 from semkv.methods.state.rows import DeviceRows
 
 
-def bucket_of(starts: list[int], positions: torch.Tensor) -> torch.Tensor:
-    """Bucket id of each token position, given the bucket start positions (ascending)."""
-    bounds = torch.tensor(starts, device=positions.device, dtype=torch.long)
-    return torch.searchsorted(bounds, positions.long().contiguous(), right=True) - 1
+def bucket_of(starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Bucket id of each token position, given the bucket start positions [buckets] (ascending)."""
+    return torch.searchsorted(starts, positions.long().contiguous(), right=True) - 1
 
 
 class SentenceRows(DeviceRows):

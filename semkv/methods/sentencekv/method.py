@@ -273,8 +273,9 @@ class SentenceKV(RowHolder, KVMethod):
         probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
         importance = per_kv_head(probs.sum(1), keys.shape[0], "sum")[:, st.n_sink : n - recent]  # [kv_heads, mid]
         size = int(self.keep_factor * st.budget)
+        starts = kv.pool.staging.send(st.starts)  # [buckets], in a copy that does not wait for the device
         if self.retain == "sentences":  # each token scores its sentence's best; ties go to the earlier token
-            bucket = bucket_of(st.starts, torch.arange(st.n_sink, n - recent, device=keys.device))[None]  # [1, mid]
+            bucket = bucket_of(starts, torch.arange(st.n_sink, n - recent, device=keys.device))[None]  # [1, mid]
             best = importance.new_full((importance.shape[0], len(st.starts)), float("-inf"))
             best = best.scatter_reduce(1, bucket.expand_as(importance), importance, "amax")  # [kv_heads, buckets]
             order = best.gather(1, bucket.expand_as(importance)).sort(dim=-1, descending=True, stable=True).indices
@@ -284,7 +285,7 @@ class SentenceKV(RowHolder, KVMethod):
         heads = torch.arange(keys.shape[0], device=keys.device)[:, None]
         vectors = keys[heads, retained][None, None] if self._rows.vectors is not None else None  # [1, 1, H, R, D]
         row = torch.full((1,), st.row, device=keys.device)  # a fill, not a copy from the host that waits
-        self._rows.add(row, slice(layer, layer + 1), vectors, bucket_of(st.starts, retained)[None, None],
+        self._rows.add(row, slice(layer, layer + 1), vectors, bucket_of(starts, retained)[None, None],
                        torch.zeros_like(row))
         resident = retained
         if st.offload:

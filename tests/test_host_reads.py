@@ -1,0 +1,86 @@
+"""The host's reads of device values in a server's steps do not grow with the model's depth.
+
+On a GPU every read of a device value (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`, a boolean-mask index, `nonzero`,
+...) and every copy from pageable host memory (`torch.tensor(list, device=...)`, a Python number written into a
+tensor) makes the host wait for every kernel queued before it. A step may wait a few times (its tokens, a finished
+prompt's first token); a wait in every layer keeps the host from running ahead of the device through a prompt chunk,
+and the device then idles while the host prepares each layer (ChunkKV's prompt end waited once a layer:
+benchmarks/results/2026-11-29-h200-mixed-steps.md). On the CPU nothing waits, so the reads are counted instead: a
+torch function mode records them by the semkv line that made them, in the same session on a tiny Llama of 3 layers
+and one of 6; a line whose reads double with the layers reads once a layer. The kernels' CPU path (`kernels/` and
+the methods' `reference.py`, plain torch) is left out: on a GPU their Triton kernels run instead."""
+from __future__ import annotations
+
+import collections
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import semkv
+from semkv.engine.sequence import SamplingParams
+from semkv.methods import get_method
+from test_method_matrix import CASES, CONTEXTS, IDS, QUESTIONS, SMALL
+
+READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "argwhere",
+         "masked_select", "unique", "unique_consecutive", "equal", "allclose"}
+SEMKV = str(Path(semkv.__file__).parent)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the operations that wait for the device on a GPU, by the innermost semkv line that made them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name in READS
+                or name == "tensor" and kwargs.get("device") is not None  # a copy from pageable host memory
+                or name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+                or name == "__getitem__" and _mask(args[1])  # a boolean mask: the result's size is read
+                or name == "__setitem__" and isinstance(args[2], (int, float, bool))):  # a number written
+            site = _site()
+            if not site.startswith("kernels/") and not site.split(":")[0].endswith("reference.py"):
+                self.sites[f"{name} at {site}"] += 1
+        return func(*args, **kwargs)
+
+
+def _mask(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _site() -> str:
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(SEMKV)]
+    return f"{Path(frames[-1].filename).relative_to(SEMKV)}:{frames[-1].lineno}" if frames else "outside semkv"
+
+
+def reads(llm, method, budget: int) -> collections.Counter[str]:
+    """The reads of a session of the three prompts, two at a time, steps of `budget` tokens."""
+    session = llm.new_session(max_num_batched_tokens=budget, max_num_seqs=2, enable_prefix_caching=True)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for i, (context, question) in enumerate(zip(CONTEXTS, QUESTIONS)):
+        ids = llm.encode(f"{context}\n\n{question}", chat=False)[0]
+        session.submit(i, ids, params, method, repr(method))
+    with HostReads() as counted:
+        while session.scheduler.busy:
+            session.advance()
+    assert not session.scheduler.failed
+    return counted.sites
+
+
+@pytest.fixture(scope="module")
+def depths(tiny_model_dir):
+    return [semkv.LLM(tiny_model_dir(arch), device="cpu", prefill_chunk=48) for arch in ("llama", "llama_deep")]
+
+
+@pytest.mark.parametrize("name, i, params", [("full", 0, {}), *CASES], ids=["full", *IDS])
+def test_no_read_of_the_device_in_every_layer(depths, name, i, params):
+    counts = [reads(llm, get_method(name, SMALL, **params), 32) for llm in depths]
+    grown = {site: (counts[0][site], n) for site, n in counts[1].items() if n >= 2 * max(counts[0][site], 1)}
+    assert not grown, grown
