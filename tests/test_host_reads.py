@@ -8,7 +8,8 @@ and the device then idles while the host prepares each layer (ChunkKV's prompt e
 benchmarks/results/2026-11-29-h200-mixed-steps.md). On the CPU nothing waits, so the reads are counted instead: a
 torch function mode records them by the semkv line that made them, in the same session on a tiny Llama of 3 layers
 and one of 6; a line whose reads double with the layers reads once a layer. The kernels' CPU path (`kernels/` and
-the methods' `reference.py`, plain torch) is left out: on a GPU their Triton kernels run instead."""
+the methods' `reference.py`, plain torch) is left out: on a GPU their Triton kernels run instead; so is the staging
+ring's copy (`engine/staging.py`), from pinned memory without waiting on a GPU."""
 from __future__ import annotations
 
 import collections
@@ -45,7 +46,7 @@ class HostReads(TorchFunctionMode):
                 or name == "__getitem__" and _mask(args[1])  # a boolean mask: the result's size is read
                 or name == "__setitem__" and isinstance(args[2], (int, float, bool))):  # a number written
             site = _site()
-            if not site.startswith("kernels/") and not site.split(":")[0].endswith("reference.py"):
+            if not (site.startswith(("kernels/", "engine/staging.py")) or site.split(":")[0].endswith("reference.py")):
                 self.sites[f"{name} at {site}"] += 1
         return func(*args, **kwargs)
 
@@ -84,3 +85,41 @@ def test_no_read_of_the_device_in_every_layer(depths, name, i, params):
     counts = [reads(llm, get_method(name, SMALL, **params), 32) for llm in depths]
     grown = {site: (counts[0][site], n) for site, n in counts[1].items() if n >= 2 * max(counts[0][site], 1)}
     assert not grown, grown
+
+
+# the decode steps of these read the device once, in the engine: their hooks keep to the device or the host (a method
+# that picks its write slots, `begin_step`, is read where they append)
+ONE_READ = [("full", {}), ("snapkv", {}), ("pyramidkv", {}), ("quest", {}), ("keydiff", {}), ("infllm", {}),
+            ("chunkkv", {"neighbours": 3}), ("chess", {"anchor": "queries"}),
+            ("sentencekv", {"retain": "sentences", "score": "tokens", "query": "current", "keep_factor": 1})]
+
+
+@pytest.mark.parametrize("name, params", ONE_READ, ids=[name for name, _ in ONE_READ])
+def test_a_decode_step_reads_the_device_once(depths, name, params):
+    """After the prompts, each step of the running requests reads the device once: its tokens and statistics
+    (`Engine.finish_read`; on a GPU, from the early copy of a step whose end waits behind prompt chunks). A second
+    read in the method's hooks would wait for those chunks too."""
+    llm, method = depths[0], get_method(name, 48, **params)
+    session = llm.new_session(max_num_batched_tokens=64, max_num_seqs=3, enable_prefix_caching=False)
+    for i, (context, question) in enumerate(zip(CONTEXTS, QUESTIONS)):
+        ids = llm.encode(f"{context}\n\n{question}", chat=False)[0]
+        session.submit(i, ids, SamplingParams(max_new_tokens=24, ignore_eos=True), method, repr(method))
+    scheduler = session.scheduler
+    while scheduler.waiting or scheduler.prefilling:
+        session.advance()
+    steps = 0
+    with HostReads() as counted:
+        while scheduler.busy:
+            session.advance()
+            steps += 1
+    assert steps >= 8 and not scheduler.failed
+    assert dict(counted.sites) == {f"tolist at {_finish_read_line()}": steps}
+
+
+def _finish_read_line() -> str:
+    """engine/engine.py:N, the line of `Engine.finish_read` that reads the step's values."""
+    import inspect
+
+    from semkv.engine.engine import Engine
+    lines, first = inspect.getsourcelines(Engine.finish_read)
+    return f"engine/engine.py:{first + next(i for i, line in enumerate(lines) if '.tolist()' in line)}"

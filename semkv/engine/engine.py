@@ -493,8 +493,8 @@ class Engine:
         write = None
         if type(method).begin_step is not KVMethod.begin_step:
             before = [list(s.kv.num_slots) for s in seqs]
-            positions = torch.tensor([s.num_computed for s in seqs], device=self.device)
-            slots_before = torch.tensor(before, device=self.device)  # [B, layers]
+            sent = self.pool.staging.send([[s.num_computed, *n] for s, n in zip(seqs, before)])  # does not wait
+            positions, slots_before = sent[:, 0], sent[:, 1:]  # [B], [B, layers]
             write = method.begin_step(DecodeBatch(seqs, positions, slots_before, self.config))
         if write is None:  # every layer appends
             append_slots([seq.kv for seq in seqs if not seq.slot_ready])
