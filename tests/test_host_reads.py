@@ -1,4 +1,4 @@
-"""The host's reads of device values in a server's steps do not grow with the model's depth.
+"""The host's reads of device values in a server's steps: none once a layer, one a decode step.
 
 On a GPU every read of a device value (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`, a boolean-mask index, `nonzero`,
 ...) and every copy from pageable host memory (`torch.tensor(list, device=...)`, a Python number written into a
@@ -7,7 +7,8 @@ prompt's first token); a wait in every layer keeps the host from running ahead o
 and the device then idles while the host prepares each layer (ChunkKV's prompt end waited once a layer:
 benchmarks/results/2026-11-29-h200-mixed-steps.md). On the CPU nothing waits, so the reads are counted instead: a
 torch function mode records them by the semkv line that made them, in the same session on a tiny Llama of 3 layers
-and one of 6; a line whose reads double with the layers reads once a layer. The kernels' CPU path (`kernels/` and
+and one of 6; a line whose reads double with the layers reads once a layer. The decode steps of the methods whose
+hooks need nothing from the device read it once, for their tokens. The kernels' CPU path (`kernels/` and
 the methods' `reference.py`, plain torch) is left out: on a GPU their Triton kernels run instead; so is the staging
 ring's copy (`engine/staging.py`), from pinned memory without waiting on a GPU."""
 from __future__ import annotations
