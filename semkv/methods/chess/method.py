@@ -411,11 +411,11 @@ class Chess(KVMethod):
                                                        self.block_size, self.selection_width(batch.max_slots))
         return Selection(slots[:, None], lengths[:, None])
 
-    def page_scores(self, seqs: list[Sequence], summarized: torch.Tensor, start: torch.Tensor, n_pages: list[int],
+    def page_scores(self, seqs: list[Sequence], summarized: torch.Tensor, start: torch.Tensor, n_pages: torch.Tensor,
                     candidates: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """Each page's score [b, width]: its affinity with the recent window's mean key (Eq. 3-4, centred if asked),
-        or with anchor="queries" the prompt window's attention to it, max-pooled over `neighbours` pages on either side
-        (pages past the prompt score 0)."""
+        """Each page's score [b, width] (n_pages [b]: each sequence's pages): its affinity with the recent window's
+        mean key (Eq. 3-4, centred if asked), or with anchor="queries" the prompt window's attention to it,
+        max-pooled over `neighbours` pages on either side (pages past the prompt score 0)."""
         b, width = candidates.shape
         if self.anchor == "queries":
             masses = [seq.method_state.page_mass for seq in seqs]
@@ -423,8 +423,7 @@ class Chess(KVMethod):
             return neighbour_max(scores, self.neighbours)
         device = candidates.device
         window = (start[:, None] + torch.arange(self.recent_pages, device=device)).clamp(max=width - 1)
-        pages = seqs[0].kv.pool.staging.send(n_pages)  # [b]
-        anchor = self.mean_vector(seqs, summarized, window, window < pages[:, None], width,
+        anchor = self.mean_vector(seqs, summarized, window, window < n_pages[:, None], width,
                                   tables)  # Eq. 3: [b, layers, kv_heads, D]
         if not self.center:
             return self.page_dots(seqs, summarized, width, anchor[:, None], tables)[:, 0]  # Eq. 4
@@ -446,12 +445,12 @@ class Chess(KVMethod):
         if self.anchor == "keys":
             self.fold(seqs, [c - 1 for c in counts], tables)
         device = tables.device
-        n, start = seqs[0].kv.pool.staging.send([counts, starts])  # [b] each, in a copy that does not wait
+        n, start, pages = seqs[0].kv.pool.staging.send([counts, starts, n_pages])  # [b] each, one copy: no wait
         summarized = n - 1
         _, _, k = safety(n, budget_tokens(self.budget, n), start, size)
         page = torch.arange(width, device=device)[None, :]
         candidates = (page >= 1) & (page < start[:, None])  # neither the sink page nor the window
-        scores = self.page_scores(seqs, summarized, start, n_pages, candidates, tables)  # [b, width]
+        scores = self.page_scores(seqs, summarized, start, pages, candidates, tables)  # [b, width]
         share = k / candidates.sum(1).clamp(min=1)
         rho = cascade_ratios(PRESETS[self.preset], share)
         keep = cascade(scores, candidates, self.chunk_pages, self.grid_chunks, rho, k)
