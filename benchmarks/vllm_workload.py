@@ -13,7 +13,10 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from semkv.text import TextModel
 
 QUESTIONS = (
     "In one paragraph, what is the main argument of the text above?",
@@ -28,23 +31,12 @@ QUESTIONS = (
 STRIDE = 1009  # tokens between the starts of consecutive windows: no two prompts share a first page
 
 
-class Text:
-    """`semkv.LLM`'s prompt encoding (question joined, chat template, answer prefix) on a tokenizer alone: the ids
-    `LLM.generate` makes from the same text, without loading weights."""
+def load_text(model: str | None) -> TextModel:
+    """`semkv.LLM`'s prompt encoding (question joined, chat template, answer prefix) for `model` (a HF folder), as
+    `TextModel` (which `LLM` is): the ids `LLM.generate` makes from the same text, without loading weights."""
+    from semkv.text import TextModel
 
-    def __init__(self, tokenizer):
-        from semkv.llm import LLM
-
-        self.tokenizer = tokenizer
-        for name in ("encode", "prompt_text", "chat_text"):
-            setattr(self, name, getattr(LLM, name).__get__(self))
-
-
-def load_text(model: str) -> Text:
-    """The tokenizer semkv loads for `model` (a HF folder), as `Text`."""
-    from transformers import AutoTokenizer
-
-    return Text(AutoTokenizer.from_pretrained(model))
+    return TextModel.load(model)
 
 
 @dataclass
@@ -58,7 +50,7 @@ class Essays:
     """Windows of RULER's essay haystack (`data_dir/paul_graham/ruler_PaulGrahamEssays.json`, where `semkv eval
     --data-dir` reads it) as prompts of a given length in tokens."""
 
-    def __init__(self, text: Text, data_dir: str | Path):
+    def __init__(self, text: TextModel, data_dir: str | Path):
         from semkv.eval.files import read_json
 
         self.text = text
