@@ -123,9 +123,13 @@ def test_a_packed_step_plan_is_one_tensor_and_fills_the_static_rows_below_with_p
 
 
 def test_tokens_chosen_together_are_those_chosen_one_by_one():
-    """`sample_each` (a step's first tokens, the greedy ones read from the device at once) gives each request the
-    token `sample` gives it: greedy rows their argmax (ties to the lower id), sampled rows from their own generator."""
-    from semkv.engine.sampler import sample, sample_each
+    """`choose_each` then `chosen` (a step's first tokens, the greedy ones chosen on the device and read at once)
+    give each request the token `sample` gives it: greedy rows their argmax (ties to the lower id), sampled rows from
+    their own generator."""
+    from semkv.engine.sampler import choose_each, chosen, sample
+
+    def sample_each(*args):
+        return chosen(choose_each(*args))
 
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(50, generator=gen) for _ in range(5)]

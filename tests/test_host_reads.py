@@ -106,7 +106,7 @@ def test_a_decode_step_reads_the_device_once(depths, name, params):
         ids = llm.encode(f"{context}\n\n{question}", chat=False)[0]
         session.submit(i, ids, SamplingParams(max_new_tokens=24, ignore_eos=True), method, repr(method))
     scheduler = session.scheduler
-    while scheduler.waiting or scheduler.prefilling:
+    while scheduler.waiting or scheduler.prefilling or scheduler.awaiting:  # until every request decodes
         session.advance()
     steps = 0
     with HostReads() as counted:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import semkv
-from semkv.engine.prefix_cache import PrefixCache
+from semkv.engine.prefix_cache import PrefixCache, PromptKeys, block_keys
 from semkv.engine.sequence import SamplingParams
 from semkv.methods import get_method
 from test_method_matrix import CASES, CONTEXTS, IDS, NEW, QUESTIONS, SMALL
@@ -182,6 +182,30 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     assert list(cache.lru) == [b"d"] and cache.clear() == [40, 41, 42] and cache.hits == 4
 
 
+def test_a_new_prompt_hashes_its_pages_as_its_prefill_computes_them(llm):
+    """A prompt's page keys are the chained keys of all its pages (`block_keys`) however they are hashed; a new
+    prompt's admission hashes one run of them (its first page misses), its prefill the pages it computed; a follow-up
+    on the same document finds the pages the first prompt cached, and nothing stays held."""
+    ids = list(range(1000, 1000 + 16 * 150 + 5))
+    keys = PromptKeys(ids, 16)
+    assert keys.first(3) == block_keys(ids, 16, 3) and keys.first(200) == block_keys(ids, 16, 150)
+    assert list(PromptKeys(ids, 16).walk(500)) == keys.keys and keys.count == 150
+    full = get_method("full")
+    document = encode(llm, " ".join(CONTEXTS) * 6)  # more pages than a run
+    assert len(document) // 16 > PromptKeys.RUN
+    driver = Driver(llm, max_num_batched_tokens=64)
+    driver.submit(document + encode(llm, QUESTIONS[0]), full, new=4)
+    driver.advance()  # the first 64 tokens: 4 pages
+    first = driver.seqs[0]
+    assert len(first.block_keys.keys) == PromptKeys.RUN < first.block_keys.count
+    driver.finish()
+    assert set(llm.engine.pool.cache.blocks) == set(block_keys(first.prompt_ids, 16, len(first.prompt_ids) // 16))
+    driver.submit(document + encode(llm, QUESTIONS[1]), full, new=4)
+    driver.finish()
+    assert driver.seqs[1].stats.cached_tokens == len(document) // 16 * 16
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
 def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):
     """On a pool of fixed size, finished requests leave their prompt pages cached (idle, counted as available); a
     request that needs more than the free pages evicts the least recently used ones and runs."""
@@ -254,7 +278,7 @@ def test_a_step_keeps_to_its_budget_while_requests_decode_and_takes_the_engine_c
         driver.submit(encode(llm, prompt), full, new=8)
     scheduler, idle, busy = driver.session.scheduler, [], []
     while scheduler.busy:
-        decoding = len(scheduler.running)
+        decoding = len(scheduler.running) + len(scheduler.awaiting)  # those awaiting their first token decode next
         driver.advance()
         (busy if decoding else idle).append(scheduler.counters.step_tokens)
     assert [s.output_ids for s in driver.seqs] == want
@@ -270,7 +294,7 @@ def test_a_decode_step_ends_after_the_running_prompts_chunks_are_queued_and_befo
     meanwhile), then new prompts admitted (after the requests that finished are released); the tokens are those of
     whole prompts."""
     full = get_method("full")
-    prompts = PROMPTS[:4]
+    prompts = [p * 2 for p in PROMPTS]  # long enough for a prompt to be prefilled while another decodes
     want = alone(llm, full, prompts, 6)
     engine, calls = llm.engine, []
 

@@ -23,7 +23,7 @@ from semkv.engine.hooks import DecodeBatch, KVMethod, StepPlan
 from semkv.engine.kv_cache import KVPool, SeqKV, append_slots, ensure_many, stack_tables
 from semkv.engine.memory import MemoryUsage, held_bytes
 from semkv.engine.offload import available_host_bytes
-from semkv.engine.prefix_cache import block_keys
+from semkv.engine.prefix_cache import PromptKeys
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -296,8 +296,8 @@ class Engine:
         if self.pool.cache is None or not method.shares_prefix(seq):
             return
         page, n = self.pool.page_size, len(seq.prompt_ids)
-        seq.block_keys = block_keys(seq.prompt_ids, page, n // page)
-        blocks = self.pool.cache.match(seq.block_keys[: (n - max(method.window_size(), 1)) // page])
+        seq.block_keys = PromptKeys(seq.prompt_ids, page)
+        blocks = self.pool.cache.match(seq.block_keys.walk((n - max(method.window_size(), 1)) // page))
         if blocks:
             self.reserve_table(seq)
             seq.kv.share(blocks)
@@ -305,25 +305,25 @@ class Engine:
             if not seq.output_ids:  # not a recompute after preemption (its own pages may be cached by then)
                 seq.stats.cached_tokens = seq.num_computed
         seq.cached_blocks = len(blocks)
-        seq.kv.protect = len(seq.block_keys)
+        seq.kv.protect = seq.block_keys.count
 
     def cache_prompt(self, seq: Sequence) -> int:
         """Add the prompt pages its prefill has computed in every layer to the prefix cache (once the prompt is done,
         the protected pages a compaction set aside go back: the cache keeps them); how many blocks were added."""
-        if not seq.block_keys:
+        if seq.block_keys is None:
             return 0
-        kv, done = seq.kv, min(seq.num_computed // self.pool.page_size, len(seq.block_keys))
+        kv, done = seq.kv, min(seq.num_computed // self.pool.page_size, seq.block_keys.count)
         added = 0
         if done > seq.cached_blocks:
             pages = np.array([(kv.aside[layer] or kv.pages[layer])[seq.cached_blocks:done]
                               for layer in range(self.config.num_layers)], dtype=np.int64).T  # [blocks, layers]
-            added = self.pool.cache.add(seq.block_keys[seq.cached_blocks:done], pages, held=True)
+            added = self.pool.cache.add(seq.block_keys.first(done)[seq.cached_blocks:], pages, held=True)
         seq.cached_blocks = max(seq.cached_blocks, done)
         if seq.prefill is None:  # the prompt is done
             self.pool.release([page for aside in kv.aside for page in aside[::-1]])  # tail first (`SeqKV.release`)
             kv.aside = [[] for _ in kv.aside]
             kv.protect = 0
-            seq.block_keys = []
+            seq.block_keys = None
         return added
 
     def _prefill_layers(self, seq: Sequence, budget: int) -> torch.Tensor | None:

@@ -1,6 +1,8 @@
 """Next-token choice: greedy, or temperature / top-k / top-p sampling with each request's own seeded generator."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from semkv.engine.sequence import SamplingParams, TokenLogprob
@@ -24,18 +26,46 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_each(logits: list[torch.Tensor], params: list[SamplingParams],
-                generators: list[torch.Generator]) -> list[int]:
-    """`sample` for several requests (logits [vocab] each): the greedy ones' tokens read from the device together,
-    one wait for all of them instead of one a request."""
-    tokens = [0] * len(logits)
+@dataclass
+class Choice:
+    """Several requests' next tokens under way (`choose_each`): the greedy requests' tokens chosen on the device and
+    being copied to the host, the others to be sampled on the host (`chosen`)."""
+
+    logits: list[torch.Tensor]  # [vocab] each
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+    greedy: list[int]  # the indices of the greedy requests
+    tokens: torch.Tensor | None  # [len(greedy)] their tokens (pinned host memory on CUDA), or None when none
+    ready: torch.cuda.Event | None  # recorded after the copy (None: the copy is done)
+
+
+def choose_each(logits: list[torch.Tensor], params: list[SamplingParams],
+                generators: list[torch.Generator]) -> Choice:
+    """`sample` for several requests (logits [vocab] each), started: the greedy requests' tokens chosen together on
+    the device and copied to the host without waiting for it, so the host may queue more work before it reads them
+    (`chosen`: one wait for all of them, not one a request)."""
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    tokens, ready = None, None
     if greedy:
-        for i, token in zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist()):
+        tokens = torch.stack([logits[i] for i in greedy]).argmax(-1)
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            tokens, ready = host.copy_(tokens, non_blocking=True), torch.cuda.Event()
+            ready.record()
+    return Choice(logits, params, generators, greedy, tokens, ready)
+
+
+def chosen(choice: Choice) -> list[int]:
+    """The tokens of a `choose_each`: its greedy ones once their copy is done, the others sampled now."""
+    tokens = [0] * len(choice.logits)
+    if choice.ready is not None:
+        choice.ready.synchronize()
+    if choice.tokens is not None:
+        for i, token in zip(choice.greedy, choice.tokens.tolist()):
             tokens[i] = token
-    for i, p in enumerate(params):
+    for i, p in enumerate(choice.params):
         if p.temperature > 0:
-            tokens[i] = sample(logits[i], p, generators[i])
+            tokens[i] = sample(choice.logits[i], p, choice.generators[i])
     return tokens
 
 

@@ -9,8 +9,12 @@ time between a running request's tokens, not a prefill's. The last batch's decod
 method's `end_step`, its finished requests released) after the chunks of the prompts already being prefilled are
 queued and before new prompts are admitted: the device runs those chunks while the host ends the step, instead of
 idling between the decode step's end and the first chunk (an H200, 64 requests of 32,000 tokens: a mixed step
-54.2 -> 49.7 ms, benchmarks/results/2026-11-29-h200-mixed-steps.md). Without a budget (`Engine.run`), waiting
-requests are admitted and prefilled whole before the decode steps.
+54.2 -> 49.7 ms, benchmarks/results/2026-11-29-h200-mixed-steps.md). The prompts a step finishes get their first
+tokens chosen on the device at its end and read by the next step after it has queued its own work (`_choose_first`,
+`_first_tokens`): the device goes from one step's prefill to the next one's while the host admits and plans it;
+they decode from the step after (until then they count as decoding for the budget). Without a budget
+(`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get their first
+tokens at once.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
@@ -39,7 +43,7 @@ import torch
 from semkv.engine.cuda_graph import GraphRunner
 from semkv.engine.hooks import KVMethod
 from semkv.engine.prefix_cache import PrefixCache
-from semkv.engine.sampler import sample_each
+from semkv.engine.sampler import Choice, choose_each, chosen
 from semkv.engine.sequence import Sequence
 
 StopTest = Callable[[Sequence], str]  # why a request stops after its last token ("eos", "stop", "length"), or ""
@@ -110,6 +114,9 @@ class Scheduler:
         self._bypassed = 0  # admissions past the request at the head of the queue
         self._timing: deque[tuple[str, Mark, Mark]] = deque()  # (kind, start, end) of steps not yet counted
         self._done: list[tuple[Sequence, torch.Tensor]] = []  # prompts done this step, their last logits [vocab]
+        # the prompts a step finished, their first tokens being chosen (`_choose_first`): the next step takes them
+        self._choosing: tuple[list[tuple[Sequence, torch.Tensor]], Choice] | None = None
+        self.awaiting: set[Sequence] = set()  # those prompts (less any preempted or ended since): decoding next step
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
         """Queue a request (its `method_state` made already) behind the waiting ones."""
@@ -125,7 +132,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or any(b.running for b in self.batches.values()))
+        return bool(self.waiting or self.prefilling or self.awaiting
+                    or any(b.running for b in self.batches.values()))
 
     def keep(self, method: KVMethod) -> None:
         """Keep the batch of `method` (an `idle_graphs` one), with its captured decode steps, while no request uses
@@ -161,6 +169,7 @@ class Scheduler:
         if budget is None:  # whole prompts first, as many as fit
             while (seq := self._admit()) is not None:
                 prompt += self._prefill(seq, 0, progress)
+            self._choose_first()
             self._first_tokens()
             tokens = prompt
         active = [b for b in self.batches.values() if b.running]
@@ -182,7 +191,9 @@ class Scheduler:
                 self._complete(batch, step)
         if budget is not None:  # what the decode steps left of the budget goes to prompts; a step in which no
             # request decodes keeps no one from a token: it prefills up to the engine's own chunk when that is larger
-            left = budget - tokens if tokens else max(budget, self.engine.prefill_chunk)
+            # (the prompts awaiting their first token, which decode from the next step, count as decoding)
+            decoding = tokens + len(self.awaiting)
+            left = budget - decoding if decoding else max(budget, self.engine.prefill_chunk)
             for seq in list(self.prefilling):  # prompts being prefilled first, then new ones
                 if left <= 0:
                     break
@@ -193,7 +204,8 @@ class Scheduler:
             while left > 0 and (seq := self._admit()) is not None:
                 done = self._prefill(seq, left)
                 left, tokens, prompt = left - done, tokens + done, prompt + done
-            self._first_tokens()
+            self._first_tokens()  # the last step's prompts: their tokens were chosen before this step's work
+            self._choose_first()
         self.engine.reserved = 0  # the promises hold while this scheduler steps
         if tokens:
             self.counters.steps += 1
@@ -294,26 +306,48 @@ class Scheduler:
             return 0
         return seq.num_computed - before
 
-    def _first_tokens(self) -> None:
-        """The prompts done in this step get their first tokens, chosen together (one wait for the device, not one
-        a prompt, so the host prepares a prompt's chunk while the device runs the one before), and join their
-        method's batch. A prompt recomputed after preemption gets none: its next tokens are its output's."""
+    def _choose_first(self) -> None:
+        """The prompts done in this step get their first tokens chosen together on the device (`choose_each`),
+        copied to the host without a wait: the next step queues its work before it reads them (`_first_tokens`), so
+        the device runs that work while the host admits and plans it, instead of idling from the end of this step's
+        prefill to the next step's first kernel."""
         done, self._done = self._done, []
+        if not done:
+            return
         fresh = [(seq, logits) for seq, logits in done if not seq.output_ids]
         try:
-            tokens = self.engine.agree(sample_each([logits for _, logits in fresh], [seq.params for seq, _ in fresh],
-                                                   [seq.generator for seq, _ in fresh]))
+            choice = choose_each([logits for _, logits in fresh], [seq.params for seq, _ in fresh],
+                                 [seq.generator for seq, _ in fresh])
         except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
             self._fail([seq for seq, _ in done], error)
             return
+        self._choosing = done, choice
+        self.awaiting.update(seq for seq, _ in done)
+
+    def _first_tokens(self) -> None:
+        """The prompts whose first tokens `_choose_first` chose get them and join their method's batch (those
+        preempted or ended since are left out). A prompt recomputed after preemption gets none: its next tokens are
+        its output's."""
+        if self._choosing is None:
+            return
+        (done, choice), self._choosing = self._choosing, None
+        fresh = [(seq, logits) for seq, logits in done if not seq.output_ids]
+        try:
+            tokens = self.engine.agree(chosen(choice))
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail([seq for seq, _ in done if seq in self.awaiting], error)
+            return
         for (seq, logits), token in zip(fresh, tokens):
+            if seq not in self.awaiting:
+                continue
             try:
                 self.engine.append_token(seq, token, self._stop[seq], logits)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([seq], error)
         for seq, _ in done:
-            if seq not in self._method:  # failed above: ended already
+            if seq not in self.awaiting:  # preempted, or failed or ended above
                 continue
+            self.awaiting.discard(seq)
             if seq.finished:
                 self._end(seq)
             else:
@@ -359,12 +393,14 @@ class Scheduler:
         method = self._method[seq]
         if seq in self.prefilling:
             self.prefilling.remove(seq)
+        elif seq in self.awaiting:
+            self.awaiting.discard(seq)
         else:
             self.batches[id(method)].running.remove(seq)
         del self._admitted[seq]
         self.engine.release(seq)
         seq.num_computed, seq.prefill, seq.slot_ready = 0, None, False
-        seq.block_keys, seq.cached_blocks = [], 0
+        seq.block_keys, seq.cached_blocks = None, 0
         seq.method_state = method.new_state(seq)
         self.waiting.appendleft(seq)
         self._queued[seq] = time.perf_counter()
@@ -399,6 +435,7 @@ class Scheduler:
         self._admitted.pop(seq, None)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
+        self.awaiting.discard(seq)
         batch = self.batches.get(id(method))
         if batch is not None and seq in batch.running:
             batch.running.remove(seq)
@@ -411,6 +448,8 @@ class Scheduler:
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
         if not self.contain:
             self._done.clear()  # the run ends: no prompt's logits outlive it in the error's traceback
+            self._choosing = None
+            self.awaiting.clear()
             raise error
         for seq in seqs:
             if seq in self.waiting:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from semkv.engine.kv_cache import SeqKV
+from semkv.engine.prefix_cache import PromptKeys
 from semkv.engine.trace import Trace
 from semkv.errors import INT_MAX, SemkvError
 
@@ -110,7 +111,7 @@ class Sequence:
         self.trace: Trace | None = None  # set to record resident / attended positions (engine/trace.py)
         self.logprobs: list[TokenLogprob] = []  # one per new token when `params.logprobs` asks for them
         self.prefill: Any = None  # `Engine.start_prefill`'s progress while the prompt is prefilled chunk by chunk
-        self.block_keys: list[bytes] = []  # prefix caching: the keys of its full prompt pages (`block_keys`)
+        self.block_keys: PromptKeys | None = None  # prefix caching: the keys of its full prompt pages
         self.cached_blocks = 0  # of those, the ones in the prefix cache (found there, or added by this request)
 
     @property

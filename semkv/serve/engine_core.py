@@ -57,6 +57,7 @@ class EngineCore:
         self.ended: list[Ended] = []  # requests that failed at submission, sent with the next outputs
         self.draining = False
         self.measured = 0.0  # when the engine's memory was last measured
+        self.reported_steps = 0  # the scheduler's step count in the last message (each step's tokens are reported)
 
     def run(self) -> None:
         with torch.inference_mode():
@@ -129,7 +130,9 @@ class EngineCore:
         # when requests came or went and the engine is idle, so that what it holds afterwards is known
         if now - self.measured >= MEASURE_EVERY_S or changed and not self.scheduler.busy:
             memory, self.measured = self.llm.engine.memory(), now
-        if ids or ended or batch_sizes or memory is not None:
+        stepped = self.scheduler.counters.steps != self.reported_steps  # a step with no tokens to send counts too
+        if ids or ended or batch_sizes or memory is not None or stepped:
+            self.reported_steps = self.scheduler.counters.steps
             message = Outputs(ids, tokens, logprobs, ended, self.scheduler.counters, len(self.scheduler.running),
                               len(self.scheduler.waiting), batch_sizes, memory, time.monotonic())
             self.outputs.send(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
