@@ -813,6 +813,20 @@ def test_fa3_prefill_turns_itself_off_with_one_warning_when_it_refuses(monkeypat
         fa3_prefill.PATH.failed.clear()
 
 
+def test_fa3_prefill_lengths_are_made_on_the_device_once_a_chunk():
+    """FlashAttention 3's cu_seqlens_q (0, chunk) and seqused_k (n,) of a chunk, made without copying from host
+    memory (`torch.tensor(list).to(cuda)` waited for every queued kernel, once for each follow-up's chunk) and kept
+    for the chunk's other layers."""
+    from semkv.kernels import fa3_prefill
+
+    device = torch.device("cpu")
+    for chunk, n in [(1, 1), (37, 31_037), (8192, 32_000)]:
+        cu_q, used_k = fa3_prefill.lengths(chunk, n, device)
+        assert cu_q.tolist() == [0, chunk] and used_k.tolist() == [n]
+        assert cu_q.dtype == used_k.dtype == torch.int32
+        assert fa3_prefill.lengths(chunk, n, device)[0] is cu_q  # the chunk's next layers reuse them
+
+
 @pytest.mark.parametrize("start, chunk", [(0, 40), (0, 1100), (700, 300), (1024, 50), (1500, 1200), (2048, 1024)])
 def test_cudnn_prefill_calls_have_padded_lengths_and_equal_the_reference(monkeypatch, start, chunk):
     """The cuDNN path at any start and chunk length (a server's step budget cuts chunks anywhere): every fused call it

@@ -183,14 +183,20 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
 
 
 def test_a_new_prompt_hashes_its_pages_as_its_prefill_computes_them(llm):
-    """A prompt's page keys are the chained keys of all its pages (`block_keys`) however they are hashed; a new
-    prompt's admission hashes one run of them (its first page misses), its prefill the pages it computed; a follow-up
-    on the same document finds the pages the first prompt cached, and nothing stays held."""
+    """A prompt's page keys are the chained keys of all its pages (`block_keys`) however they are hashed: a run at a
+    time, or taken from a recent prompt that starts with the same tokens; a new prompt's admission hashes one run of
+    them (its first page misses), its prefill the pages it computed; a follow-up on the same document takes the first
+    prompt's keys and finds the pages it cached, and nothing stays held."""
     ids = list(range(1000, 1000 + 16 * 150 + 5))
     keys = PromptKeys(ids, 16)
     assert keys.first(3) == block_keys(ids, 16, 3) and keys.first(200) == block_keys(ids, 16, 150)
     assert list(PromptKeys(ids, 16).walk(500)) == keys.keys and keys.count == 150
+    follow = ids[:16 * 100 + 7] + [5] * 300  # the same first 100 pages and 7 tokens
+    shared = PromptKeys(follow, 16, like=[PromptKeys(ids[:50], 16), keys])  # the longest shared run, not hashed
+    assert shared.keys == keys.keys[:100] and shared.first(200) == block_keys(follow, 16, len(follow) // 16)
+    assert PromptKeys([7] + ids[1:], 16, like=[keys]).keys == []  # different from the first token
     full = get_method("full")
+    llm.reset_prefix_cache()  # no recent prompt of another test to share keys with
     document = encode(llm, " ".join(CONTEXTS) * 6)  # more pages than a run
     assert len(document) // 16 > PromptKeys.RUN
     driver = Driver(llm, max_num_batched_tokens=64)
@@ -202,8 +208,41 @@ def test_a_new_prompt_hashes_its_pages_as_its_prefill_computes_them(llm):
     assert set(llm.engine.pool.cache.blocks) == set(block_keys(first.prompt_ids, 16, len(first.prompt_ids) // 16))
     driver.submit(document + encode(llm, QUESTIONS[1]), full, new=4)
     driver.finish()
+    follow = llm.engine.pool.cache.recent[-1]  # the follow-up's keys: the first prompt's for the document's pages
+    pages = len(document) // 16
+    assert follow.tokens.tolist() == driver.seqs[1].prompt_ids
+    assert follow.keys[:pages] == block_keys(first.prompt_ids, 16, pages)
     assert driver.seqs[1].stats.cached_tokens == len(document) // 16 * 16
     assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["cancel", "preempt"])
+def test_a_request_awaiting_its_first_token_may_be_cancelled_or_preempted(llm, how):
+    """The step after a prompt's prefill reads its first token (`Scheduler.awaiting` until then): cancelled there it
+    ends with no token and frees everything; preempted there it is recomputed and ends with the tokens it would have
+    had; the other request is unaffected."""
+    full = get_method("full")
+    want = alone(llm, full, PROMPTS[:2], 6)
+    driver = Driver(llm, max_num_batched_tokens=64, enable_prefix_caching=False)
+    driver.submit(encode(llm, PROMPTS[0]), full, new=6)
+    driver.submit(encode(llm, PROMPTS[1]), full, new=6)
+    scheduler = driver.session.scheduler
+    while not scheduler.awaiting:
+        driver.advance()
+    seq = next(iter(scheduler.awaiting))
+    assert not seq.output_ids and seq not in scheduler.running and seq not in scheduler.prefilling
+    if how == "cancel":
+        driver.session.cancel(seq.seq_id)
+    else:
+        scheduler._preempt(seq)  # as `_make_room` does when a decode step's pages are missing
+    outputs = driver.finish()
+    other = driver.seqs[1 - driver.seqs.index(seq)]
+    assert other.output_ids == want[driver.seqs.index(other)]
+    if how == "cancel":
+        assert seq.finish_reason == "cancelled" and seq.output_ids == []
+    else:
+        assert outputs == want and scheduler.counters.preemptions == 1
+    assert not scheduler.awaiting and llm.engine.memory().held == (0, 0, 0, 0)
 
 
 def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):
@@ -286,6 +325,25 @@ def test_a_step_keeps_to_its_budget_while_requests_decode_and_takes_the_engine_c
     assert busy and max(busy) <= 16
     assert idle and max(idle) == 48 and len(idle) == -(-first // 48) < -(-first // 16)
     assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_prompt_asking_one_token_does_not_cut_the_next_step_to_the_budget(llm):
+    """Budget 16, engine chunk 48, prompts of one new token each (a server's prefill-only load): a prompt awaiting
+    its first token will not decode, so the step after its prefill still prefills up to 48 tokens of the next one;
+    the tokens are those of whole prompts."""
+    full = get_method("full")
+    want = alone(llm, full, PROMPTS, 1)
+    driver = Driver(llm, max_num_batched_tokens=16, enable_prefix_caching=False)
+    for prompt in PROMPTS:
+        driver.submit(encode(llm, prompt), full, new=1)
+    scheduler, after_a_prompt = driver.session.scheduler, []
+    while scheduler.busy:
+        awaiting = bool(scheduler.awaiting)
+        driver.advance()
+        if awaiting and scheduler.counters.step_tokens:
+            after_a_prompt.append(scheduler.counters.step_tokens)
+    assert [s.output_ids for s in driver.seqs] == want
+    assert after_a_prompt and max(after_a_prompt) == 48
 
 
 def test_a_decode_step_ends_after_the_running_prompts_chunks_are_queued_and_before_admissions(llm, monkeypatch):

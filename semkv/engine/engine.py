@@ -296,8 +296,10 @@ class Engine:
         if self.pool.cache is None or not method.shares_prefix(seq):
             return
         page, n = self.pool.page_size, len(seq.prompt_ids)
-        seq.block_keys = PromptKeys(seq.prompt_ids, page)
-        blocks = self.pool.cache.match(seq.block_keys.walk((n - max(method.window_size(), 1)) // page))
+        cache = self.pool.cache
+        seq.block_keys = PromptKeys(seq.prompt_ids, page, like=cache.recent)
+        cache.recent.append(seq.block_keys)
+        blocks = cache.match(seq.block_keys.walk((n - max(method.window_size(), 1)) // page))
         if blocks:
             self.reserve_table(seq)
             seq.kv.share(blocks)

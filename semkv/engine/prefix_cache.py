@@ -13,14 +13,16 @@ released pages, the least recently used idle blocks are evicted, whole (`evict`)
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+RECENT = 8  # prompts whose page keys a new prompt may share (`PromptKeys`' like)
 
-def block_keys(ids: list[int], page_size: int, count: int, key: bytes = b"") -> list[bytes]:
+
+def block_keys(ids: list[int] | np.ndarray, page_size: int, count: int, key: bytes = b"") -> list[bytes]:
     """Chained keys of the first `count` full pages of the token ids `ids`, the chain going on from `key` (the key of
     the page before `ids`' first; b"" at a prompt's start)."""
     tokens = np.asarray(ids[: count * page_size], dtype=np.int64).reshape(count, page_size)
@@ -34,22 +36,30 @@ def block_keys(ids: list[int], page_size: int, count: int, key: bytes = b"") -> 
 class PromptKeys:
     """The keys of a prompt's full pages (`block_keys`), hashed as far as they are asked for: a lookup hashes runs of
     `RUN` pages only while the cache holds them (a new prompt's first run misses), and `Engine.cache_prompt` hashes
-    the pages a chunk computed after the chunk is queued, while the device runs it. Hashing a 32k prompt's 2,000 pages
-    at its admission took about 5 ms of the host's time, the device idle when a step starts with a new prompt."""
+    the pages a chunk computed after the chunk is queued, while the device runs it; a prompt that starts with the
+    same tokens as a recent one (`like`: a follow-up question on the same document) takes that one's keys of the
+    pages they share, found by comparing the tokens. Hashing a 32k prompt's 2,000 pages took about 5 ms of the
+    host's time at its admission, with the device idle when a step starts with new prompts."""
 
     RUN = 64
 
-    def __init__(self, ids: list[int], page_size: int):
-        self.ids, self.page_size = ids, page_size
+    def __init__(self, ids: list[int], page_size: int, like: Iterable[PromptKeys] = ()):
+        self.tokens, self.page_size = np.asarray(ids, dtype=np.int64), page_size
         self.count = len(ids) // page_size  # full pages
         self.keys: list[bytes] = []  # the first ones, hashed
+        for other in like:
+            shared = min(len(other.keys), self.count) * page_size  # tokens of the pages the other has keys for
+            same = self.tokens[:shared] == other.tokens[:shared]
+            pages = (shared if same.all() else int(same.argmin())) // page_size
+            if pages > len(self.keys):
+                self.keys = other.keys[:pages]
 
     def first(self, count: int) -> list[bytes]:
         """The keys of the first `count` full pages (at most `self.count`)."""
         done, page = len(self.keys), self.page_size
         if count > done:
             count = min(count, self.count)
-            self.keys += block_keys(self.ids[done * page:count * page], page, count - done,
+            self.keys += block_keys(self.tokens[done * page:count * page], page, count - done,
                                     self.keys[-1] if done else b"")
         return self.keys[:count]
 
@@ -87,6 +97,7 @@ class PrefixCache:
         self.lru: OrderedDict[bytes, Block] = OrderedDict()  # fully idle blocks, least recently used first
         self.evictable = 0  # pages of fully idle blocks
         self.hits = 0  # blocks taken by requests (counters for metrics)
+        self.recent: deque[PromptKeys] = deque(maxlen=RECENT)  # the last prompts looked up, whose keys others share
 
     def match(self, keys: Iterable[bytes]) -> list[Block]:
         """The cached blocks of the longest run of `keys` from the start (read no further than the first miss)."""
@@ -171,7 +182,9 @@ class PrefixCache:
         return freed
 
     def clear(self) -> list[int]:
-        """Forget every idle block (their pages, to free); blocks still held stay cached."""
+        """Forget every idle block (their pages, to free) and the recent prompts' keys; blocks still held stay
+        cached."""
+        self.recent.clear()
         return self.evict(self.evictable)
 
     def _idle(self, block: Block) -> None:

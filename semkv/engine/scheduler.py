@@ -12,9 +12,9 @@ idling between the decode step's end and the first chunk (an H200, 64 requests o
 54.2 -> 49.7 ms, benchmarks/results/2026-11-29-h200-mixed-steps.md). The prompts a step finishes get their first
 tokens chosen on the device at its end and read by the next step after it has queued its own work (`_choose_first`,
 `_first_tokens`): the device goes from one step's prefill to the next one's while the host admits and plans it;
-they decode from the step after (until then they count as decoding for the budget). Without a budget
-(`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get their first
-tokens at once.
+they decode from the step after (until then they count as decoding for the budget, unless they ask for one
+token). Without a budget (`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps,
+and get their first tokens at once.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
@@ -191,8 +191,9 @@ class Scheduler:
                 self._complete(batch, step)
         if budget is not None:  # what the decode steps left of the budget goes to prompts; a step in which no
             # request decodes keeps no one from a token: it prefills up to the engine's own chunk when that is larger
-            # (the prompts awaiting their first token, which decode from the next step, count as decoding)
-            decoding = tokens + len(self.awaiting)
+            # (the prompts awaiting their first token count as decoding, but those asking for one token: they end
+            # with it)
+            decoding = tokens + sum(seq.params.max_new_tokens > 1 for seq in self.awaiting)
             left = budget - decoding if decoding else max(budget, self.engine.prefill_chunk)
             for seq in list(self.prefilling):  # prompts being prefilled first, then new ones
                 if left <= 0:

@@ -49,12 +49,13 @@ _lengths: tuple[torch.Tensor, torch.Tensor] = ()
 
 
 def lengths(chunk: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cu_seqlens_q [2] = (0, chunk) and seqused_k [1] = (n,), int32 on the device: one host-to-device copy per
-    chunk, which every layer's call reuses."""
+    """cu_seqlens_q [2] = (0, chunk) and seqused_k [1] = (n,), int32, made on the device from the numbers (kernel
+    arguments: a copy from pageable host memory would make the host wait for every queued kernel), once per chunk:
+    every layer's call reuses them."""
     global _lengths_key, _lengths
     if _lengths_key != (chunk, n, device):
-        both = torch.tensor([0, chunk, n], dtype=torch.int32).to(device, non_blocking=True)
-        _lengths_key, _lengths = (chunk, n, device), (both[:2], both[2:])
+        cu_q = torch.arange(0, 2 * chunk, chunk, dtype=torch.int32, device=device)
+        _lengths_key, _lengths = (chunk, n, device), (cu_q, torch.full((1,), n, dtype=torch.int32, device=device))
     return _lengths
 
 
