@@ -17,13 +17,17 @@
 # new tokens and 128 x 2k with 64), syncs (first_steps.py --sync-debug on the model, 32 x 32k, 16 at a time, for
 # Full KV, CHESS anchor="queries" and ChunkKV neighbours=3 at 10%: every wait of the host for the device in a
 # server's session, by call site, and the steps' times), ruler (`semkv eval` of the eight RULER NIAH tasks, 20
-# samples, batched, into $W/ruler; ARGS: its --methods, --lengths, --budgets...; a rerun resumes). SECONDS (default
+# samples, batched, into $W/ruler; ARGS: its --methods, --lengths, --budgets...; a rerun resumes), ab (this tree's
+# scheduler against another's, `git archive REV semkv benchmarks | tar -x -C .carry/old/semkv` less
+# benchmarks/results, carried: first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a time, and
+# followup_steps.py's follow-ups on 8 cached documents, each tree in its own process, old then new, on the model; a
+# run done while the machine is warm is kept). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|fa3|syncs|ruler [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|fa3|syncs|ruler|ab [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -131,6 +135,26 @@ ruler)  # RULER NIAH quality of the modes named in ARGS (the suite pages' tasks 
     > $W/ruler.log 2>&1
   tail -n 5 $W/ruler.log
   tar czf $out/ruler.tgz -C $W ruler ruler.log device.txt ;;
+ab)  # the scheduler of this tree against another's: prompt rate and follow-ups, each tree in its own process
+  essays
+  mkdir -p $W/ab
+  end=$(( $(date +%s) + seconds - 20 ))
+  [ -d .carry/old/semkv/semkv ] || { echo "ab: no tree in .carry/old/semkv"; exit 2; }
+  for run in "first_steps.py --context 32000 --requests 64 --new-tokens 1 --max-num-seqs 64 --runs 2" \
+             "followup_steps.py --documents 8 --questions 7 --concurrency 8 --new-tokens 128"; do
+    for tree in old new; do
+      read -ra words <<< "$run"
+      root=$PWD; [ $tree = old ] && root=$PWD/.carry/old/semkv
+      log=$W/ab/${words[0]%.py}_$tree.log
+      [ -f $log ] && continue
+      (( $(date +%s) + 90 > end )) && { echo "ab: ${words[0]} $tree not started: too little time left"; continue; }
+      (cd $root && PYTHONPATH=$root:$PYTHONPATH:$root/benchmarks TRITON_CACHE_DIR=$W/tc-$tree \
+        timeout $(( end - $(date +%s) )) python3 benchmarks/${words[0]} --model $QWEN --text-file $W/essays.txt \
+        "${words[@]:1}") > $log.part 2>&1 && mv $log.part $log
+      echo "== $tree ${words[*]}"; grep '^{' $log* | cut -c1-600
+    done
+  done
+  tar czf $out/ab.tgz -C $W ab device.txt ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \
