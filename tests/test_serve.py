@@ -134,6 +134,23 @@ def test_streams_equal_whole_answers_and_stop_strings_cut(server):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_a_stream_sends_a_chunk_as_tokens_arrive_even_without_text(server):
+    """A stop string of 200 characters holds back the text until the end (it might be forming), as a special token
+    or half a character gives no text: the stream still sends a chunk for each arrival of tokens, as vLLM does (a
+    load client times every token by its chunk; without them two tokens' gap counted as one), and the text is the
+    whole answer's."""
+    stop = ["~" * 200]
+    whole = complete(server, PROMPTS[2], max_tokens=24, stop=stop, extra_body={"ignore_eos": True}).choices[0]
+    chunks = [c for c in complete(server, PROMPTS[2], max_tokens=24, stop=stop, stream=True,
+                                  extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == whole.text and len(whole.text) < 200
+    assert len([c for c in chunks if c.choices[0].finish_reason is None]) >= 12  # most tokens in a chunk of their own
+    chat = list(server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=6, temperature=0, stop=stop, stream=True,
+                                                      extra_body={"ignore_eos": True}))
+    assert [c.choices[0].delta.content for c in chat[1:-1]] == [""] * (len(chat) - 2) and len(chat) >= 4
+
+
 def test_a_stream_decodes_each_token_once_into_the_whole_text(smol_llm):
     """The streamed text (`Detokenizer`: each token decoded once) is at every token a prefix of the whole text, with
     no half character, and ends equal to it; a tokenizer that cleans up spaces after decoding decodes it all again."""

@@ -262,12 +262,13 @@ def create_app(text: TextModel, client: EngineClient, config: ServerConfig) -> F
                     yield sse(error_body(error.message, error.kind, error.param, error.code))
                     yield "data: [DONE]\n\n"
                     return
-                if not done:
+                if not done:  # a chunk for each arrival of tokens, as vLLM streams (a client times tokens by their
+                    # chunks), with the text they complete: none for a special token, half a character, or text that
+                    # may begin a stop string
                     decoded = cut_at_stop(detokenizer.text_of(answer.ids), stops)
-                    safe = len(decoded) - holdback
-                    if safe > sent:
-                        yield sse(render.chunk(decoded[sent:safe], None, None))
-                        sent = safe
+                    safe = max(len(decoded) - holdback, sent)
+                    yield sse(render.chunk(decoded[sent:safe], None, None))
+                    sent = safe
                     continue
                 ended = True
                 output = answer.output(text)

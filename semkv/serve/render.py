@@ -108,7 +108,8 @@ class Chat(Render):
         return {**self.head("chat.completion"), "choices": [choice], "usage": usage(output), "semkv": stats(output)}
 
     def chunk(self, text, finish, counts):
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        delta = {"content": text} if text or finish is None else {}  # the last chunk's delta may be empty
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {**self.head(self.kind), "choices": [choice], **({"usage": counts} if counts else {})}
 
     def opening(self) -> dict[str, Any]:
