@@ -27,6 +27,7 @@ from semkv.engine.prefix_cache import PromptKeys
 from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.engine.staging import copy_early
 from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
@@ -539,13 +540,9 @@ class Engine:
             rows.append(tokens.double())  # token ids are exact in float64
         values = torch.stack(rows)  # [2 or 3, B]
         selection_s = (step.selection_s + self.step_plan_s) / n
-        if not early or self.device.type != "cuda":
+        if not early:
             return StepRead(values, None, selection_s)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return StepRead(host, ready, selection_s)
+        return StepRead(*copy_early(values), selection_s)
 
     def finish_read(self, seqs: list[Sequence], read: StepRead) -> list[int] | None:
         """`finish_step` from a `read_step`: waits for the read (only for it, when it was early), accounts the

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from semkv.engine.sequence import SamplingParams, TokenLogprob
+from semkv.engine.staging import copy_early
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -47,11 +48,7 @@ def choose_each(logits: list[torch.Tensor], params: list[SamplingParams],
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
     tokens, ready = None, None
     if greedy:
-        tokens = torch.stack([logits[i] for i in greedy]).argmax(-1)
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            tokens, ready = host.copy_(tokens, non_blocking=True), torch.cuda.Event()
-            ready.record()
+        tokens, ready = copy_early(torch.stack([logits[i] for i in greedy]).argmax(-1))
     return Choice(logits, params, generators, greedy, tokens, ready)
 
 

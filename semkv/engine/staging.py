@@ -1,4 +1,5 @@
-"""Small host-to-device copies of integers (a decode step's inputs, new page ids) that do not wait for the device.
+"""Small copies between host and device that do not wait for the device: to the device, integers (a decode step's
+inputs, new page ids) through `HostStaging`; to the host, a step's results through `copy_early`.
 
 A ring of pinned host memory is filled through its numpy view and copied from with `non_blocking=True`, so the host
 neither allocates nor pins memory per copy (PyTorch's pinning path costs ~0.1 ms a call) nor waits for kernels in
@@ -35,3 +36,15 @@ class HostStaging:
         self.array[region] = data.ravel()
         self.offset += n
         return self.buffer[region].view(data.shape).to(self.device, non_blocking=True)
+
+
+def copy_early(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Device values copied into pinned host memory without waiting, and an event recorded after the copy: read them
+    once `ready.synchronize()` returns, which waits for this copy only (off CUDA: the values, and None)."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
