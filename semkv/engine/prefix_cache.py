@@ -56,19 +56,23 @@ class PromptKeys:
 
     def first(self, count: int) -> list[bytes]:
         """The keys of the first `count` full pages (at most `self.count`)."""
-        done, page = len(self.keys), self.page_size
-        if count > done:
-            count = min(count, self.count)
-            self.keys += block_keys(self.tokens[done * page:count * page], page, count - done,
-                                    self.keys[-1] if done else b"")
+        self._hash(count)
         return self.keys[:count]
 
     def walk(self, count: int) -> Iterator[bytes]:
         """The keys of the first `count` full pages one by one, hashed a run at a time as they are reached."""
         for i in range(min(count, self.count)):
             if i == len(self.keys):
-                self.first(i + self.RUN)
+                self._hash(i + self.RUN)
             yield self.keys[i]
+
+    def _hash(self, count: int) -> None:
+        """Hash the keys of the first `count` full pages (at most `self.count`) not hashed yet."""
+        done, page = len(self.keys), self.page_size
+        count = min(count, self.count)
+        if count > done:
+            self.keys += block_keys(self.tokens[done * page:count * page], page, count - done,
+                                    self.keys[-1] if done else b"")
 
 
 @dataclass(slots=True)

@@ -54,6 +54,7 @@ WATERMARK = 100  # admission leaves 1 / WATERMARK of the pool free for the runni
 
 Mark = float | torch.cuda.Event  # a point in time: the clock's on the CPU, a recorded event on CUDA
 STEP_KINDS = ("decode", "mixed", "prefill")  # a step's work: decode rows only, decode rows and prompt chunks, chunks
+Prompts = list[tuple[Sequence, torch.Tensor]]  # prompts done, each with its last logits [vocab]
 
 
 def _kinds(zero: int | float):
@@ -113,9 +114,10 @@ class Scheduler:
         self._order = itertools.count()
         self._bypassed = 0  # admissions past the request at the head of the queue
         self._timing: deque[tuple[str, Mark, Mark]] = deque()  # (kind, start, end) of steps not yet counted
-        self._done: list[tuple[Sequence, torch.Tensor]] = []  # prompts done this step, their last logits [vocab]
-        # the prompts a step finished, their first tokens being chosen (`_choose_first`): the next step takes them
-        self._choosing: tuple[list[tuple[Sequence, torch.Tensor]], Choice] | None = None
+        self._done: Prompts = []  # prompts done this step
+        # the prompts a step finished, those of them that get a first token (not recomputed), and those tokens being
+        # chosen (`_choose_first`): the next step takes them
+        self._choosing: tuple[Prompts, Prompts, Choice] | None = None
         self.awaiting: set[Sequence] = set()  # those prompts (less any preempted or ended since): decoding next step
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
@@ -322,7 +324,7 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
             self._fail([seq for seq, _ in done], error)
             return
-        self._choosing = done, choice
+        self._choosing = done, fresh, choice
         self.awaiting.update(seq for seq, _ in done)
 
     def _first_tokens(self) -> None:
@@ -331,8 +333,7 @@ class Scheduler:
         its output's."""
         if self._choosing is None:
             return
-        (done, choice), self._choosing = self._choosing, None
-        fresh = [(seq, logits) for seq, logits in done if not seq.output_ids]
+        (done, fresh, choice), self._choosing = self._choosing, None
         try:
             tokens = self.engine.agree(chosen(choice))
         except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
