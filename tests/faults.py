@@ -46,7 +46,8 @@ POINTS = [
     Point("allocation", "HostKVStore (pinned host buffer)", HostKVStore, "__init__"),
     Point("offload", "HostKVStore.put (device to host)", HostKVStore, "put"),
     Point("offload", "working-set load (kernels.working_set)", semkv.kernels, "working_set"),
-    Point("sampling", "first token (scheduler.sample)", semkv.engine.scheduler, "sample"),
+    Point("sampling", "first tokens chosen (scheduler.choose_each)", semkv.engine.scheduler, "choose_each"),
+    Point("sampling", "first tokens read (scheduler.chosen)", semkv.engine.scheduler, "chosen"),
     Point("sampling", "decode token (engine.sample)", semkv.engine.engine, "sample"),
     Point("sampling", "log-probabilities (engine.token_logprob)", semkv.engine.engine, "token_logprob"),
 ]
