@@ -132,6 +132,37 @@ def check_prefill(gen) -> list[dict]:
     return rows
 
 
+def check_packed_prefill(gen) -> list[dict]:
+    """Several sequences' chunks in one FlashAttention 3 call (`fa3_prefill.packed_attention`, what
+    `Engine.prefill_together` runs where it serves) against the float32 reference a chunk, and its time against one
+    FlashAttention 3 call a chunk. Qwen2.5-0.5B's heads (14, 2, 64); 8 follow-up questions of 17-40 tokens on
+    contexts of 32k, and the same with one new prompt's chunk of 4,096 tokens among them."""
+    from triton.testing import do_bench
+
+    rows, dim = [], 64
+    for chunks in ([(32000 + 3 * i, 17 + 3 * i) for i in range(8)],
+                   [(0, 4096)] + [(32000 + 3 * i, 17 + 3 * i) for i in range(7)]):
+        k, v, tables = pool(max(a + c for a, c in chunks), len(chunks), gen, 2, dim)
+        qs = [torch.randn(c, 14, dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _, c in chunks]
+        want = torch.cat([reference.prefill_attention(q.float(), k.float(), v.float(), table, a, None, dim**-0.5)
+                          for q, table, (a, _) in zip(qs, tables, chunks)])
+        paths = {}
+        if fa3_prefill.available():
+            q = torch.cat(qs)
+            cu_q = torch.tensor([0] + [sum(c for _, c in chunks[: i + 1]) for i in range(len(chunks))],
+                                dtype=torch.int32, device="cuda")
+            used = torch.tensor([a + c for a, c in chunks], dtype=torch.int32, device="cuda")
+            longest = (max(c for _, c in chunks), max(a + c for a, c in chunks))
+            block = tables.to(torch.int32)
+            paths["packed"] = lambda: fa3_prefill.packed_attention(q, k, v, block, cu_q, used, *longest, dim**-0.5)
+            paths["each"] = lambda: torch.cat([fa3_prefill.prefill_attention(q_, k, v, table, a, dim**-0.5)
+                                               for q_, table, (a, _) in zip(qs, tables, chunks)])
+        for path, fn in paths.items():
+            rows.append(dict(kernel="packed_prefill", path=path, chunks=len(chunks), tokens=sum(c for _, c in chunks),
+                             err=rel_err(fn(), want), triton_ms=do_bench(fn, return_mode="median")))
+    return rows
+
+
 def check_fused(gen) -> list[dict]:
     x = torch.randn(4, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
     residual = torch.randn(4, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -637,14 +668,15 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = measured_bandwidth(torch.device("cuda"))
     if args.prefill_only:
-        rows = check_prefill(gen)
+        rows = check_prefill(gen) + check_packed_prefill(gen)
     elif args.attention_only:
-        rows = check_decode(gen, bandwidth) + check_prefill(gen)
+        rows = check_decode(gen, bandwidth) + check_prefill(gen) + check_packed_prefill(gen)
     elif args.buckets_only:
         rows = (check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
                 + check_chunk_slots(gen) + check_chunk_best(gen, bandwidth))
     else:
-        rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_fused(gen) + check_summary(gen, bandwidth)
+        rows = (check_decode(gen, bandwidth) + check_prefill(gen) + check_packed_prefill(gen) + check_fused(gen)
+                + check_summary(gen, bandwidth)
                 + check_page_bound(gen, bandwidth) + check_accumulate(gen) + check_prompt_sums(gen)
                 + check_block_slots(gen) + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth)
                 + check_bucket_take(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
@@ -713,6 +745,9 @@ def main() -> int:
             print(f"| TokenSelect prefill_context (fused) | 28 heads x 1M candidates, 2688 slots | "
                   f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | "
                   "reference: the same steps on their own kernels |")
+        elif r["kernel"] == "packed_prefill":
+            print(f"| prefill, {r['chunks']} chunks in one call (FlashAttention 3, {r['path']}) | {r['tokens']} tokens "
+                  f"14/2x64 | {r['err']:.1e} | {r['triton_ms']:.3f} | - | each: one call a chunk |")
         elif r["kernel"] != "prefill":
             print(f"| {r['kernel']} | - | {r['err']:.1e} | - | - | - |")
         else:

@@ -71,15 +71,17 @@ def compare(llm, method, want=None) -> list[list[int]]:
     return [o.token_ids for o in out]
 
 
-def session(llm, method, want: list[list[int]] | None = None, **options) -> list[list[int]]:
+def session(llm, method, want: list[list[int]] | None = None, late: int = 1, **options) -> list[list[int]]:
     """The server's path: requests of the method and one of Full KV (cancelled after its first token) arrive, and
-    another of the method once the first has its first token, so it is admitted beside a running one; the session
-    advances until none is left. An injected failure must end its request(s) alone: it raises from `submit`, or
-    the request ends with it in `failed`; `advance` never raises, and the other requests end as they would have
-    (with the tokens `want` of a clean run). options: `LLM.new_session`'s (whole prompts, no prefix cache)."""
+    `late` more of the method (the first one's prompt again) once the first has its first token, so they are admitted
+    beside a running one; the session advances until none is left. An injected failure must end its request(s)
+    alone: it raises from `submit`, or the request ends with it in `failed`; `advance` never raises, and the other
+    requests end as they would have (with the tokens `want` of a clean run). options: `LLM.new_session`'s (whole
+    prompts, no prefix cache)."""
     s = llm.new_session(**{"enable_prefix_caching": False, **options})
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=1)
     seqs, errors = {}, []
+    kept = [0, 1, *range(3, 3 + late)]  # the requests not cancelled
 
     def submit(i: int, m, key: str) -> None:
         try:
@@ -98,7 +100,8 @@ def session(llm, method, want: list[list[int]] | None = None, **options) -> list
             if 2 in seqs and seqs[2].output_ids and not seqs[2].finished:
                 s.cancel(2)
             if 3 not in seqs and (0 not in seqs or seqs[0].output_ids):
-                submit(3, method, "m")
+                for i in kept[2:]:
+                    submit(i, method, "m")
             errors += [error for _, error in s.scheduler.failed]
             s.scheduler.failed.clear()
     finally:
@@ -106,12 +109,12 @@ def session(llm, method, want: list[list[int]] | None = None, **options) -> list
     for i, q in seqs.items():  # the others end as they would have
         assert q.finished and (len(q.output_ids) == NEW) == (q.finish_reason == "length"), (i, q.finish_reason)
         if want is not None and i != 2 and q.finish_reason == "length":
-            assert q.output_ids == want[(0, 1, 3).index(i)], f"request {i} gave other tokens beside the failure"
+            assert q.output_ids == want[kept.index(i)], f"request {i} gave other tokens beside the failure"
     for error in errors[1:]:  # a request that failed after the injected failure, for what it left behind
         assert named(error), f"a later request failed with {type(error).__name__}: {error}"
     if errors:
         raise errors[0]
-    return [seqs[i].output_ids for i in (0, 1, 3)]
+    return [seqs[i].output_ids for i in kept]
 
 
 def serving(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
@@ -122,7 +125,15 @@ def serving(llm, method, want: list[list[int]] | None = None) -> list[list[int]]
     return session(llm, method, want, max_num_batched_tokens=16, enable_prefix_caching=True)
 
 
-PATHS = {"batching": batching, "generate": generate, "compare": compare, "session": session, "serving": serving}
+def packed(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
+    """The serving session with two late requests, submitted together: where the method allows, their prompts' last
+    chunks after the cached pages run in one forward (`Engine.prefill_together`)."""
+    llm.reset_prefix_cache()
+    return session(llm, method, want, late=2, max_num_batched_tokens=256, enable_prefix_caching=True)
+
+
+PATHS = {"batching": batching, "generate": generate, "compare": compare, "session": session, "serving": serving,
+         "packed": packed}
 
 
 def plan(calls: dict[str, dict]) -> list[tuple[str, object, int]]:

@@ -124,3 +124,30 @@ def _finish_read_line() -> str:
     from semkv.engine.engine import Engine
     lines, first = inspect.getsourcelines(Engine.finish_read)
     return f"engine/engine.py:{first + next(i for i, line in enumerate(lines) if '.tolist()' in line)}"
+
+
+@pytest.mark.parametrize("name", ["full", "chunkkv", "chess"])
+def test_prompts_packed_in_one_forward_read_the_device_no_more_with_more_layers(depths, name, monkeypatch):
+    """Follow-up questions on a cached document, submitted together, run in one forward (`Engine.prefill_together`;
+    ChunkKV evicts and CHESS summarises after it): no read of the device once a layer there either."""
+    counts = []
+    for llm in depths:
+        packs = []
+        together = llm.engine.prefill_together
+        monkeypatch.setattr(llm.engine, "prefill_together", lambda seqs: packs.append(len(seqs)) or together(seqs))
+        method, params = get_method(name, SMALL), SamplingParams(max_new_tokens=4, ignore_eos=True)
+        session = llm.new_session(max_num_batched_tokens=256, enable_prefix_caching=True)
+        prompts = [llm.encode(f"{CONTEXTS[0] * 2}\n\n{q}", chat=False)[0] for q in QUESTIONS]
+        session.submit(0, prompts[0], params, method, repr(method))
+        while session.scheduler.prefilling or session.scheduler.waiting:
+            session.advance()
+        for i, ids in enumerate(prompts[1:], 1):
+            session.submit(i, ids, params, method, repr(method))
+        with HostReads() as counted:
+            while session.scheduler.busy:
+                session.advance()
+        assert not session.scheduler.failed and packs == [2]
+        counts.append(counted.sites)
+        llm.engine.pool.clear_cache()
+    grown = {site: (counts[0][site], n) for site, n in counts[1].items() if n >= 2 * max(counts[0][site], 1)}
+    assert not grown, grown

@@ -386,3 +386,55 @@ def test_a_decode_step_ends_after_the_running_prompts_chunks_are_queued_and_befo
     assert overlapped >= 3
     assert [s.output_ids for s in driver.seqs] == want
     assert engine.memory().held == (0, 0, 0, 0)
+
+
+
+def arriving_together(llm, method, prompts: list[str], monkeypatch) -> tuple[list[list[int]], list[int]]:
+    """The first prompt, then the others submitted together once it decodes (steps of 256 tokens, prefix caching
+    on): every request's tokens, and how many prompts each `Engine.prefill_together` call ran."""
+    packs = []
+    together = llm.engine.prefill_together
+    monkeypatch.setattr(llm.engine, "prefill_together", lambda seqs: packs.append(len(seqs)) or together(seqs))
+    driver = Driver(llm, max_num_batched_tokens=256)
+    driver.submit(encode(llm, prompts[0]), method)
+    while not driver.seqs[0].output_ids:
+        driver.advance()
+    for prompt in prompts[1:]:
+        driver.submit(encode(llm, prompt), method)
+    return driver.finish(), packs
+
+
+@pytest.mark.parametrize("name, i, params", [("full", 0, {})] + CASES, ids=["full"] + IDS)
+def test_prompts_arriving_together_share_one_forward_with_the_tokens_of_each_alone(llm, name, i, params, monkeypatch):
+    """Two follow-up questions on a cached document and a short new prompt, submitted while the document's first
+    question decodes: the chunks whose methods need nothing but attention of them (`Engine.prefill_span`) run in one
+    forward (`Engine.prefill_together`), each attending over its own pages; every request gets the greedy tokens it
+    has alone, and nothing is held after."""
+    method = get_method(name, SMALL, **params)
+    prompts = [f"{CONTEXTS[0] * 2}\n\n{q}" for q in QUESTIONS] + [QUESTIONS[1]]
+    want = alone(llm, method, prompts)
+    llm.engine.pool.clear_cache()
+    tokens, packs = arriving_together(llm, method, prompts, monkeypatch)
+    assert tokens == want
+    # the prompts packed: both follow-ups and the new prompt, or the follow-ups where the new prompt (one chunk)
+    # evicts layer by layer; none where the prefill needs log-sum-exps (H2O) or a sparse context (TokenSelect)
+    assert max(packs, default=0) == {"full": 3, "quest": 3, "chess": 2, "snapkv": 2, "chunkkv": 2}.get(name, 0) or (
+        name not in ("full", "quest", "chess", "snapkv", "chunkkv", "h2o", "tokenselect"))
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("name", ["full", "chunkkv"])
+def test_prompts_packed_through_the_prefill_graph_pieces_give_the_tokens_of_each_alone(tiny_model_dir, name,
+                                                                                       monkeypatch):
+    """The packed forward through the prefill's piecewise graphs (`PrefillGraphs`, run eagerly here over the static
+    buffers, padding rows included), which read each chunk's last row for its logits: the tokens of each alone."""
+    from semkv.engine.cuda_graph import PrefillGraphs
+
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48)
+    graphs = llm.engine.prefill_graphs = PrefillGraphs(llm.engine)
+    method = get_method(name, SMALL)
+    prompts = [f"{CONTEXTS[1] * 2}\n\n{q}" for q in QUESTIONS]
+    want = alone(llm, method, prompts)
+    tokens, packs = arriving_together(llm, method, prompts, monkeypatch)
+    assert tokens == want and packs == [2] and graphs.hidden.abs().sum() > 0
+    assert llm.engine.memory().held == (0, 0, 0, 0)

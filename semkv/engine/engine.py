@@ -28,7 +28,7 @@ from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.staging import copy_early
-from semkv.engine.step import DecodeStep, PrefillStep, StepInputs, evict_layer, plan_chunks
+from semkv.engine.step import DecodeStep, PackedPrefillStep, PrefillStep, StepInputs, evict_layer, plan_chunks
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
@@ -266,14 +266,7 @@ class Engine:
         if plan.by_layer:
             logits = self._prefill_layers(seq, budget)
         else:
-            a, b, evict = plan.spans[0]
-            if budget and plan.cut is not None and b - a > budget and b - (a + budget) >= plan.cut:
-                plan.spans[:1] = [(a, a + budget, False), (a + budget, b, evict)]
-            count, tokens = 0, 0
-            while count < len(plan.spans) and (count == 0 or not budget
-                                               or tokens + plan.spans[count][1] - plan.spans[count][0] <= budget):
-                tokens += plan.spans[count][1] - plan.spans[count][0]
-                count += 1
+            count = self._take(plan, budget)
             for a, b, evict in plan.spans[:count]:
                 step = PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0)
                 graphs = self.prefill_graphs
@@ -283,12 +276,73 @@ class Engine:
                     logits = self.model(plan.ids[a:b], step, logits_at=slice(b - a - 1, b - a))
             del plan.spans[:count]
         seq.stats.prefill_s += time.perf_counter() - started
+        return self._chunks_done(seq, logits)
+
+    def _chunks_done(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
+        """After a call's chunks: once the prompt is done, the method's `finish_prefill` and the logits of its last
+        token [vocab]; else None."""
+        plan = seq.prefill
         if plan.spans:
             return None
         plan.method.finish_prefill(seq)
         self._prefill_done(seq)
         seq.prefill = None
         return logits[0]
+
+    @staticmethod
+    def _take(plan: PrefillPlan, budget: int) -> int:
+        """How many of the plan's next chunks a call with `budget` tokens runs (0: all; at least one), the first cut
+        to the budget where the plan allows (in place)."""
+        a, b, evict = plan.spans[0]
+        if budget and plan.cut is not None and b - a > budget and b - (a + budget) >= plan.cut:
+            plan.spans[:1] = [(a, a + budget, False), (a + budget, b, evict)]
+        count, tokens = 0, 0
+        while count < len(plan.spans) and (count == 0 or not budget
+                                           or tokens + plan.spans[count][1] - plan.spans[count][0] <= budget):
+            tokens += plan.spans[count][1] - plan.spans[count][0]
+            count += 1
+        return count
+
+    def prefill_span(self, seq: Sequence, budget: int) -> int | None:
+        """The tokens of the chunk `continue_prefill(seq, budget)` would run (cut to the budget now, as it would be
+        then), when that call runs one chunk and the chunk may share a forward with other prompts' chunks
+        (`prefill_together`, `PackedPrefillStep`): no sparse context, keys stored with RoPE, no log-sum-exps, no
+        recorded queries, every layer holding the slots before it; a chunk after which the layers evict only when
+        slots come before it (every layer then holds the prompt's pages until the end of its prefill, as
+        `pages_needed` counts them: the chunk takes them at once). None otherwise."""
+        plan = seq.prefill
+        method = type(plan.method)
+        if (plan.by_layer or plan.method.rope_by_rank() or method.prefill_lse
+                or method.prefill_context is not KVMethod.prefill_context or self._take(plan, budget) != 1):
+            return None
+        a, b, evict = plan.spans[0]
+        if ((evict and a == 0 and method.evict_prefill is not KVMethod.evict_prefill)
+                or (plan.record_window and b == len(seq.prompt_ids)) or any(n != a for n in seq.kv.num_slots)):
+            return None
+        return b - a
+
+    @torch.inference_mode()
+    def prefill_together(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+        """The next chunk of each prompt (`prefill_span` said so, with the budget that cut it) in one forward: the
+        dense work once over their tokens, each chunk's attention over its own pages. For each prompt, as
+        `continue_prefill`: the logits of its last token [vocab] once the prompt is done (after the method's
+        `finish_prefill`), else None. Several follow-up questions on cached documents cost one forward, not one each."""
+        started = time.perf_counter()
+        spans = [seq.prefill.spans[0] for seq in seqs]
+        step = PackedPrefillStep(self, seqs, spans)
+        ids = torch.cat([seq.prefill.ids[a:b] for seq, (a, b, _) in zip(seqs, spans)])
+        last = self.pool.staging.send([end - 1 for end in step.bounds[1:]])  # [P] each chunk's last row
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.size(step.bounds[-1]) is not None:
+            logits = graphs.forward(ids, step, last)
+        else:
+            logits = self.model(ids, step, logits_at=last)
+        firsts = []
+        for i, seq in enumerate(seqs):
+            del seq.prefill.spans[0]
+            seq.stats.prefill_s += time.perf_counter() - started
+            firsts.append(self._chunks_done(seq, logits[i : i + 1]))
+        return firsts
 
     def lookup_prefix(self, seq: Sequence, method: KVMethod) -> None:
         """Prefix caching (`pool.cache`), for a request whose method shares prompt pages (`shares_prefix`): take the

@@ -287,6 +287,8 @@ def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
             total += sum(need - have for _, have, need in grow)
     if not plans:
         return
+    for kv, grow in plans:  # the tables first: one that cannot grow leaves no page taken
+        kv.widen(max(need for _, _, need in grow))
     pages = pool.allocate(total)
     layers, cols, ends, taken = [], [], [], 0
     for kv, grow in plans:
@@ -295,7 +297,6 @@ def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
             taken += need - have
             layers += [layer] * (need - have)
             cols += range(have, need)
-        kv.widen(max(need for _, _, need in grow))
         ends.append(taken)
     index = pool.staging.send([layers, cols, pages])  # [3, total]: layer, column, page id
     columns, ids = [], []  # a sequence that grows one column in every layer (a decode step's page boundary)
@@ -359,8 +360,8 @@ class SeqKV:
         ensure_many([(self, slots)])
 
     def widen(self, pages: int) -> None:
-        """Record that a layer now holds `pages` pages: the table grows (doubling) where it is too narrow, and the
-        version changes."""
+        """Record that a layer holds `pages` pages (before they are taken: `ensure_many`): the table grows (doubling)
+        where it is too narrow, and the version changes."""
         self.widest = max(self.widest, pages)
         self.reserve(pages, doubling=True)
         self.version = next(_versions)

@@ -13,8 +13,10 @@ idling between the decode step's end and the first chunk (an H200, 64 requests o
 tokens chosen on the device at its end and read by the next step after it has queued its own work (`_choose_first`,
 `_first_tokens`): the device goes from one step's prefill to the next one's while the host admits and plans it;
 they decode from the step after (until then they count as decoding for the budget, unless they ask for one
-token). Without a budget (`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps,
-and get their first tokens at once.
+token). The chunks of a step that need no more than attention from their methods (`Engine.prefill_span`: most
+follow-up questions on a cached document, the last short chunks of prompts) run together in one forward
+(`Engine.prefill_together`) instead of one each. Without a budget (`Engine.run`), waiting requests are admitted and
+prefilled whole before the decode steps, and get their first tokens at once.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -197,16 +200,11 @@ class Scheduler:
             # with it)
             decoding = tokens + sum(seq.params.max_new_tokens > 1 for seq in self.awaiting)
             left = budget - decoding if decoding else max(budget, self.engine.prefill_chunk)
-            for seq in list(self.prefilling):  # prompts being prefilled first, then new ones
-                if left <= 0:
-                    break
-                done = self._prefill(seq, left)
-                left, tokens, prompt = left - done, tokens + done, prompt + done
+            left, done = self._prompts(iter(list(self.prefilling)), left)  # prompts being prefilled first
             if launched is not None:  # the device runs those chunks while the host ends the decode step
                 self._complete(*launched)
-            while left > 0 and (seq := self._admit()) is not None:
-                done = self._prefill(seq, left)
-                left, tokens, prompt = left - done, tokens + done, prompt + done
+            done += self._prompts(iter(self._admit, None), left)[1]  # then new ones
+            tokens, prompt = tokens + done, prompt + done
             self._first_tokens()  # the last step's prompts: their tokens were chosen before this step's work
             self._choose_first()
         self.engine.reserved = 0  # the promises hold while this scheduler steps
@@ -290,6 +288,49 @@ class Scheduler:
         self.counters.cached_tokens += seq.num_computed
         return seq
 
+    def _prompts(self, seqs: Iterator[Sequence], left: int) -> tuple[int, int]:
+        """Prefill chunks of the prompts `seqs` yields, in turn, while `left` tokens of the step's budget remain: the
+        chunks that may share a forward (`Engine.prefill_span`) run in one after the others (`_prefill_together`).
+        (The budget left, the prompt tokens computed.)"""
+        together, computed = [], 0
+        while left > 0 and (seq := next(seqs, None)) is not None:
+            span = self.engine.prefill_span(seq, left)
+            if span is None:
+                done = self._prefill(seq, left)
+            else:
+                together.append((seq, left))
+                done = span
+            left, computed = left - done, computed + done
+        together = [(seq, budget) for seq, budget in together if not seq.finished]  # (one may fail at admission)
+        if len(together) == 1:
+            self._prefill(*together[0])
+        elif together:
+            self._prefill_together([seq for seq, _ in together])
+        return left, computed
+
+    def _prefill_together(self, seqs: list[Sequence]) -> None:
+        """One chunk of each prompt in one forward (`Engine.prefill_together`); as `_prefill` for each."""
+        try:
+            firsts = self.engine.prefill_together(seqs)
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail(seqs, error)
+            return
+        for seq, first in zip(seqs, firsts):
+            self._prefilled(seq, first)
+
+    def _prefilled(self, seq: Sequence, first: torch.Tensor | None) -> None:
+        """After a call's chunks of a prompt: its pages to the prefix cache; once it is done, it waits in `_done` for
+        its first token."""
+        try:
+            if self.prefix_caching:
+                self.engine.cache_prompt(seq)
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._fail([seq], error)
+            return
+        if first is not None:
+            self.prefilling.remove(seq)
+            self._done.append((seq, first))
+
     def _prefill(self, seq: Sequence, budget: int, progress: bool = False) -> int:
         """Run prefill chunks of an admitted request, `budget` tokens' worth (0: all of them); once its prompt is done
         it waits in `_done` for its first token (`_first_tokens`). The prompt tokens computed."""
@@ -299,14 +340,10 @@ class Scheduler:
                 first = self.engine.continue_prefill(seq, budget)
             else:
                 first = self.engine.run_prefill(seq, progress)
-            if self.prefix_caching:
-                self.engine.cache_prompt(seq)
-            if first is not None:
-                self.prefilling.remove(seq)
-                self._done.append((seq, first))
         except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
             self._fail([seq], error)
             return 0
+        self._prefilled(seq, first)
         return seq.num_computed - before
 
     def _choose_first(self) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection
+from semkv.engine.kv_cache import ensure_many, stack_tables
 from semkv.engine.sequence import Sequence
 from semkv.engine.trace import attended_positions
 from semkv.kernels import reference
@@ -79,6 +81,69 @@ class PrefillStep:
             self.seq.window_queries[layer] = q[max(chunk - self.record_window, 0):].clone()
         if self.evict:
             evict_layer(self.method, self.seq, layer, q)
+        return out
+
+
+class PackedPrefillStep:
+    """AttentionContext for the chunks of several sequences in one forward (`Engine.prefill_together`): their tokens
+    one after another, so the dense work runs once over them all, and each chunk attends over its own sequence's pages
+    (FlashAttention 3's varlen call for all of them where it serves, else one call a chunk). Only chunks that need
+    nothing else of a `PrefillStep` run here (`Engine.prefill_span` says which): no sparse context, keys stored with
+    RoPE, no log-sum-exps, no recorded queries, every layer holding the slots before them; a method's
+    `observe_prefill` sees its own chunk's queries, and a last chunk after which the layers evict evicts each layer
+    (`evict_layer`) from its own chunk's last queries. Every layer's pages are taken at once."""
+
+    def __init__(self, engine, seqs: list[Sequence], spans: list[tuple[int, int, bool]]):
+        self.engine, self.seqs, self.spans = engine, seqs, spans
+        pool, device = engine.pool, engine.device
+        lengths = [b - a for a, b, _ in spans]
+        self.bounds = np.cumsum([0] + lengths).tolist()  # each chunk's first row, then the rows in all
+        total, size = self.bounds[-1], pool.page_size
+        ensure_many([(seq.kv, {i: b for i in range(len(seq.kv.num_slots))}) for seq, (_, b, _) in zip(seqs, spans)])
+        # [3, P]: each chunk's first slot, first row and last slot + 1, whence every row's owner and position
+        meta = pool.staging.send([[a for a, _, _ in spans], self.bounds[:-1], [b for _, b, _ in spans]])
+        owner = torch.repeat_interleave(torch.arange(len(seqs), device=device), meta[2] - meta[0], output_size=total)
+        self.positions = torch.arange(total, device=device) - meta[1][owner] + meta[0][owner]  # [T] (= slots)
+        self.tables = stack_tables([seq.kv.table for seq in seqs])  # [P, layers, W]
+        layers = torch.arange(self.tables.shape[1], device=device)
+        pages = self.tables[owner[:, None], layers[None, :], (self.positions // size)[:, None]]  # [T, layers]
+        self.rows = pages * size + (self.positions % size)[:, None]
+        # FlashAttention's lengths: cu_q [P + 1] each chunk's first row then T, used_k [P]; the longest of each
+        self.cu_q = torch.cat([meta[1], meta.new_full((1,), total)]).to(torch.int32)
+        self.used_k = meta[2].to(torch.int32)
+        self.longest = (max(lengths), max(b for _, b, _ in spans))
+        self.fa3_tables: torch.Tensor | None = None  # [layers, P, W] int32, made at the first call it serves
+        if engine.rotary.rope_type == "dynamic":  # its frequencies depend on each prompt's length
+            parts = [engine.rotary.cos_sin(self.positions[lo:hi], engine.dtype, seq_len=len(seq.prompt_ids))
+                     for seq, lo, hi in zip(seqs, self.bounds, self.bounds[1:])]
+            self.cos, self.sin = (torch.cat(x) for x in zip(*parts))
+        else:
+            self.cos, self.sin = engine.rotary.cos_sin(self.positions, engine.dtype)
+        self.observers = [i for i, seq in enumerate(seqs)
+                          if type(seq.prefill.method).observe_prefill is not KVMethod.observe_prefill]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        engine, pool = self.engine, self.engine.pool
+        for seq, (_, b, _) in zip(self.seqs, self.spans):
+            seq.num_computed = seq.kv.num_slots[layer] = b  # methods see the chunk's tokens as computed while it runs
+        q = kernels.rope_store(q, k, v, self.cos, self.sin, self.rows[:, layer, None].expand(-1, k.shape[1]),
+                               self.positions, *pool.flat())
+        out = None
+        if kernels.packed_prefill_serves(q, pool.k):
+            if self.fa3_tables is None:
+                self.fa3_tables = self.tables.transpose(0, 1).to(torch.int32).contiguous()
+            out = kernels.packed_prefill_attention(q, pool.k, pool.v, self.fa3_tables[layer], self.cu_q, self.used_k,
+                                                   *self.longest, engine.scale)
+        if out is None:  # one call a chunk
+            out = torch.cat([kernels.prefill_attention(q[lo:hi], pool.k, pool.v, seq.kv.table[layer], a, None,
+                                                       engine.scale)
+                             for seq, (a, _, _), lo, hi in zip(self.seqs, self.spans, self.bounds, self.bounds[1:])])
+        for i in self.observers:
+            seq, lo, hi = self.seqs[i], self.bounds[i], self.bounds[i + 1]
+            seq.prefill.method.observe_prefill(layer, seq, q[lo:hi], self.spans[i][0], None)
+        for seq, (_, _, evict), lo, hi in zip(self.seqs, self.spans, self.bounds, self.bounds[1:]):
+            if evict:
+                evict_layer(seq.prefill.method, seq, layer, q[lo:hi])
         return out
 
 

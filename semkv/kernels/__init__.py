@@ -70,6 +70,23 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
     return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
 
 
+def packed_prefill_serves(q, k_pool) -> bool:
+    """True when `packed_prefill_attention` may serve: FlashAttention 3 on this GPU, as `prefill_path` allows."""
+    if not use_triton(q.device) or prefill_path() not in ("auto", "fa3"):
+        return False
+    from semkv.kernels import fa3_prefill
+
+    return fa3_prefill.usable(q, None, k_pool)
+
+
+def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale):
+    """Full prefill attention of several sequences' chunks in one FlashAttention 3 call (`fa3_prefill.packed_attention`,
+    where `packed_prefill_serves`), or None where it refuses: the caller then runs `prefill_attention` a chunk."""
+    from semkv.kernels import fa3_prefill
+
+    return fa3_prefill.attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
+
+
 def warm_up_prefill(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) -> None:
     """Prepare the full-prefill attention of chunks of `chunk` tokens up to max_len tokens (cuDNN's plans, where that
     path serves them; `cudnn_prefill.warm_up`)."""

@@ -44,6 +44,11 @@ def attend(q, k_pool, v_pool, table, start, scale, lse=False):
     return PATH.run(prefill_attention, q, k_pool, v_pool, table, start, scale, lse)
 
 
+def attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale):
+    """`packed_attention`, or None where FlashAttention 3 refuses the call (the path is then turned off: `PATH`)."""
+    return PATH.run(packed_attention, q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
+
+
 _lengths_key: tuple = ()
 _lengths: tuple[torch.Tensor, torch.Tensor] = ()
 
@@ -77,3 +82,15 @@ def prefill_attention(q, k_pool, v_pool, table, start, scale, lse=False):
         return out
     out, total = out  # total [heads, C]
     return out, total.t().contiguous()
+
+
+def packed_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale):
+    """The chunks of several sequences in one call: q [T, heads, D] holds them one after another (chunk i: rows
+    [cu_q[i], cu_q[i + 1]), cu_q [P + 1] int32), each over its own pages (tables [P, >= pages] int32) up to used_k[i]
+    slots, its chunk the last of them (lower-right causal); longest_q / longest_k: the longest chunk and context.
+    Returns out [T, heads, D]."""
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k_pool, v_pool, max_seqlen_q=longest_q, cu_seqlens_q=cu_q, max_seqlen_k=longest_k,
+                                  seqused_k=used_k, softmax_scale=scale, causal=True, block_table=tables,
+                                  fa_version=3)
