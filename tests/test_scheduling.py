@@ -128,6 +128,30 @@ def test_a_last_chunk_that_evicts_nothing_takes_every_layers_pages_at_once(llm):
         assert driver.finish() == want
 
 
+def test_a_follow_up_compacted_at_prefill_takes_new_pages_for_what_it_keeps_not_for_the_document(llm):
+    """A follow-up question on a cached document under a method that compacts each layer at the end of prefill
+    (SnapKV): the layer's kept slots get new pages (the cached ones stay the cache's), the document's other pages
+    leave it without new ones being taken; the tokens are those of a run without the cache."""
+    method = get_method("snapkv", SMALL)
+    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS[:2]]
+    want = alone(llm, method, prompts)
+    pool = llm.engine.pool
+    pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=4096)
+    driver.submit(encode(llm, prompts[0]), method)
+    driver.finish()
+    before = pool.peak_in_use = pool.in_use
+    driver.submit(encode(llm, prompts[1]), method)
+    assert driver.finish() == want
+    follow_up, page, layers = driver.seqs[1], pool.page_size, llm.config.num_layers
+    pages = -(-len(follow_up.prompt_ids) // page)
+    assert follow_up.stats.cached_tokens >= 16 * page
+    # its prompt's pages (cached or its own, kept for the cache until its prefill ends) and each layer's new pages
+    # for its kept slots (new pages for a whole layer's document before: 95 here against 78)
+    assert pool.peak_in_use - before <= layers * (pages + -(-SMALL // page))
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
 def test_a_session_keeps_the_graphs_of_idle_methods_it_may_serve_again(llm):
     """A server's session keeps the batch (its decode steps' graphs) of an `idle_graphs` method while no request uses
     it: the next request of that method reuses them and gets the tokens of a fresh run; past IDLE_METHODS idle ones,

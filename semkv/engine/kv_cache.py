@@ -429,30 +429,36 @@ class SeqKV:
         self.widen(len(blocks))
         self.table[:, : len(blocks)] = self.pool.staging.send(pages).t()
 
-    def unshare(self, layer: int) -> None:
-        """Before slots of `layer` are rewritten in place: its cached pages and its first `protect` pages are
-        replaced by new pages of its own (their contents are rewritten whole by the caller, so nothing is copied);
-        protected ones are kept aside for the cache, cached ones lose this holder."""
+    def unshare(self, layer: int, keep: int) -> None:
+        """Before the first `keep` pages of `layer` are rewritten whole by the caller (nothing is copied) and the rest
+        leave it: cached pages and the first `protect` pages among those it keeps are replaced by new pages of its
+        own; protected pages leave for the side (for the cache), cached ones lose this holder, the rest go back to
+        the pool. A follow-up question on a cached document compacted to its budget takes new pages for what it
+        keeps, not for the whole document."""
         pages, cache = self.pages[layer], self.pool.cache
         guard = 0 if self.aside[layer] else self.protect  # a layer sets its protected pages aside once
-        ours = [i for i, page in enumerate(pages) if i < guard or (cache is not None and cache.cached(page))]
-        if not ours:
-            return
-        fresh = self.pool.allocate(len(ours))
-        self.aside[layer] += [pages[i] for i in ours if i < guard]
-        self.pool.release([pages[i] for i in ours if i >= guard])
+        ours = [i for i in range(min(keep, len(pages)))
+                if i < guard or (cache is not None and cache.cached(pages[i]))]
+        fresh = self.pool.allocate(len(ours))  # before this layer lets go of any page (the cache keeps them)
+        leaving = [(i, pages[i]) for i in ours] + list(enumerate(pages[keep:], keep))  # in page order
+        self.aside[layer] += [page for i, page in leaving if i < guard]
+        self.pool.release([page for i, page in leaving if i >= guard])
         for i, page in zip(ours, fresh):
             pages[i] = page
-        index = self.pool.staging.send([ours, fresh])
-        self.table[layer, index[0]] = index[1]
-        self.version = next(_versions)
+        del pages[keep:]
+        if ours:
+            index = self.pool.staging.send([ours, fresh])
+            self.table[layer, index[0]] = index[1]
+        if leaving:
+            self.widest = max(map(len, self.pages))
+            self.version = next(_versions)
 
     def compact(self, layer: int, keep: torch.Tensor) -> None:
         """Keep only slots `keep` [kv_heads or 1, n_keep] (ascending per head), moved to slots [0, n_keep); the pages
         no longer needed go back to the pool."""
         n_keep = keep.shape[1]
         k, v, pos = self.gather(layer, keep)  # copies: safe to overwrite in place
-        self.unshare(layer)
+        self.unshare(layer, -(-n_keep // self.pool.page_size))
         heads = self.pool.num_kv_heads
         rows = self.physical(layer, torch.arange(n_keep, device=keep.device))
         kf, vf, pf = self.pool.flat()
