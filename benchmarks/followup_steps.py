@@ -5,17 +5,23 @@ about 40 tokens, against 2.5 ms for a decode step.
 One process loads the model (random weights of `--shape` unless `--model`) and runs a server's `Session` with prefix
 caching on: the first question on each of `--documents` documents of `--context` tokens (cut from `--text-file`),
 then `--questions` follow-ups a document, `--concurrency` in flight (a new one submitted as one ends, as a load
-client does), `--new-tokens` each (EOS ignored). For the follow-ups' steps: their wall time by kind (decode only,
-with prompt work), the steps that admitted a follow-up under cProfile (host functions by own time) and every wait
-of the host for the device in them, by semkv call site (torch's sync debug mode). One JSON line, then the tables.
+client does), `--new-tokens` each (EOS ignored; with `--stagger` the requests ask for different counts, so that they
+end in different steps and follow-ups are admitted one at a time, as a served load's arrive). For the follow-ups'
+steps: their wall time by kind (decode only, or admitting k follow-ups), the host time of the admission's and the
+prefill's functions in the admitting steps (`TIMED`, timed inclusively), the caching allocator's device allocations
+and every wait of the host for the device in them, by semkv call site (torch's sync debug mode). One JSON line; with
+`--trace N` torch.profiler's tables over the first N admitting steps (and each one's host time against its device
+busy time), with `--profile` cProfile's of them (which slows them about 1.3x).
 
-    python benchmarks/followup_steps.py --shape qwen2.5-0.5b --tokenizer DIR --text-file essays.txt
+    python benchmarks/followup_steps.py --shape qwen2.5-0.5b --tokenizer DIR --text-file essays.txt --stagger 16
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -28,12 +34,50 @@ import torch
 
 import semkv
 from semkv.bench.run import TextContexts
+from semkv.engine.engine import Engine
+from semkv.engine.kv_cache import SeqKV
+from semkv.engine.prefix_cache import PrefixCache, PromptKeys
+from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams
 from semkv.llm import Session
 from semkv.methods import get_method
 
-from first_steps import SyncSites
+from first_steps import SyncSites, report_profile
 from memory_soak import model_arguments, random_folder
+
+
+TIMED = {  # host functions timed (inclusive, nested ones too) in the steps that admit follow-ups
+    "lookup_prefix": (Engine, "lookup_prefix"), "  PromptKeys": (PromptKeys, "__init__"),
+    "  match": (PrefixCache, "match"), "  share": (SeqKV, "share"), "  reserve": (SeqKV, "reserve"),
+    "start_prefill": (Engine, "start_prefill"), "blocked": (Engine, "blocked"),
+    "prefill_together": (Engine, "prefill_together"), "continue_prefill": (Engine, "continue_prefill"),
+    "cache_prompt": (Engine, "cache_prompt"), "_first_tokens": (Scheduler, "_first_tokens"),
+    "_choose_first": (Scheduler, "_choose_first"), "_batch": (Scheduler, "_batch"),
+    "graph_runner": (Engine, "graph_runner"), "launch_step": (Engine, "launch_step"),
+    "complete_step": (Engine, "complete_step"),
+}
+
+
+class Timers:
+    """Host time of the `TIMED` functions while `on` (wrapped in place for the process)."""
+
+    def __init__(self) -> None:
+        self.on, self.seconds, self.calls = False, collections.Counter(), collections.Counter()
+        for label, (owner, name) in TIMED.items():
+            setattr(owner, name, self._wrapped(label, getattr(owner, name)))
+
+    def _wrapped(self, label: str, function):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            if not self.on:
+                return function(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+                self.calls[label] += 1
+        return timed
 
 
 def main() -> None:
@@ -46,63 +90,94 @@ def main() -> None:
     p.add_argument("--question-tokens", type=int, default=40, help="tokens a question adds to its document")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--stagger", type=int, default=0,
+                   help="the i-th of the concurrent requests asks for new-tokens + i * stagger tokens, so that they "
+                        "end in different steps and follow-ups arrive one at a time, as a served load's do")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--profile", action="store_true", help="cProfile the admitting steps (slows them)")
+    p.add_argument("--trace", type=int, default=0, help="torch.profiler over this many admitting steps")
+    p.add_argument("--trace-dir", type=Path, default=Path("followup_trace"))
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = semkv.LLM(args.model or random_folder(args.shape, args.tokenizer, Path(tmp)))
     text = TextContexts.from_files(args.text_file, llm.tokenizer)
     docs = [text.window(i, args.documents, args.context) for i in range(args.documents)]
     question = lambda d, q: docs[d] + text.window(q + 1, 97, args.question_tokens)  # noqa: E731
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    sampling = lambda slot: SamplingParams(max_new_tokens=args.new_tokens + slot * args.stagger,  # noqa: E731
+                                           ignore_eos=True)
     session = Session(llm, max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True)
     cuda = llm.engine.device.type == "cuda"
     ids = iter(range(10**6))
     for d in range(args.documents):  # the first questions: they cache the documents
-        session.submit(next(ids), question(d, 0), sampling, get_method(args.method, 0.1), args.method)
+        session.submit(next(ids), question(d, 0), sampling(0), get_method(args.method, 0.1), args.method)
     while session.scheduler.busy:
         session.advance()
     todo = [(d, q) for q in range(1, args.questions + 1) for d in range(args.documents)]
-    live: dict[int, object] = {}
-    walls = {"decode": [], "admit": []}
-    profile, syncs = cProfile.Profile(), SyncSites() if cuda else contextlib.nullcontext()
+    live: dict[int, tuple[int, object]] = {}  # request id -> (its slot, its sequence)
+    walls: dict[str, list[float]] = collections.defaultdict(list)  # "decode" / "admit k" -> step seconds
+    timers, profile = Timers(), cProfile.Profile()
+    syncs = SyncSites() if cuda else contextlib.nullcontext()
+    # torch.profiler from the first admitting step to the last traced one
+    tracer, traced = torch.profiler.profile() if args.trace else None, 0
+    memory = torch.cuda.memory_stats() if cuda else {}
     started = time.perf_counter()
     while todo or live:
-        while todo and len(live) < args.concurrency:
+        free = sorted(set(range(args.concurrency)) - {slot for slot, _ in live.values()})
+        for slot in free[: len(todo)]:
             seq_id = next(ids)
-            live[seq_id] = session.submit(seq_id, question(*todo.pop(0)), sampling, get_method(args.method, 0.1),
-                                          args.method)
+            live[seq_id] = slot, session.submit(seq_id, question(*todo.pop(0)), sampling(slot),
+                                                get_method(args.method, 0.1), args.method)
+        admitted = session.scheduler.counters.admitted
         admitting = bool(session.scheduler.waiting or session.scheduler.prefilling)
         if cuda:
             torch.cuda.synchronize()
         step = time.perf_counter()
         if admitting:
-            with syncs:
-                profile.enable()
+            timers.on = True
+            if tracer is not None and traced == 0:
+                tracer.start()
+            with syncs, (torch.profiler.record_function(f"step {traced}: admitting")
+                         if tracer is not None and traced < args.trace else contextlib.nullcontext()):
+                if args.profile:
+                    profile.enable()
                 session.advance()
-                profile.disable()
+                if args.profile:
+                    profile.disable()
+                if cuda:
+                    torch.cuda.synchronize()
+            timers.on = False
+            traced += 1
+            if tracer is not None and traced == args.trace:
+                tracer.stop()
         else:
             session.advance()
         if cuda:
             torch.cuda.synchronize()
-        walls["admit" if admitting else "decode"].append(time.perf_counter() - step)
-        live = {k: s for k, s in live.items() if not s.finished}
+        kind = f"admit {session.scheduler.counters.admitted - admitted}" if admitting else "decode"
+        walls[kind].append(time.perf_counter() - step)
+        live = {k: v for k, v in live.items() if not v[1].finished}
     seconds = time.perf_counter() - started
     session.advance()
     counters = session.scheduler.counters
+    after = torch.cuda.memory_stats() if cuda else {}
+    admits = sum(len(v) for k, v in walls.items() if k != "decode")
     print(json.dumps(dict(
-        seconds=round(seconds, 2), followups=args.documents * args.questions,
-        wall_ms={k: dict(count=len(v), mean=round(1e3 * statistics.mean(v), 2) if v else None,
-                         max=round(1e3 * max(v), 2) if v else None) for k, v in walls.items()},
-        step_ms={kind: round(1e3 * counters.step_seconds[kind] / count, 2)
-                 for kind, count in counters.timed_steps.items() if count},
-        cached_tokens=counters.cached_tokens,
+        seconds=round(seconds, 2), followups=args.documents * args.questions, stagger=args.stagger,
+        wall_ms={k: dict(count=len(v), mean=round(1e3 * statistics.mean(v), 2),
+                         median=round(1e3 * statistics.median(v), 2), max=round(1e3 * max(v), 2))
+                 for k, v in sorted(walls.items())},
+        host_ms_per_admitting_step={k: round(1e3 * v / max(admits, 1), 3) for k, v in timers.seconds.items()},
+        calls=dict(timers.calls), cached_tokens=counters.cached_tokens,
+        allocator={k: after.get(k, 0) - memory.get(k, 0) for k in
+                   ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")},
         syncs=dict(syncs.sites.most_common(20)) if cuda else None)), flush=True)
-    out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(35)
-    print(out.getvalue())
-    out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(45)
-    print(out.getvalue())
+    if args.trace:
+        report_profile(tracer, args.trace_dir, {})
+    if args.profile:
+        for order, rows in (("tottime", 35), ("cumulative", 45)):
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats(order).print_stats(rows)
+            print(out.getvalue())
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_prompts_packed_in_one_forward_read_the_device_no_more_with_more_layers(
         with HostReads() as counted:
             while session.scheduler.busy:
                 session.advance()
-        assert not session.scheduler.failed and packs == [2]
+        assert not session.scheduler.failed and [n for n in packs if n > 1] == [2]
         counts.append(counted.sites)
         llm.engine.pool.clear_cache()
     grown = {site: (counts[0][site], n) for site, n in counts[1].items() if n >= 2 * max(counts[0][site], 1)}

@@ -57,7 +57,8 @@ class PrefillPlan:
 
     method: KVMethod
     spans: list[tuple[int, int, bool]]  # the chunks left: [a, b) and whether the layers evict after it
-    ids: torch.Tensor  # [n] the prompt on the device
+    first: int  # the first prompt position to compute (after the tokens found in the prefix cache)
+    ids: torch.Tensor  # [n - first] the prompt from `first` on, on the device
     record_window: int  # the last chunk keeps this many queries per layer (`Sequence.window_queries`)
     by_layer: bool  # every chunk through one layer before the next (`KVMethod.prefill_by_layer`)
     cut: int | None  # chunks may be cut to a step's budget when the piece after the cut keeps this many tokens (the
@@ -251,8 +252,9 @@ class Engine:
         start = seq.num_computed
         spans = [(a, b, evict and b == hi) for lo, hi, evict in phases if hi > start
                  for a, b in plan_chunks(max(lo, start), hi, chunk, window if evict else 0)]
-        seq.prefill = PrefillPlan(method, spans, self.pool.staging.send(seq.prompt_ids), record_window,
-                                  len(spans) > 1 and method.prefill_by_layer(),
+        ids = self.pool.staging.send(seq.prompt_ids[start:])  # a follow-up on a cached document: its question
+        by_layer = len(spans) > 1 and method.prefill_by_layer()
+        seq.prefill = PrefillPlan(method, spans, start, ids, record_window, by_layer,
                                   None if method.prefill_chunk() is not None else window)
 
     @torch.inference_mode()
@@ -270,10 +272,11 @@ class Engine:
             for a, b, evict in plan.spans[:count]:
                 step = PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0)
                 graphs = self.prefill_graphs
+                ids = plan.ids[a - plan.first : b - plan.first]
                 if graphs is not None and graphs.size(b - a) is not None:
-                    logits = graphs.forward(plan.ids[a:b], step, slice(b - a - 1, b - a))
+                    logits = graphs.forward(ids, step, slice(b - a - 1, b - a))
                 else:
-                    logits = self.model(plan.ids[a:b], step, logits_at=slice(b - a - 1, b - a))
+                    logits = self.model(ids, step, logits_at=slice(b - a - 1, b - a))
             del plan.spans[:count]
         seq.stats.prefill_s += time.perf_counter() - started
         return self._chunks_done(seq, logits)
@@ -330,7 +333,8 @@ class Engine:
         started = time.perf_counter()
         spans = [seq.prefill.spans[0] for seq in seqs]
         step = PackedPrefillStep(self, seqs, spans)
-        ids = torch.cat([seq.prefill.ids[a:b] for seq, (a, b, _) in zip(seqs, spans)])
+        ids = torch.cat([seq.prefill.ids[a - seq.prefill.first : b - seq.prefill.first]
+                         for seq, (a, b, _) in zip(seqs, spans)])
         last = self.pool.staging.send([end - 1 for end in step.bounds[1:]])  # [P] each chunk's last row
         graphs = self.prefill_graphs
         if graphs is not None and graphs.size(step.bounds[-1]) is not None:
@@ -354,7 +358,7 @@ class Engine:
         cache = self.pool.cache
         seq.block_keys = PromptKeys(seq.prompt_ids, page, like=cache.recent)
         cache.recent.append(seq.block_keys)
-        blocks = cache.match(seq.block_keys.walk((n - max(method.window_size(), 1)) // page))
+        blocks = cache.match(seq.block_keys.runs((n - max(method.window_size(), 1)) // page))
         if blocks:
             self.reserve_table(seq)
             seq.kv.share(blocks)
@@ -388,9 +392,11 @@ class Engine:
         tokens over the layers; at least one; 0: all), every chunk through each; the logits once the last is done."""
         plan, n, layers = seq.prefill, len(seq.prompt_ids), self.config.num_layers
         if plan.layers is None:
-            steps = [(a, b, PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0))
+            first = plan.first  # rows of `plan.ids`: prompt positions from `first` on
+            steps = [(a - first, b - first,
+                      PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0))
                      for a, b, evict in plan.spans]
-            plan.layers = self.model.by_layer(plan.ids, steps, slice(n - 1, n))
+            plan.layers = self.model.by_layer(plan.ids, steps, slice(n - 1 - first, n - first))
         count = layers if not budget else max(1, budget * layers // max(n - plan.spans[0][0], 1))
         for _ in range(count):
             try:

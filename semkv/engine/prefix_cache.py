@@ -12,6 +12,7 @@ released pages, the least recently used idle blocks are evicted, whole (`evict`)
 """
 from __future__ import annotations
 
+import array
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
@@ -44,7 +45,8 @@ class PromptKeys:
     RUN = 64
 
     def __init__(self, ids: list[int], page_size: int, like: Iterable[PromptKeys] = ()):
-        self.tokens, self.page_size = np.asarray(ids, dtype=np.int64), page_size
+        # through an array of C integers: half np.asarray's time on a list (about 0.5 ms for a 32k prompt)
+        self.tokens, self.page_size = np.frombuffer(array.array("q", ids), dtype=np.int64), page_size
         self.count = len(ids) // page_size  # full pages
         self.keys: list[bytes] = []  # the first ones, hashed
         for other in like:
@@ -59,12 +61,16 @@ class PromptKeys:
         self._hash(count)
         return self.keys[:count]
 
-    def walk(self, count: int) -> Iterator[bytes]:
-        """The keys of the first `count` full pages one by one, hashed a run at a time as they are reached."""
-        for i in range(min(count, self.count)):
-            if i == len(self.keys):
-                self._hash(i + self.RUN)
-            yield self.keys[i]
+    def runs(self, count: int) -> Iterator[list[bytes]]:
+        """The keys of the first `count` full pages in runs: those hashed already, then `RUN` more at a time, hashed
+        as they are reached."""
+        done, count = 0, min(count, self.count)
+        while done < count:
+            if done == len(self.keys):
+                self._hash(done + self.RUN)
+            run = self.keys[done:count]
+            done += len(run)
+            yield run
 
     def _hash(self, count: int) -> None:
         """Hash the keys of the first `count` full pages (at most `self.count`) not hashed yet."""
@@ -103,20 +109,21 @@ class PrefixCache:
         self.hits = 0  # blocks taken by requests (counters for metrics)
         self.recent: deque[PromptKeys] = deque(maxlen=RECENT)  # the last prompts looked up, whose keys others share
 
-    def match(self, keys: Iterable[bytes]) -> list[Block]:
-        """The cached blocks of the longest run of `keys` from the start (read no further than the first miss)."""
-        found = []
-        for key in keys:
-            block = self.blocks.get(key)
-            if block is None:
-                break
-            found.append(block)
+    def match(self, runs: Iterable[list[bytes]]) -> list[Block]:
+        """The cached blocks of the longest run of keys from the start, the keys given in runs (`PromptKeys.runs`;
+        read no further than the run of the first miss)."""
+        found: list[Block] = []
+        for run in runs:
+            blocks = list(map(self.blocks.get, run))
+            if None in blocks:
+                return found + blocks[: blocks.index(None)]
+            found += blocks
         return found
 
     def take(self, blocks: list[Block]) -> tuple[int, np.ndarray]:
         """A request holds these blocks' pages now: how many pages were idle (they leave the free count), and the
         pages [blocks, layers]."""
-        ids = np.fromiter((block.id for block in blocks), dtype=np.int64, count=len(blocks))
+        ids = np.array([block.id for block in blocks], dtype=np.int64)
         pages = self.pages[ids]  # [blocks, layers]
         if not blocks:
             return 0, pages

@@ -298,14 +298,12 @@ class Scheduler:
             if span is None:
                 done = self._prefill(seq, left)
             else:
-                together.append((seq, left))
+                together.append(seq)
                 done = span
             left, computed = left - done, computed + done
-        together = [(seq, budget) for seq, budget in together if not seq.finished]  # (one may fail at admission)
-        if len(together) == 1:
-            self._prefill(*together[0])
-        elif together:
-            self._prefill_together([seq for seq, _ in together])
+        together = [seq for seq in together if not seq.finished]  # (one may fail at admission)
+        if together:  # one alone too: its forward's host work a layer is less than `PrefillStep`'s
+            self._prefill_together(together)
         return left, computed
 
     def _prefill_together(self, seqs: list[Sequence]) -> None:
