@@ -19,9 +19,10 @@
 # server's session, by call site, and the steps' times), ruler (`semkv eval` of the eight RULER NIAH tasks, 20
 # samples, batched, into $W/ruler; ARGS: its --methods, --lengths, --budgets...; a rerun resumes), ab (this tree's
 # scheduler against another's, `git archive REV semkv benchmarks | tar -x -C .carry/old/semkv` less
-# benchmarks/results, carried: first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a time, and
-# followup_steps.py's follow-ups on 8 cached documents, each tree in its own process, old then new, on the model; a
-# run done while the machine is warm is kept). SECONDS (default
+# benchmarks/results, carried: followup_steps.py's follow-ups on 8 cached documents, admitted one at a time
+# (--stagger 16) and eight at a time, and first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a
+# time; this tree's scripts over each tree's semkv, each in its own process, old then new, on the model; a run done
+# while the machine is warm is kept). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
@@ -140,18 +141,20 @@ ab)  # the scheduler of this tree against another's: prompt rate and follow-ups,
   mkdir -p $W/ab
   end=$(( $(date +%s) + seconds - 20 ))
   [ -d .carry/old/semkv/semkv ] || { echo "ab: no tree in .carry/old/semkv"; exit 2; }
-  for run in "first_steps.py --context 32000 --requests 64 --new-tokens 1 --max-num-seqs 64 --runs 2" \
-             "followup_steps.py --documents 8 --questions 7 --concurrency 8 --new-tokens 128"; do
+  # each run: a log name, then this tree's script and its arguments (the old tree's semkv imported first for "old")
+  followups="followup_steps.py --documents 8 --questions 7 --concurrency 8 --new-tokens 128"
+  for run in "followup_stagger $followups --stagger 16" "followup_steps $followups" \
+             "first_steps first_steps.py --context 32000 --requests 64 --new-tokens 1 --max-num-seqs 64 --runs 2"; do
     for tree in old new; do
       read -ra words <<< "$run"
       root=$PWD; [ $tree = old ] && root=$PWD/.carry/old/semkv
-      log=$W/ab/${words[0]%.py}_$tree.log
+      log=$W/ab/${words[0]}_$tree.log
       [ -f $log ] && continue
       (( $(date +%s) + 90 > end )) && { echo "ab: ${words[0]} $tree not started: too little time left"; continue; }
       (cd $root && PYTHONPATH=$root:$PYTHONPATH:$root/benchmarks TRITON_CACHE_DIR=$W/tc-$tree \
-        timeout $(( end - $(date +%s) )) python3 benchmarks/${words[0]} --model $QWEN --text-file $W/essays.txt \
-        "${words[@]:1}") > $log.part 2>&1 && mv $log.part $log
-      echo "== $tree ${words[*]}"; grep '^{' $log* | cut -c1-600
+        timeout $(( end - $(date +%s) )) python3 $OLDPWD/benchmarks/${words[1]} --model $QWEN \
+        --text-file $W/essays.txt "${words[@]:2}") > $log.part 2>&1 && mv $log.part $log
+      echo "== $tree ${words[*]}"; grep '^{' $log* | cut -c1-900
     done
   done
   tar czf $out/ab.tgz -C $W ab device.txt ;;
