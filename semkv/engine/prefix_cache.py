@@ -51,6 +51,8 @@ class PromptKeys:
         self.keys: list[bytes] = []  # the first ones, hashed
         for other in like:
             shared = min(len(other.keys), self.count) * page_size  # tokens of the pages the other has keys for
+            if shared <= len(self.keys) * page_size or ids[:page_size] != other.tokens[:page_size].tolist():
+                continue  # no more pages than found already, or another document (compared from its first page)
             same = self.tokens[:shared] == other.tokens[:shared]
             pages = (shared if same.all() else int(same.argmin())) // page_size
             if pages > len(self.keys):
