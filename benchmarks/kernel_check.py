@@ -319,6 +319,34 @@ def check_prompt_sums(gen) -> list[dict]:
                  triton_tflops=flops / triton_ms / 1e9)]
 
 
+def check_window_mass(gen) -> list[dict]:
+    """The prefill-eviction methods' and CHESS's scores of a 32k prompt's keys by its last 32 queries, one layer
+    (`triton_window_mass`), against the float32 reference; `torch_ms` is the torch path the methods took before
+    (`methods.base.window_attention` in bfloat16, then the sum over the window)."""
+    from triton.testing import do_bench
+
+    from semkv.kernels import triton_window_mass
+    from semkv.methods.base import window_attention
+
+    rows = []
+    for heads, kv_heads, dim in [(14, 2, 64), (32, 8, 128)]:  # Qwen2.5-0.5B's heads, then the 8B shape's
+        w, n = 32, 32768
+        q = torch.randn(w, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        keys = torch.randn(kv_heads, n, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        positions = torch.arange(n, device="cuda")[None].expand(kv_heads, -1)
+        query_positions = torch.arange(n - w, n, device="cuda")
+        args = (q, keys, positions, query_positions, dim**-0.5)
+        want = reference.window_mass(q.float(), keys.float(), *args[2:])
+        got = triton_window_mass.window_mass(*args)
+        before = window_attention(q, keys, positions, query_positions).sum(1)
+        rows.append(dict(kernel="window_mass", heads=heads, kv_heads=kv_heads, head_dim=dim, window=w, context=n,
+                         err=rel_err(got, want), torch_err=rel_err(before, want),
+                         triton_ms=do_bench(lambda: triton_window_mass.window_mass(*args), return_mode="median"),
+                         torch_ms=do_bench(lambda: window_attention(q, keys, positions, query_positions).sum(1),
+                                           return_mode="median")))
+    return rows
+
+
 def check_block_slots(gen, batch: int = 16, candidates: int = 256, blocks: int = 11) -> list[dict]:
     """InfLLM's slot list for one layer at budget 2048 (128 initial tokens, 11 blocks of 128, the local window) over
     32k contexts of different lengths, one set per layer and one per KV head: integers, so they must agree exactly."""
@@ -659,6 +687,7 @@ def main() -> int:
                                      "mismatch or without a CUDA device.")
     parser.add_argument("--prefill-only", action="store_true", help="check the prefill attention paths alone")
     parser.add_argument("--attention-only", action="store_true", help="check the decode and prefill attention alone")
+    parser.add_argument("--window-only", action="store_true", help="check the window's attention mass alone")
     parser.add_argument("--buckets-only", action="store_true",
                         help="check SentenceKV's and DynSplit-KV's ranking and slot-list kernels alone")
     args = parser.parse_args()
@@ -671,6 +700,8 @@ def main() -> int:
         rows = check_prefill(gen) + check_packed_prefill(gen)
     elif args.attention_only:
         rows = check_decode(gen, bandwidth) + check_prefill(gen) + check_packed_prefill(gen)
+    elif args.window_only:
+        rows = check_window_mass(gen)
     elif args.buckets_only:
         rows = (check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
                 + check_chunk_slots(gen) + check_chunk_best(gen, bandwidth))
@@ -681,7 +712,8 @@ def main() -> int:
                 + check_block_slots(gen) + check_sentence_slots(gen) + check_bucket_best(gen, bandwidth)
                 + check_bucket_take(gen) + check_chunk_slots(gen) + check_chunk_refresh(gen) + check_slot_stamps(gen)
                 + check_chunk_best(gen, bandwidth) + check_plan_slots(gen) + check_working_set(gen)
-                + check_token_select(gen, bandwidth) + check_soft_vote(gen) + check_prefill_context(gen))
+                + check_token_select(gen, bandwidth) + check_soft_vote(gen) + check_prefill_context(gen)
+                + check_window_mass(gen))
     print(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth_gbs=bandwidth / 1e9, rows=rows), indent=1))
     bad = [r for r in rows if not all(e < 2e-2 for key, e in r.items() if key.startswith("err"))]
     print("| kernel | shape | error | triton ms | reference ms | note |")
@@ -745,6 +777,10 @@ def main() -> int:
             print(f"| TokenSelect prefill_context (fused) | 28 heads x 1M candidates, 2688 slots | "
                   f"{'exact' if r['err'] == 0 else 'DIFFERS'} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | "
                   "reference: the same steps on their own kernels |")
+        elif r["kernel"] == "window_mass":
+            print(f"| window_mass (prefill eviction's scores, one layer) | {r['window']} queries x {r['context']} "
+                  f"keys {r['heads']}/{r['kv_heads']}x{r['head_dim']} | {r['err']:.1e} (torch in bfloat16: "
+                  f"{r['torch_err']:.1e}) | {r['triton_ms']:.3f} | {r['torch_ms']:.3f} (torch) | - |")
         elif r["kernel"] == "packed_prefill":
             print(f"| prefill, {r['chunks']} chunks in one call (FlashAttention 3, {r['path']}) | {r['tokens']} tokens "
                   f"14/2x64 | {r['err']:.1e} | {r['triton_ms']:.3f} | - | each: one call a chunk |")

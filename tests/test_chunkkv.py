@@ -183,7 +183,8 @@ def test_neighbours_keep_the_chunks_beside_the_best(neighbours):
     probs = torch.rand(2, window, n, generator=torch.Generator().manual_seed(0)) * 0.01  # [heads, w, n]
     probs[:, :, hit] = 1.0
     fill_chunks = 2 * max(neighbours, 1) + 1
-    kept = keep_chunks(probs, 1, window + fill_chunks * chunk_size, window, chunk_size, False, None, neighbours)[0]
+    kept = keep_chunks(probs.sum(1), 1, window + fill_chunks * chunk_size, window, chunk_size, False, None,
+                       neighbours)[0]
     chunks = set((kept[kept < n - window] // chunk_size).tolist())
     assert 10 in chunks and len(chunks) == fill_chunks
     near = set(range(10 - neighbours, 10 + neighbours + 1))

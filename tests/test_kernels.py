@@ -893,3 +893,25 @@ def test_a_servers_warm_up_builds_every_plan_its_cuts_use(monkeypatch):
     cudnn_prefill.prefill_attention(torch.zeros(chunk + 100, heads, dim, dtype=torch.bfloat16), k_pool, v_pool,
                                     table, 1024, 0.25)  # past the budget after a context block: not a server's cut
     assert not set(keys) <= built
+
+
+@pytest.mark.parametrize("w, heads, kv_heads, dim, n", [(40, 4, 2, 16, 150), (8, 14, 2, 64, 1100), (64, 8, 8, 32, 70)])
+def test_window_mass_kernel_matches_reference(w, heads, kv_heads, dim, n):
+    """The window's attention mass of each key (`triton_window_mass`: a log-sum-exp pass with the keys split between
+    programs, then a pass over key blocks), against the reference that makes the probabilities: GQA, keys at gapped
+    positions (a compacted cache), queries that see only the keys at or before them, a window that is not a multiple
+    of a query tile and keys that are not a multiple of a block or of a split (1,100 keys: 16 splits of 128)."""
+    from semkv.kernels import triton_window_mass
+    from semkv.methods.base import window_attention
+
+    gen = torch.Generator().manual_seed(w)
+    q, keys = torch.randn(w, heads, dim, generator=gen), torch.randn(kv_heads, n, dim, generator=gen)
+    positions = torch.sort(torch.randperm(3 * n, generator=gen)[:n]).values[None].expand(kv_heads, -1)
+    query_positions = positions[0, n - w:]
+    want = reference.window_mass(q, keys, positions, query_positions, dim**-0.5)
+    got = triton_window_mass.window_mass(q, keys, positions, query_positions, dim**-0.5)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(want.sum(1), torch.full((heads,), float(w)), atol=1e-3)  # each query's probabilities: 1
+    old = window_attention(q, keys, positions, query_positions).sum(1)  # what the methods summed before
+    assert torch.allclose(want, old, atol=1e-6, rtol=1e-5)
+    assert torch.all(want[:, n - w + 1:] < w)  # the window's later keys are in its first queries' future

@@ -194,6 +194,15 @@ def put_host(k, v, pos, store_k, store_v, store_pos, first: int, n: int) -> None
     return reference.put_host(k, v, pos, store_k, store_v, store_pos, first, n)
 
 
+def window_mass(q_window, keys, positions, query_positions, scale):
+    """See `reference.window_mass`."""
+    if use_triton(q_window.device):
+        from semkv.kernels import triton_window_mass
+
+        return triton_window_mass.window_mass(q_window, keys, positions, query_positions, scale)
+    return reference.window_mass(q_window, keys, positions, query_positions, scale)
+
+
 def bucket_take(scores, count, capacity, rows=None):
     """See `reference.bucket_take`."""
     if use_triton(scores.device):

@@ -371,3 +371,18 @@ def rope_store(q, k, v, cos, sin, rows, positions, kf, vf, pf):
     """Rotate q and k, store k, v and positions at the pool rows [T, kv_heads]; returns the rotated q."""
     store(rotate(k, cos, sin), v, rows, positions, kf, vf, pf)
     return rotate(q, cos, sin)
+
+
+def window_mass(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """The attention mass an observation window gives each key: q_window [w, heads, D] (the last prompt queries, at
+    query_positions [w]) over keys [kv_heads, n, D] (at positions [kv_heads, n]), each query's softmax of its scaled
+    scores over the keys not in its future, summed over the window: float32 [heads, n]. GQA: query head h reads KV
+    head h // group. This reference makes the [heads, w, n] probabilities; `kernels/triton_window_mass.py` does not."""
+    w, heads, dim = q_window.shape
+    kv_heads = keys.shape[0]
+    grouped = q_window.float().view(w, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("wkgd,knd->kgwn", grouped, keys.float()) * scale  # [kv_heads, group, w, n]
+    future = positions[:, None, None, :] > query_positions[None, None, :, None]  # [kv_heads, 1, w, n]
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return probs.sum(2).reshape(heads, -1)

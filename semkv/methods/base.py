@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from semkv import kernels
+
 def window_attention(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None = None,
                      query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of the observation window over all stored keys, per query head.
@@ -23,6 +25,14 @@ def window_attention(q_window: torch.Tensor, keys: torch.Tensor, positions: torc
         future = positions.repeat_interleave(group, dim=0)[:, None, :] > query_positions[None, :, None]
         scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+def window_mass(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                query_positions: torch.Tensor) -> torch.Tensor:
+    """`window_attention`'s probabilities summed over the window's queries, without making them on a GPU
+    (`kernels.window_mass`): q_window [w, heads, D], keys [kv_heads, n, D], positions [kv_heads, n], query_positions
+    [w] -> float32 [heads, n]. The prefill-eviction methods' and CHESS's scoring of a prompt's keys."""
+    return kernels.window_mass(q_window, keys, positions, query_positions, q_window.shape[-1] ** -0.5)
 
 
 def per_kv_head(scores: torch.Tensor, kv_heads: int, reduce: str = "mean") -> torch.Tensor:

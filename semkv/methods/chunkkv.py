@@ -45,21 +45,22 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_range
-from semkv.methods.base import neighbour_max, per_kv_head, window_attention
+from semkv.methods.base import neighbour_max, per_kv_head, window_mass
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
 from semkv.models.parallel import TensorParallel, over_heads
 
 
-def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
+def keep_chunks(mass: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
                 per_head: bool, tp: TensorParallel | None = None, neighbours: int = 0) -> torch.Tensor:
-    """Algorithm 1 from window attention probs [heads, w, n]: kept slots [kv_heads or 1, n_keep], ascending. Chunks
+    """Algorithm 1 from the window's attention mass [heads, n] (`window_mass`: its probabilities summed over its
+    queries): kept slots [kv_heads or 1, n_keep], ascending. Chunks
     shared by the heads are scored over every rank's heads (`tp`); `neighbours` > 0 max-pools the chunk scores over
     that many chunks on either side."""
-    n = probs.shape[-1]
+    n = mass.shape[-1]
     n_window = min(window, n_keep)
     prefix, fill = n - n_window, n_keep - n_window  # chunked part of the prompt, and its budget
-    token_scores = per_kv_head(probs[..., :prefix].sum(1), kv_heads)  # [kv_heads, prefix]
+    token_scores = per_kv_head(mass[:, :prefix], kv_heads)  # [kv_heads, prefix]
     if not per_head:
         token_scores = over_heads(tp, token_scores, 0, keepdim=True)  # [1, prefix]
     n_chunks = -(-prefix // chunk_size)
@@ -68,14 +69,14 @@ def keep_chunks(probs: torch.Tensor, kv_heads: int, n_keep: int, window: int, ch
     chunk_scores = neighbour_max(chunk_scores, neighbours)
     # tokens of each chunk, the last one's cut by the prefix's end (computed on the device: writing a Python number
     # into a device tensor makes the host wait for the device, once a layer)
-    sizes = (prefix - chunk_size * torch.arange(n_chunks, device=probs.device)).clamp_(max=chunk_size)  # [n_chunks]
+    sizes = (prefix - chunk_size * torch.arange(n_chunks, device=mass.device)).clamp_(max=chunk_size)  # [n_chunks]
     order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [S, n_chunks] best first
     filled_before = sizes[order].cumsum(-1) - sizes[order]
     chosen = torch.zeros_like(chunk_scores, dtype=torch.bool).scatter_(-1, order, filled_before < fill)
     tokens = chosen.repeat_interleave(chunk_size, dim=-1)[:, :prefix]  # [S, prefix]
     # the first `fill` chosen tokens in original order: the last chosen chunk is cut to the budget
     slots = torch.sort((~tokens).to(torch.int8), dim=-1, stable=True).indices[:, :fill]  # [S, fill] ascending
-    window_slots = torch.arange(prefix, n, device=probs.device)[None].expand(slots.shape[0], -1)
+    window_slots = torch.arange(prefix, n, device=mass.device)[None].expand(slots.shape[0], -1)
     return torch.cat([slots, window_slots], dim=-1)
 
 
@@ -116,8 +117,8 @@ class ChunkKV(ScoredEviction):
             keep = SnapKV(window=self.window).keep(layer, seq, q_window, n_keep)
         else:
             keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
-            probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
-            keep = keep_chunks(probs, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
+            mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
+            keep = keep_chunks(mass, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
                                self.tp, self.neighbours)
             if self.reuse_layers > 1:  # the group's later layers read it
                 seq.method_state[layer] = keep

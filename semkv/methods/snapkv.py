@@ -23,17 +23,17 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.methods.base import per_kv_head, window_attention
+from semkv.methods.base import per_kv_head, window_mass
 from semkv.methods.eviction import ScoredEviction, window_positions
 
 
 def pooled_window_scores(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                          query_positions: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's score of every key: [kv_heads, n]. Keys of the window get +inf-like max scores (always kept)."""
-    probs = window_attention(q_window, keys, positions, query_positions)  # [heads, w, n]
+    mass = window_mass(q_window, keys, positions, query_positions)  # [heads, n]
     w = q_window.shape[0]
     n = keys.shape[1]
-    prefix = probs[..., : n - w].mean(dim=1)  # [heads, n - w]
+    prefix = mass[:, : n - w] / w  # [heads, n - w] the window's mean attention
     if kernel_size > 1 and prefix.shape[-1] > 0:
         pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
         prefix = pool(prefix[:, None], kernel_size, stride=1, padding=kernel_size // 2)[:, 0]

@@ -75,7 +75,7 @@ from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
-from semkv.methods.base import neighbour_max, window_attention
+from semkv.methods.base import neighbour_max, window_mass
 from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
@@ -281,8 +281,8 @@ class Chess(KVMethod):
         if self.anchor == "queries":
             kv, st = seq.kv, seq.method_state
             keys, _, positions = kv.gather(layer, kv.all_slots(layer))  # [kv_heads, n, D], [kv_heads, n]
-            probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
-            mass = probs.mean(1).sum(0)  # [n]
+            mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
+            mass = mass.sum(0) / q_window.shape[0]  # [n]: the window's mean, summed over the heads
             size, n = self.block_size, mass.shape[0]
             pages = F.pad(mass, (0, -n % size)).view(-1, size).sum(-1)  # [pages]
             st.page_mass = pages if st.page_mass is None else st.page_mass + pages

@@ -89,7 +89,7 @@ from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import use_triton
-from semkv.methods.base import keep_top, per_kv_head, window_attention
+from semkv.methods.base import keep_top, per_kv_head, window_mass
 from semkv.methods.eviction import window_positions
 from semkv.methods.sentencekv import kernels as sentencekv_kernels
 from semkv.methods.sentencekv.buckets import SentenceRows, SentenceState, bucket_of
@@ -270,8 +270,8 @@ class SentenceKV(RowHolder, KVMethod):
         n = kv.num_slots[layer]
         recent = min(st.n_recent, n - st.n_sink)
         keys, values, positions = kv.gather(layer, kv.all_slots(layer))  # [kv_heads, n, D]
-        probs = window_attention(q_window, keys, positions, window_positions(seq, q_window))  # [heads, w, n]
-        importance = per_kv_head(probs.sum(1), keys.shape[0], "sum")[:, st.n_sink : n - recent]  # [kv_heads, mid]
+        mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
+        importance = per_kv_head(mass, keys.shape[0], "sum")[:, st.n_sink : n - recent]  # [kv_heads, mid]
         size = int(self.keep_factor * st.budget)
         starts = kv.pool.staging.send(st.starts)  # [buckets], in a copy that does not wait for the device
         if self.retain == "sentences":  # each token scores its sentence's best; ties go to the earlier token
