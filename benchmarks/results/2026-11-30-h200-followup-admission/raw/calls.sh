@@ -21,3 +21,10 @@ bash benchmarks/vllm_device.sh serve 330 --servers "chunkkv[neighbours=3]" --pha
 bash benchmarks/vllm_device.sh serve 250 --servers "chess[anchor=queries]" --phases shared_first,shared_followup
 # here: each client JSON gzipped with its times rounded to the microsecond, logs and /metrics gzipped; the tables:
 python benchmarks/vllm_page.py --serve benchmarks/results/2026-11-30-h200-followup-admission/raw/serve
+# lease 3 (one call, a fresh machine, random weights, no vLLM): tree 0a0b19c (the window's mass kernels) against
+# 6149860 in .carry/old/semkv (`git archive 6149860 semkv benchmarks`), raw/window/
+export PYTHONPATH=$PWD:$PWD/benchmarks R=$PWD
+python3 benchmarks/kernel_check.py --window-only > $OUT/window.txt
+A="--shape qwen2.5-0.5b --tokenizer $R/.carry/data/smollm2-tokenizer --text-file /tmp/essays.txt --documents 8 --questions 7 --concurrency 8 --new-tokens 64 --method chunkkv"
+(cd .carry/old/semkv && PYTHONPATH=$PWD:$R/benchmarks python3 $R/benchmarks/followup_steps.py $A > $OUT/chunkkv_old.log)
+python3 benchmarks/followup_steps.py $A > $OUT/chunkkv_new.log
