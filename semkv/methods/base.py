@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from semkv import kernels
 
+
 def window_attention(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None = None,
                      query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of the observation window over all stored keys, per query head.

@@ -54,9 +54,8 @@ from semkv.models.parallel import TensorParallel, over_heads
 def keep_chunks(mass: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
                 per_head: bool, tp: TensorParallel | None = None, neighbours: int = 0) -> torch.Tensor:
     """Algorithm 1 from the window's attention mass [heads, n] (`window_mass`: its probabilities summed over its
-    queries): kept slots [kv_heads or 1, n_keep], ascending. Chunks
-    shared by the heads are scored over every rank's heads (`tp`); `neighbours` > 0 max-pools the chunk scores over
-    that many chunks on either side."""
+    queries): kept slots [kv_heads or 1, n_keep], ascending. Chunks shared by the heads are scored over every rank's
+    heads (`tp`); `neighbours` > 0 max-pools the chunk scores over that many chunks on either side."""
     n = mass.shape[-1]
     n_window = min(window, n_keep)
     prefix, fill = n - n_window, n_keep - n_window  # chunked part of the prompt, and its budget
