@@ -271,15 +271,19 @@ class Engine:
             count = self._take(plan, budget)
             for a, b, evict in plan.spans[:count]:
                 step = PrefillStep(self, seq, plan.method, a, b, evict, plan.record_window if b == n else 0)
-                graphs = self.prefill_graphs
-                ids = plan.ids[a - plan.first : b - plan.first]
-                if graphs is not None and graphs.size(b - a) is not None:
-                    logits = graphs.forward(ids, step, slice(b - a - 1, b - a))
-                else:
-                    logits = self.model(ids, step, logits_at=slice(b - a - 1, b - a))
+                logits = self._chunk_forward(plan.ids[a - plan.first : b - plan.first], step,
+                                             slice(b - a - 1, b - a))
             del plan.spans[:count]
         seq.stats.prefill_s += time.perf_counter() - started
         return self._chunks_done(seq, logits)
+
+    def _chunk_forward(self, ids: torch.Tensor, step, logits_at: torch.Tensor | slice) -> torch.Tensor:
+        """The forward of prompt tokens ids [T] through the attention context `step`: the dense work replayed from
+        the prefill's graphs where one holds T tokens (`PrefillGraphs`), else eager; the logits at `logits_at`."""
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.size(ids.shape[0]) is not None:
+            return graphs.forward(ids, step, logits_at)
+        return self.model(ids, step, logits_at=logits_at)
 
     def _chunks_done(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
         """After a call's chunks: once the prompt is done, the method's `finish_prefill` and the logits of its last
@@ -336,11 +340,7 @@ class Engine:
         ids = torch.cat([seq.prefill.ids[a - seq.prefill.first : b - seq.prefill.first]
                          for seq, (a, b, _) in zip(seqs, spans)])
         last = self.pool.staging.send([end - 1 for end in step.bounds[1:]])  # [P] each chunk's last row
-        graphs = self.prefill_graphs
-        if graphs is not None and graphs.size(step.bounds[-1]) is not None:
-            logits = graphs.forward(ids, step, last)
-        else:
-            logits = self.model(ids, step, logits_at=last)
+        logits = self._chunk_forward(ids, step, last)
         firsts = []
         for i, seq in enumerate(seqs):
             del seq.prefill.spans[0]
