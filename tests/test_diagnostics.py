@@ -61,7 +61,7 @@ def test_dropping_the_needle_on_some_layers_gives_retention_zero_there(tiny_llm)
         for layer in dropped:
             positions = seq.kv.positions(layer)[0].long()  # [n] (every head holds every position here)
             keep = torch.nonzero(~torch.isin(positions, span)).flatten()[None]  # [1, n_keep]
-            seq.kv.compact(layer, keep)
+            seq.kv.compact({layer: keep})
 
     full, evicted = _run(tiny_llm, [get_method("full"), evictor], inspect=drop)
     maps = diagnostics.head_maps(evicted, full, None, _requirements(tiny_llm), len(full.prompt_token_ids))

@@ -341,6 +341,7 @@ class Engine:
                          for seq, (a, b, _) in zip(seqs, spans)])
         last = self.pool.staging.send([end - 1 for end in step.bounds[1:]])  # [P] each chunk's last row
         logits = self._chunk_forward(ids, step, last)
+        step.evict()
         firsts = []
         for i, seq in enumerate(seqs):
             del seq.prefill.spans[0]
@@ -376,13 +377,14 @@ class Engine:
         kv, done = seq.kv, min(seq.num_computed // self.pool.page_size, seq.block_keys.count)
         added = 0
         if done > seq.cached_blocks:
-            pages = np.array([(kv.aside[layer] or kv.pages[layer])[seq.cached_blocks:done]
+            pages = np.array([(kv.aside[layer] if len(kv.aside[layer]) else kv.pages[layer])[seq.cached_blocks:done]
                               for layer in range(self.config.num_layers)], dtype=np.int64).T  # [blocks, layers]
             added = self.pool.cache.add(seq.block_keys.first(done)[seq.cached_blocks:], pages, held=True)
         seq.cached_blocks = max(seq.cached_blocks, done)
         if seq.prefill is None:  # the prompt is done
-            self.pool.release([page for aside in kv.aside for page in aside[::-1]])  # tail first (`SeqKV.release`)
-            kv.aside = [[] for _ in kv.aside]
+            if any(map(len, kv.aside)):  # tail first (`SeqKV.release`)
+                self.pool.release(np.concatenate([aside[::-1] for aside in kv.aside]))
+            kv.aside = [aside[:0] for aside in kv.aside]
             kv.protect = 0
             seq.block_keys = None
         return added

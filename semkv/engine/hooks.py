@@ -11,6 +11,8 @@ Prefill (one sequence, chunk by chunk, layer by layer):
     evict_prefill(layer, seq, q_window)    -> slots to keep [kv_heads or 1, n_keep] (None: keep all)   [eviction]
         called once per layer right after the last prompt chunk's attention; `q_window` are the queries of the last
         `window_size()` prompt tokens. The engine compacts the kept slots and frees the pages behind them.
+    evict_prefill_layers(seq, q_windows)   -> every layer's slots to keep at once, after a packed chunk's forward
+        (default: `evict_prefill` layer by layer); a method that scores every layer in one pass overrides it.
     finish_prefill(seq)                    -> build summaries / offload after all layers are done.
 Decode (a batch, one token per sequence):
     begin_step(batch)                      -> slots the new tokens overwrite [B, layers, kv_heads] (None: append)
@@ -375,6 +377,12 @@ class KVMethod(BatchedHooks):
 
     def evict_prefill(self, layer: int, seq: "Sequence", q_window: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def evict_prefill_layers(self, seq: "Sequence", q_windows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """`evict_prefill` of every layer, after the forward of a prompt's last chunk that ran packed with others
+        (`PackedPrefillStep`): each layer's window queries q_windows, [w, heads, D] each -> each layer's slots to keep
+        (None: all)."""
+        return [self.evict_prefill(layer, seq, q) for layer, q in enumerate(q_windows)]
 
     def finish_prefill(self, seq: "Sequence") -> None:
         return None

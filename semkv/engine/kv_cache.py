@@ -186,7 +186,7 @@ class KVPool:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return pages
 
-    def release(self, pages: list[int]) -> None:
+    def release(self, pages: list[int] | np.ndarray) -> None:
         """A request gives pages back: its own ones become free, cached ones lose a holder (idle when none is
         left)."""
         if self.cache is not None and self.cache.blocks:
@@ -194,6 +194,7 @@ class KVPool:
             self.free.extend(private)
             self.in_use -= len(private) + idled
             return
+        pages = pages.tolist() if isinstance(pages, np.ndarray) else pages
         self.free.extend(pages)
         self.in_use -= len(pages)
         self._rewind()
@@ -259,6 +260,7 @@ class PageState(Protocol):
 
 
 _versions = itertools.count(1)
+_NONE = np.zeros(0, dtype=np.int64)  # no page
 
 
 def stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
@@ -341,7 +343,7 @@ class SeqKV:
         # prefix caching: the first `protect` pages of every layer are prompt pages to be cached, so a rewrite of
         # them (`unshare`) moves to new pages and keeps these aside for the cache
         self.protect = 0
-        self.aside: list[list[int]] = [[] for _ in range(layers)]
+        self.aside: list[np.ndarray] = [_NONE] * layers  # [pages] int64 each
         with torch.inference_mode(False):  # a normal tensor even when made during generation (see `_extended`)
             self.table = torch.zeros(layers, 8, dtype=torch.long, device=pool.device)
         self.version = next(_versions)
@@ -429,41 +431,98 @@ class SeqKV:
         self.widen(len(blocks))
         self.table[:, : len(blocks)] = self.pool.staging.send(pages).t()
 
-    def unshare(self, layer: int, keep: int) -> None:
-        """Before the first `keep` pages of `layer` are rewritten whole by the caller (nothing is copied) and the rest
-        leave it: cached pages and the first `protect` pages among those it keeps are replaced by new pages of its
-        own; protected pages leave for the side (for the cache), cached ones lose this holder, the rest go back to
-        the pool. A follow-up question on a cached document compacted to its budget takes new pages for what it
-        keeps, not for the whole document."""
-        pages, cache = self.pages[layer], self.pool.cache
-        guard = 0 if self.aside[layer] else self.protect  # a layer sets its protected pages aside once
-        ours = [i for i in range(min(keep, len(pages)))
-                if i < guard or (cache is not None and cache.cached(pages[i]))]
-        fresh = self.pool.allocate(len(ours))  # before this layer lets go of any page (the cache keeps them)
-        leaving = [(i, pages[i]) for i in ours] + list(enumerate(pages[keep:], keep))  # in page order
-        self.aside[layer] += [page for i, page in leaving if i < guard]
-        self.pool.release([page for i, page in leaving if i >= guard])
-        for i, page in zip(ours, fresh):
-            pages[i] = page
-        del pages[keep:]
-        if ours:
-            index = self.pool.staging.send([ours, fresh])
-            self.table[layer, index[0]] = index[1]
-        if leaving:
-            self.widest = max(map(len, self.pages))
-            self.version = next(_versions)
+    def unshare(self, keep: dict[int, int]) -> None:
+        """Before the first pages of each layer that `keep` gives (layer -> pages) are rewritten whole by the caller
+        (nothing is copied) and the rest leave it: cached pages and the first `protect` pages among those it keeps are
+        replaced by new pages of its own; protected pages leave for the side (for the cache), cached ones lose this
+        holder, the rest go back to the pool. A follow-up question on a cached document compacted to its budget takes
+        new pages for what it keeps, not for the whole document. The layers' new pages come in one allocation (before
+        any page leaves: the cache keeps them), the leaving ones go in one release and the table's entries in one
+        copy."""
+        cache, plans = self.pool.cache, []  # (layer, pages kept, its pages, columns renewed, pages set aside, leaving)
+        for layer, n in keep.items():
+            held, column = np.asarray(self.pages[layer], dtype=np.int64), np.arange(len(self.pages[layer]))  # [P]
+            guard = 0 if len(self.aside[layer]) else self.protect  # a layer sets its protected pages aside once
+            ours = (column < n) & ((column < guard) | (cache.cached_mask(held) if cache is not None else False))
+            gone = ours | (column >= n)  # in page order
+            if gone.any():
+                plans.append((layer, n, held, np.flatnonzero(ours), gone & (column < guard), gone & (column >= guard)))
+        if not plans:
+            return
+        fresh = self.pool.allocate(sum(len(plan[3]) for plan in plans))  # before any page leaves (all or nothing)
+        moved, taken = [], 0
+        for layer, n, held, renewed, aside, _ in plans:
+            pages = self.pages[layer]
+            if aside.any():
+                self.aside[layer] = held[aside]
+            for i, page in zip(renewed.tolist(), fresh[taken : taken + len(renewed)]):
+                pages[i] = page
+            moved.append(np.stack([np.full(len(renewed), layer), renewed]))
+            taken += len(renewed)
+            del pages[n:]
+        leaving = np.concatenate([held[gone] for _, _, held, _, _, gone in plans])
+        if len(leaving):
+            self.pool.release(leaving)
+        if fresh:
+            index = self.pool.staging.send(np.concatenate([np.concatenate(moved, 1), [fresh]]))  # [3, k]
+            self.table[index[0], index[1]] = index[2]
+        self.widest = max(map(len, self.pages))
+        self.version = next(_versions)
 
-    def compact(self, layer: int, keep: torch.Tensor) -> None:
-        """Keep only slots `keep` [kv_heads or 1, n_keep] (ascending per head), moved to slots [0, n_keep); the pages
-        no longer needed go back to the pool."""
-        n_keep = keep.shape[1]
-        k, v, pos = self.gather(layer, keep)  # copies: safe to overwrite in place
-        self.unshare(layer, -(-n_keep // self.pool.page_size))
-        heads = self.pool.num_kv_heads
-        rows = self.physical(layer, torch.arange(n_keep, device=keep.device))
+    def compact(self, keep: dict[int, torch.Tensor]) -> None:
+        """Keep only the slots `keep` gives each layer ([kv_heads or 1, n_keep], ascending per head), moved to slots
+        [0, n_keep); the pages no longer needed go back to the pool. Layers keeping as many slots in the same layout
+        are gathered in one copy and written back in one (`unshare` moves the pages of all of them at once): a packed
+        prompt chunk compacts every layer after its forward (`step.evict_layers`)."""
+        if not keep:
+            return
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer, slots in keep.items():
+            groups.setdefault(tuple(slots.shape), []).append(layer)
+        kept = [(layers, *self.gather_layers(layers, torch.stack([keep[layer] for layer in layers])))
+                for layers in groups.values()]  # copies: safe to overwrite in place
+        size = self.pool.page_size
+        self.unshare({layer: -(-slots.shape[1] // size) for layer, slots in keep.items()})
         kf, vf, pf = self.pool.flat()
-        kf[rows], vf[rows], pf[rows] = k.transpose(0, 1), v.transpose(0, 1), pos.transpose(0, 1).expand(-1, heads)
-        self.truncate(layer, n_keep)
+        for layers, k, v, pos in kept:
+            n_keep = k.shape[1]
+            rows = self._rows(layers, n_keep)
+            kf[rows], vf[rows], pf[rows] = k, v, pos
+            for layer in layers:
+                self.truncate(layer, n_keep)
+
+    def _tables(self, layers: list[int]) -> torch.Tensor:
+        """The page tables of `layers` [G, capacity] (a view for consecutive layers, else through the staging ring:
+        a list index would copy to the device and wait)."""
+        if layers == list(range(layers[0], layers[-1] + 1)):
+            return self.table[layers[0] : layers[-1] + 1]
+        return self.table[self.pool.staging.send(layers)]
+
+    def _rows(self, layers: list[int], n: int) -> torch.Tensor:
+        """Pool rows of slots [0, n) of `layers`: [G, n]."""
+        size = self.pool.page_size
+        tables = self._tables(layers)[:, : -(-n // size)]  # [G, pages]
+        return (tables[:, :, None] * size + torch.arange(size, device=tables.device)).flatten(1)[:, :n]
+
+    def stored(self, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored key and position of `layers`, which hold as many slots n: [G, kv_heads, n, D] and
+        [G, kv_heads, n] (views of copies)."""
+        kf, _, pf = self.pool.flat()
+        rows = self._rows(layers, self.num_slots[layers[0]])
+        return kf[rows].permute(0, 2, 1, 3), pf[rows].permute(0, 2, 1)
+
+    def gather_layers(self, layers: list[int], slots: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """slots [G, kv_heads or 1, n] of `layers` -> keys, values [G, n, kv_heads, D] and positions [G, n, kv_heads]
+        (a slot of every head when one is given for all)."""
+        kf, vf, pf = self.pool.flat()
+        size, groups = self.pool.page_size, slots.shape[0]
+        pages = torch.gather(self._tables(layers), 1, (slots // size).view(groups, -1)).view_as(slots)
+        rows = pages * size + slots % size
+        if rows.shape[1] == 1:
+            return kf[rows[:, 0]], vf[rows[:, 0]], pf[rows[:, 0]]
+        heads = torch.arange(self.pool.num_kv_heads, device=rows.device)[None, :, None]
+        return kf[rows, heads].transpose(1, 2), vf[rows, heads].transpose(1, 2), pf[rows, heads].transpose(1, 2)
 
     def truncate(self, layer: int, n: int) -> None:
         """Drop slots >= n and release the pages past them."""
@@ -501,8 +560,9 @@ class SeqKV:
         pages first: cached prompt blocks become idle tail first, so the prefix cache evicts a prompt's tail before
         its head (a head evicted would make the rest unreachable)."""
         for layer in range(len(self.pages)):
-            self.pool.release((self.pages[layer] + self.aside[layer])[::-1])
-            self.pages[layer], self.aside[layer] = [], []
+            pages, aside = self.pages[layer][::-1], self.aside[layer]
+            self.pool.release(np.concatenate([aside[::-1], pages]) if len(aside) else pages)
+            self.pages[layer], self.aside[layer] = [], _NONE
             self.num_slots[layer] = 0
         self.protect = 0
         self.widest = 0

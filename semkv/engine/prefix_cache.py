@@ -164,19 +164,21 @@ class PrefixCache:
         """A request gives back `pages` (distinct): (the ones not cached, to free; how many cached ones became
         idle)."""
         pages = np.asarray(pages, dtype=np.int64)
-        owner = np.full(len(pages), -1, dtype=np.int64)
         known = pages < len(self.owner)  # pages above every cached one are not cached
-        owner[known] = self.owner[pages[known]]
+        owner = np.where(known, self.owner[np.where(known, pages, 0)], -1)  # (a masked write: 10x the time)
         cached = owner >= 0
         private = pages[~cached].tolist()
         mine, owner = pages[cached], owner[cached]
         self.refs[mine] -= 1
         idled = owner[self.refs[mine] == 0]  # blocks of the pages no request holds now (one entry a page)
         np.add.at(self.idle, idled, 1)
-        full = idled[self.idle[idled] == self.num_layers]
-        _, first = np.unique(full, return_index=True)
-        for block_id in full[np.sort(first)].tolist():  # in the order given: a prompt's tail first is evicted first
-            self._idle(self.by_id[block_id])
+        full = idled[self.idle[idled] == self.num_layers]  # a block once for each of its pages given
+        if len(full):  # the blocks in the order of their first page given: a prompt's tail first is evicted first
+            first = np.full(len(self.idle), len(full))  # (np.unique sorts: 4 ms for a 32k prompt's 48,000 pages)
+            np.minimum.at(first, full, np.arange(len(full)))
+            blocks = np.flatnonzero(first < len(full))
+            for block_id in blocks[np.argsort(first[blocks])].tolist():
+                self._idle(self.by_id[block_id])
         return private, len(idled)
 
     def evict(self, pages: int) -> list[int]:
@@ -206,6 +208,11 @@ class PrefixCache:
 
     def cached(self, page: int) -> bool:
         return page < len(self.owner) and self.owner[page] >= 0
+
+    def cached_mask(self, pages: np.ndarray) -> np.ndarray:
+        """`cached` of each page id of `pages` [n] int64: bool [n]."""
+        known = pages < len(self.owner)
+        return known & (self.owner[np.where(known, pages, 0)] >= 0) if len(self.owner) else np.zeros(len(pages), bool)
 
     def _fit(self, pages: int) -> None:
         """Per-page arrays for page ids below `pages`."""

@@ -90,8 +90,9 @@ class PackedPrefillStep:
     (FlashAttention 3's varlen call for all of them where it serves, else one call a chunk). Only chunks that need
     nothing else of a `PrefillStep` run here (`Engine.prefill_span` says which): no sparse context, keys stored with
     RoPE, no log-sum-exps, no recorded queries, every layer holding the slots before them; a method's
-    `observe_prefill` sees its own chunk's queries, and a last chunk after which the layers evict evicts each layer
-    (`evict_layer`) from its own chunk's last queries. Every layer's pages are taken at once."""
+    `observe_prefill` sees its own chunk's queries, and a last chunk after which the layers evict keeps each layer's
+    last queries, to evict every layer at once after the forward (`evict`: later layers never read an earlier one's
+    pages, which the chunk holds until its prompt ends either way). Every layer's pages are taken at once."""
 
     def __init__(self, engine, seqs: list[Sequence], spans: list[tuple[int, int, bool]]):
         self.engine, self.seqs, self.spans = engine, seqs, spans
@@ -121,6 +122,8 @@ class PackedPrefillStep:
             self.cos, self.sin = engine.rotary.cos_sin(self.positions, engine.dtype)
         self.observers = [i for i, seq in enumerate(seqs)
                           if type(seq.prefill.method).observe_prefill is not KVMethod.observe_prefill]
+        # chunk -> its window's queries in every layer so far, for the chunks that end an evicting prompt
+        self.windows: dict[int, list[torch.Tensor]] = {i: [] for i, (_, _, evict) in enumerate(spans) if evict}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         engine, pool = self.engine, self.engine.pool
@@ -141,10 +144,15 @@ class PackedPrefillStep:
         for i in self.observers:
             seq, lo, hi = self.seqs[i], self.bounds[i], self.bounds[i + 1]
             seq.prefill.method.observe_prefill(layer, seq, q[lo:hi], self.spans[i][0], None)
-        for seq, (_, _, evict), lo, hi in zip(self.seqs, self.spans, self.bounds, self.bounds[1:]):
-            if evict:
-                evict_layer(seq.prefill.method, seq, layer, q[lo:hi])
+        for i, windows in self.windows.items():
+            lo, hi = self.bounds[i], self.bounds[i + 1]
+            windows.append(q[hi - min(self.seqs[i].prefill.method.window_size(), hi - lo) : hi].clone())
         return out
+
+    def evict(self) -> None:
+        """After the forward: the prefill-time eviction of every layer of the chunks that end their prompts."""
+        for i, windows in self.windows.items():
+            evict_layers(self.seqs[i].prefill.method, self.seqs[i], windows)
 
 
 def evict_layer(method: KVMethod, seq: Sequence, layer: int, q_last: torch.Tensor) -> None:
@@ -154,7 +162,16 @@ def evict_layer(method: KVMethod, seq: Sequence, layer: int, q_last: torch.Tenso
     window = min(method.window_size(), q_last.shape[0])
     keep = method.evict_prefill(layer, seq, q_last[q_last.shape[0] - window:])
     if keep is not None:
-        seq.kv.compact(layer, keep)
+        seq.kv.compact({layer: keep})
+
+
+def evict_layers(method: KVMethod, seq: Sequence, q_windows: list[torch.Tensor]) -> None:
+    """Prefill-time eviction of every layer at once, given each layer's window queries [w, heads, D]: the method's
+    choices (`evict_prefill_layers`) compacted together (`SeqKV.compact`)."""
+    stats = seq.stats
+    stats.kv_resident_prefill_peak = max(stats.kv_resident_prefill_peak, seq.kv.resident_slots())
+    keeps = method.evict_prefill_layers(seq, q_windows)
+    seq.kv.compact({layer: keep for layer, keep in enumerate(keeps) if keep is not None})
 
 
 class DecodeStep:
