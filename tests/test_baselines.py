@@ -1,8 +1,8 @@
 """Each baseline's choice against a direct transcription of its paper's formula, on random keys and queries.
 
 The methods run on a real paged cache (`SeqKV`) filled with random keys, through their hooks in the engine's order:
-prefill chunk by chunk (write, `observe_prefill`), the engine's `evict_layer` after the last chunk, `finish_prefill`,
-then decode steps (`begin_step`, write at the named slots, `select`). The references below are written from the
+prefill chunk by chunk (write, `observe_prefill`), the engine's `evict_layer` after the last chunk (or every layer at
+once after it, `evict_layers`, as a packed chunk does), `finish_prefill`, then decode steps (`begin_step`, write at the named slots, `select`). The references below are written from the
 papers' definitions with plain loops and dense attention, independently of the methods' code.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from semkv.engine.step import evict_layer, plan_chunks
+from semkv.engine.step import evict_layer, evict_layers, plan_chunks
 from semkv.engine.hooks import DecodeBatch
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -30,7 +30,7 @@ CONFIG = ModelConfig("llama", 100, 64, 128, LAYERS, HEADS, KV_HEADS, DIM, 1e-5, 
 class Run:
     """Random queries/keys for n prompt tokens + decode steps, fed to a method over a real SeqKV."""
 
-    def __init__(self, method, n: int, steps: int = 0, chunk: int = 16, seed: int = 0):
+    def __init__(self, method, n: int, steps: int = 0, chunk: int = 16, seed: int = 0, at_once: bool = False):
         gen = torch.Generator().manual_seed(seed)
         total = n + steps
         self.q = torch.randn(LAYERS, total, HEADS, DIM, generator=gen) * 1.5  # [layers, tokens, heads, D]
@@ -42,6 +42,7 @@ class Run:
         seq.method_state = method.new_state(seq)
         method.admit(seq)  # as the engine does when a request is admitted
         spans = plan_chunks(0, n, chunk, method.window_size())
+        windows = []  # with at_once, each layer's window queries: every layer evicted after the last (`evict_layers`)
         for a, b in spans:
             seq.num_computed = b
             for layer in range(LAYERS):
@@ -54,8 +55,12 @@ class Run:
                     lse = reference.prefill_attention(self.q[layer, a:b], pool_k, pool_k, seq.kv.table[layer], a,
                                                       None, DIM**-0.5, lse=True)[1]
                 method.observe_prefill(layer, seq, self.q[layer, a:b], a, lse)
-                if b == n:
+                if b == n and at_once:
+                    windows.append(self.q[layer, b - min(method.window_size(), b - a) : b])
+                elif b == n:
                     evict_layer(method, seq, layer, self.q[layer, a:b])
+        if at_once:
+            evict_layers(method, seq, windows)
         method.finish_prefill(seq)
         self.selections = [self.decode(t) for t in range(n, total)]
 
@@ -337,3 +342,22 @@ def test_page_summaries_of_a_bf16_cache_are_its_exact_min_and_max():
         assert torch.equal(summaries.data["min"][physical], block.amin(0))
         assert torch.equal(summaries.data["max"][physical], block.amax(0))
         assert torch.allclose(summaries.data["sum"][physical], block.float().sum(0), atol=1e-4)
+
+
+@pytest.mark.parametrize("key_bytes", [256 * 2**20, 1])
+@pytest.mark.parametrize("name, params", [("streaming_llm", {}), ("h2o", {}), ("snapkv", {}), ("pyramidkv", {}),
+                                          ("keydiff", {}), ("chunkkv", {}),
+                                          ("chunkkv", dict(per_head=True, neighbours=3)),
+                                          ("chunkkv", dict(reuse_layers=2))])
+def test_every_layer_evicted_at_once_keeps_what_each_layer_keeps(monkeypatch, key_bytes, name, params):
+    """A prompt's last chunk packed with others evicts every layer after its forward (`evict_layers`): the methods
+    that score every layer in a few calls (SnapKV, PyramidKV, ChunkKV; one layer a call when `key_bytes` is 1) and
+    those evicting layer by layer keep each layer's slots of the layer-by-layer path, and compacting the layers
+    together leaves every layer the keys, values and positions one compaction a layer leaves."""
+    monkeypatch.setattr("semkv.methods.base.LAYERS_KEY_BYTES", key_bytes)
+    runs = [Run(get_method(name, 56, **params), 120, steps=3, at_once=at_once) for at_once in (False, True)]
+    stored = [[run.seq.kv.gather(layer, run.seq.kv.all_slots(layer)) for layer in range(LAYERS)] for run in runs]
+    assert runs[0].seq.kv.num_slots == runs[1].seq.kv.num_slots and max(runs[0].seq.kv.num_slots) < 120
+    assert len({frozenset(runs[0].kept(layer)[0]) for layer in range(LAYERS)}) > 1 or name == "streaming_llm"
+    for tensors, tensors_at_once in zip(*stored):
+        assert all(torch.equal(a, b) for a, b in zip(tensors, tensors_at_once))

@@ -368,3 +368,30 @@ def test_a_budget_that_leaves_no_page_to_select_warns(tiny_llm):
         for budget in (64, 0.5, prompt + 8):
             tiny_llm.generate(TEXT, method=Chess(budget=budget, block_size=16), max_new_tokens=2, chat=False)
         tiny_llm.generate(TEXT[:60], method=Chess(budget=48, block_size=16), max_new_tokens=2, chat=False)
+
+
+def test_query_anchor_scores_every_layer_at_once_as_layer_by_layer(tiny_llm, monkeypatch):
+    """anchor="queries" after a packed prompt chunk: every layer's window attention in a few calls
+    (`evict_prefill_layers`; one a layer here, `layers_window_mass` gathering one layer's keys a call) gives the pages
+    the scores of `evict_prefill` called layer by layer."""
+    monkeypatch.setattr("semkv.methods.base.LAYERS_KEY_BYTES", 1)
+    engine, layers = tiny_llm.engine, tiny_llm.config.num_layers
+    method = Chess(budget=96, block_size=16, anchor="queries", query_window=8).bound(
+        tiny_llm.config, tiny_llm.tokenizer, engine.pool.page_size)
+    ids, _ = tiny_llm.encode(TEXT, None, chat=False)
+    base = Sequence(0, ids, SamplingParams(), SeqKV(engine.pool))
+    engine.prefill(base, FullKV(), record_window=8)
+    masses = []
+    for at_once in (False, True):
+        seq = engine.fork(base, 1 + at_once)
+        seq.method_state = method.new_state(seq)
+        windows = [seq.window_queries[layer] for layer in range(layers)]
+        if at_once:
+            assert method.evict_prefill_layers(seq, windows) == [None] * layers
+        else:
+            assert all(method.evict_prefill(layer, seq, windows[layer]) is None for layer in range(layers))
+        method.finish_prefill(seq)
+        masses.append(seq.method_state.page_mass)
+        engine.release(seq)
+    engine.release(base)
+    assert masses[0].shape == (-(-len(ids) // 16),) and torch.equal(masses[0], masses[1])

@@ -183,8 +183,8 @@ def test_neighbours_keep_the_chunks_beside_the_best(neighbours):
     probs = torch.rand(2, window, n, generator=torch.Generator().manual_seed(0)) * 0.01  # [heads, w, n]
     probs[:, :, hit] = 1.0
     fill_chunks = 2 * max(neighbours, 1) + 1
-    kept = keep_chunks(probs.sum(1), 1, window + fill_chunks * chunk_size, window, chunk_size, False, None,
-                       neighbours)[0]
+    kept = keep_chunks(probs.sum(1)[None], 1, window + fill_chunks * chunk_size, window, chunk_size, False, None,
+                       neighbours)[0, 0]
     chunks = set((kept[kept < n - window] // chunk_size).tolist())
     assert 10 in chunks and len(chunks) == fill_chunks
     near = set(range(10 - neighbours, 10 + neighbours + 1))
@@ -210,3 +210,4 @@ def test_index_reuse_on_the_embedded_model(smol_llm, essay_text):
         assert torch.equal(positions[layer], positions[layer + 1])
         assert positions[layer].shape[1] == math.ceil(0.1 * n)
         assert_whole_chunks(positions[layer][0], n, 32, 10)
+

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv import kernels
+from semkv.engine.kv_cache import SeqKV
 
 
 def window_attention(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None = None,
@@ -36,18 +37,44 @@ def window_mass(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Ten
     return kernels.window_mass(q_window, keys, positions, query_positions, q_window.shape[-1] ** -0.5)
 
 
-def per_kv_head(scores: torch.Tensor, kv_heads: int, reduce: str = "mean") -> torch.Tensor:
-    """[heads, ...] -> [kv_heads, ...] by averaging (or summing) the query heads of each KV group (GQA)."""
-    grouped = scores.view(kv_heads, scores.shape[0] // kv_heads, *scores.shape[1:])
-    return grouped.mean(1) if reduce == "mean" else grouped.sum(1)
+LAYERS_KEY_BYTES = 256 * 2**20  # keys `layers_window_mass` gathers for one call
+
+
+def layers_window_mass(kv: SeqKV, layers: list[int], q_windows: list[torch.Tensor],
+                       query_positions: torch.Tensor) -> torch.Tensor:
+    """`window_mass` of several layers of `kv` holding the same slots, from each one's window queries q_windows ([w,
+    heads, D] each, in the order of `layers`) -> float32 [len(layers), heads, n], in one call a group of layers whose
+    keys fit in `LAYERS_KEY_BYTES`: the group's heads side by side as one layer's (the kernel's GQA groups pair each
+    layer's query heads with its own key heads). A prompt evicting every layer at once (`evict_prefill_layers`) is
+    scored in a few calls, not one a layer."""
+    w, heads, dim = q_windows[0].shape
+    n, kv_heads = kv.num_slots[layers[0]], kv.pool.num_kv_heads
+    at_once = max(1, LAYERS_KEY_BYTES // max(2 * n * kv_heads * dim * kv.pool.k.element_size(), 1))  # and a copy
+    masses = []
+    for first in range(0, len(layers), at_once):
+        group = layers[first : first + at_once]
+        keys, positions = kv.stored(group)  # [G, kv_heads, n, D], [G, kv_heads, n]
+        q = torch.stack(q_windows[first : first + at_once], 1).view(w, len(group) * heads, dim)
+        mass = window_mass(q, keys.reshape(-1, n, dim), positions.reshape(-1, n), query_positions)
+        masses.append(mass.view(len(group), heads, n))
+    return torch.cat(masses) if len(masses) > 1 else masses[0]
+
+
+def per_kv_head(scores: torch.Tensor, kv_heads: int, reduce: str = "mean", dim: int = 0) -> torch.Tensor:
+    """[..., heads, ...] (heads at `dim` >= 0) -> [..., kv_heads, ...] by averaging (or summing) the query heads of
+    each KV group (GQA)."""
+    shape = scores.shape
+    grouped = scores.view(*shape[:dim], kv_heads, shape[dim] // kv_heads, *shape[dim + 1 :])
+    return grouped.mean(dim + 1) if reduce == "mean" else grouped.sum(dim + 1)
 
 
 def neighbour_max(scores: torch.Tensor, neighbours: int) -> torch.Tensor:
-    """Scores [S, n] of regions in order -> each region's best over itself and `neighbours` regions on either side
+    """Scores [..., n] of regions in order -> each region's best over itself and `neighbours` regions on either side
     (CHESS's pages with anchor="queries", ChunkKV's chunks), so a region kept for its score brings its neighbours."""
     if not neighbours:
         return scores
-    return F.max_pool1d(scores[:, None], 2 * neighbours + 1, stride=1, padding=neighbours)[:, 0]
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    return F.max_pool1d(flat, 2 * neighbours + 1, stride=1, padding=neighbours).view(scores.shape)
 
 
 def keep_top(scores: torch.Tensor, n_keep: int, forced: torch.Tensor | None = None) -> torch.Tensor:

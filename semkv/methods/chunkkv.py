@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_range
-from semkv.methods.base import neighbour_max, per_kv_head, window_mass
+from semkv.methods.base import layers_window_mass, neighbour_max, per_kv_head, window_mass
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
 from semkv.models.parallel import TensorParallel, over_heads
@@ -53,29 +53,30 @@ from semkv.models.parallel import TensorParallel, over_heads
 
 def keep_chunks(mass: torch.Tensor, kv_heads: int, n_keep: int, window: int, chunk_size: int,
                 per_head: bool, tp: TensorParallel | None = None, neighbours: int = 0) -> torch.Tensor:
-    """Algorithm 1 from the window's attention mass [heads, n] (`window_mass`: its probabilities summed over its
-    queries): kept slots [kv_heads or 1, n_keep], ascending. Chunks shared by the heads are scored over every rank's
-    heads (`tp`); `neighbours` > 0 max-pools the chunk scores over that many chunks on either side."""
+    """Algorithm 1 from the window's attention mass [G, heads, n] of G layers (`window_mass`: its probabilities summed
+    over its queries): each layer's kept slots [G, kv_heads or 1, n_keep], ascending. Chunks shared by the heads are
+    scored over every rank's heads (`tp`); `neighbours` > 0 max-pools the chunk scores over that many chunks on either
+    side."""
     n = mass.shape[-1]
     n_window = min(window, n_keep)
     prefix, fill = n - n_window, n_keep - n_window  # chunked part of the prompt, and its budget
-    token_scores = per_kv_head(mass[:, :prefix], kv_heads)  # [kv_heads, prefix]
+    token_scores = per_kv_head(mass[..., :prefix], kv_heads, dim=1)  # [G, kv_heads, prefix]
     if not per_head:
-        token_scores = over_heads(tp, token_scores, 0, keepdim=True)  # [1, prefix]
+        token_scores = over_heads(tp, token_scores, 1, keepdim=True)  # [G, 1, prefix]
     n_chunks = -(-prefix // chunk_size)
     padded = F.pad(token_scores, (0, n_chunks * chunk_size - prefix))
-    chunk_scores = padded.view(padded.shape[0], n_chunks, chunk_size).sum(-1)  # [S, n_chunks]
+    chunk_scores = padded.view(*padded.shape[:2], n_chunks, chunk_size).sum(-1)  # [G, S, n_chunks]
     chunk_scores = neighbour_max(chunk_scores, neighbours)
     # tokens of each chunk, the last one's cut by the prefix's end (computed on the device: writing a Python number
     # into a device tensor makes the host wait for the device, once a layer)
     sizes = (prefix - chunk_size * torch.arange(n_chunks, device=mass.device)).clamp_(max=chunk_size)  # [n_chunks]
-    order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [S, n_chunks] best first
+    order = torch.argsort(chunk_scores, dim=-1, descending=True, stable=True)  # [G, S, n_chunks] best first
     filled_before = sizes[order].cumsum(-1) - sizes[order]
     chosen = torch.zeros_like(chunk_scores, dtype=torch.bool).scatter_(-1, order, filled_before < fill)
-    tokens = chosen.repeat_interleave(chunk_size, dim=-1)[:, :prefix]  # [S, prefix]
+    tokens = chosen.repeat_interleave(chunk_size, dim=-1)[..., :prefix]  # [G, S, prefix]
     # the first `fill` chosen tokens in original order: the last chosen chunk is cut to the budget
-    slots = torch.sort((~tokens).to(torch.int8), dim=-1, stable=True).indices[:, :fill]  # [S, fill] ascending
-    window_slots = torch.arange(prefix, n, device=mass.device)[None].expand(slots.shape[0], -1)
+    slots = torch.sort((~tokens).to(torch.int8), dim=-1, stable=True).indices[..., :fill]  # [G, S, fill] ascending
+    window_slots = torch.arange(prefix, n, device=mass.device).expand(*slots.shape[:-1], -1)
     return torch.cat([slots, window_slots], dim=-1)
 
 
@@ -117,11 +118,35 @@ class ChunkKV(ScoredEviction):
         else:
             keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
             mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
-            keep = keep_chunks(mass, keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
-                               self.tp, self.neighbours)
+            keep = keep_chunks(mass[None], keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
+                               self.tp, self.neighbours)[0]
             if self.reuse_layers > 1:  # the group's later layers read it
                 seq.method_state[layer] = keep
-        extra = seq.stats.extra
-        extra["scored_layers"] = extra.get("scored_layers", 0) + 1
-        extra["scoring_s"] = extra.get("scoring_s", 0.0) + time.perf_counter() - started
+        self._scored(seq, 1, started)
         return keep
+
+    def evict_prefill_layers(self, seq: Sequence, q_windows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Every layer at once (a packed prompt chunk's): the first layer of each reuse group scored in a few calls
+        (`layers_window_mass`) and their chunks chosen in one pass, where they keep as many slots (not `hybrid`,
+        every layer holding the same slots); else layer by layer."""
+        kv, layers = seq.kv, len(q_windows)
+        n = kv.num_slots[0]
+        if self.hybrid or any(count != n for count in kv.num_slots):
+            return super().evict_prefill_layers(seq, q_windows)
+        n_keep = self.layer_budget(0, n)
+        if n_keep >= n:
+            return [None] * layers
+        started = time.perf_counter()
+        scored = list(range(0, layers, self.reuse_layers))  # the others keep their group's first layer's slots
+        mass = layers_window_mass(kv, scored, [q_windows[layer] for layer in scored],
+                                  window_positions(seq, q_windows[0]))  # [scored, heads, n]
+        keep = keep_chunks(mass, kv.pool.num_kv_heads, n_keep, self.window, self.chunk_size, self.per_head, self.tp,
+                           self.neighbours)  # [scored, S, n_keep]
+        self._scored(seq, len(scored), started)
+        return [keep[layer // self.reuse_layers] for layer in range(layers)]
+
+    @staticmethod
+    def _scored(seq: Sequence, layers: int, started: float) -> None:
+        extra = seq.stats.extra
+        extra["scored_layers"] = extra.get("scored_layers", 0) + layers
+        extra["scoring_s"] = extra.get("scoring_s", 0.0) + time.perf_counter() - started

@@ -23,25 +23,23 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.methods.base import per_kv_head, window_mass
+from semkv.methods.base import keep_top, layers_window_mass, per_kv_head, window_mass
 from semkv.methods.eviction import ScoredEviction, window_positions
 
 
-def pooled_window_scores(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                         query_positions: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
-    """SnapKV's score of every key: [kv_heads, n]. Keys of the window get +inf-like max scores (always kept)."""
-    mass = window_mass(q_window, keys, positions, query_positions)  # [heads, n]
-    w = q_window.shape[0]
-    n = keys.shape[1]
-    prefix = mass[:, : n - w] / w  # [heads, n - w] the window's mean attention
+def pooled_scores(mass: torch.Tensor, w: int, kv_heads: int, kernel_size: int, pooling: str) -> torch.Tensor:
+    """SnapKV's score of every key from the window's attention mass [G, heads, n] of G layers (`window_mass`, w
+    queries): [G, kv_heads, n]. Keys of the window get each layer's highest score (always kept)."""
+    n = mass.shape[-1]
+    prefix = mass[..., : n - w] / w  # [G, heads, n - w] the window's mean attention
     if kernel_size > 1 and prefix.shape[-1] > 0:
         pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
-        prefix = pool(prefix[:, None], kernel_size, stride=1, padding=kernel_size // 2)[:, 0]
-    scores = per_kv_head(prefix, keys.shape[0])
-    if not scores.numel():
-        return scores.new_ones(scores.shape[0], w)
+        prefix = pool(prefix.flatten(0, 1)[:, None], kernel_size, stride=1, padding=kernel_size // 2).view_as(prefix)
+    scores = per_kv_head(prefix, kv_heads, dim=1)
+    if not scores.shape[-1]:
+        return scores.new_ones(*scores.shape[:2], w)
     # the window's keys score the highest score, on the device (reading it would make the host wait, once a layer)
-    return torch.cat([scores, scores.max().expand(scores.shape[0], w)], dim=-1)
+    return torch.cat([scores, scores.amax((1, 2), keepdim=True).expand(-1, kv_heads, w)], dim=-1)
 
 
 @dataclass
@@ -61,5 +59,32 @@ class SnapKV(ScoredEviction):
 
     def score(self, layer: int, seq: Sequence, q_window: torch.Tensor, keys: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
-        return pooled_window_scores(q_window, keys, positions, window_positions(seq, q_window), self.kernel_size,
-                                    self.pooling)
+        mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
+        return pooled_scores(mass[None], q_window.shape[0], keys.shape[0], self.kernel_size, self.pooling)[0]
+
+    def evict_prefill_layers(self, seq: Sequence, q_windows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Every layer at once (a packed prompt chunk's), where every layer holds the same slots: scored in a few
+        calls (`layers_window_mass`), the top slots chosen in one pass when every layer keeps as many (PyramidKV's
+        budgets differ: a pass a layer); else layer by layer."""
+        kv, layers = seq.kv, len(q_windows)
+        n = kv.num_slots[0]
+        if any(count != n for count in kv.num_slots):
+            return super().evict_prefill_layers(seq, q_windows)
+        budgets = [self.layer_budget(layer, n) for layer in range(layers)]
+        evicting = [layer for layer in range(layers) if budgets[layer] < n]
+        keeps: list[torch.Tensor | None] = [None] * layers
+        if not evicting:
+            return keeps
+        mass = layers_window_mass(kv, evicting, [q_windows[layer] for layer in evicting],
+                                  window_positions(seq, q_windows[0]))  # [G, heads, n]
+        scores = pooled_scores(mass, q_windows[0].shape[0], kv.pool.num_kv_heads, self.kernel_size, self.pooling)
+        slots = torch.arange(n, device=scores.device)
+        if len({budgets[layer] for layer in evicting}) == 1:
+            n_keep = budgets[evicting[0]]
+            chosen = keep_top(scores, n_keep, slots >= n - min(self.window, n_keep))  # [G, kv_heads, n_keep]
+        else:
+            chosen = [keep_top(scores[i], budgets[layer], slots >= n - min(self.window, budgets[layer]))
+                      for i, layer in enumerate(evicting)]
+        for layer, keep in zip(evicting, chosen):
+            keeps[layer] = keep
+        return keeps

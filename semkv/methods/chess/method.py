@@ -75,7 +75,7 @@ from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
-from semkv.methods.base import neighbour_max, window_mass
+from semkv.methods.base import layers_window_mass, neighbour_max
 from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
@@ -147,7 +147,8 @@ class ChessState:
     page_tokens: int = 0  # generated tokens of the current page
     pages_since: int = 0  # generated pages since the last selection
     pending: bool = True  # select at the next step
-    page_mass: torch.Tensor | None = None  # [pages] float32: the prompt window's attention per page (anchor="queries")
+    # anchor="queries": the prompt window's attention per page, float32 [layers, pages] during the prefill, [pages]
+    page_mass: torch.Tensor | None = None
 
 
 @dataclass
@@ -276,21 +277,35 @@ class Chess(KVMethod):
         return self.query_window if self.anchor == "queries" else 0
 
     def evict_prefill(self, layer: int, seq: Sequence, q_window: torch.Tensor) -> None:
-        """anchor="queries": add this layer's attention of the prompt window q_window [w, heads, D] to the pages' scores
-        (nothing is evicted)."""
+        """anchor="queries": this layer's attention of the prompt window q_window [w, heads, D] to each page (nothing
+        is evicted)."""
         if self.anchor == "queries":
-            kv, st = seq.kv, seq.method_state
-            keys, _, positions = kv.gather(layer, kv.all_slots(layer))  # [kv_heads, n, D], [kv_heads, n]
-            mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
-            mass = mass.sum(0) / q_window.shape[0]  # [n]: the window's mean, summed over the heads
-            size, n = self.block_size, mass.shape[0]
-            pages = F.pad(mass, (0, -n % size)).view(-1, size).sum(-1)  # [pages]
-            st.page_mass = pages if st.page_mass is None else st.page_mass + pages
+            self._page_mass(seq, [layer], [q_window])
         return None
+
+    def evict_prefill_layers(self, seq: Sequence, q_windows: list[torch.Tensor]) -> list[None]:
+        """anchor="queries": every layer's attention of the prompt window to each page in a few calls
+        (`layers_window_mass`; nothing is evicted)."""
+        if self.anchor == "queries":
+            self._page_mass(seq, list(range(len(q_windows))), q_windows)
+        return [None] * len(q_windows)
+
+    def _page_mass(self, seq: Sequence, layers: list[int], q_windows: list[torch.Tensor]) -> None:
+        """The prompt window's attention to each page in `layers` (q_windows [w, heads, D] each): the window's mean
+        summed over the heads and the page's tokens, into `ChessState.page_mass`'s rows [layers, pages]."""
+        kv, st = seq.kv, seq.method_state
+        mass = layers_window_mass(kv, layers, q_windows, window_positions(seq, q_windows[0]))  # [G, heads, n]
+        mass = mass.sum(1) / q_windows[0].shape[0]  # [G, n]
+        size, n = self.block_size, mass.shape[-1]
+        pages = F.pad(mass, (0, -n % size)).view(len(layers), -1, size).sum(-1)  # [G, pages]
+        if st.page_mass is None:
+            st.page_mass = pages.new_zeros(kv.pool.num_layers, pages.shape[1])
+        st.page_mass[layers[0] : layers[-1] + 1] = pages
 
     def finish_prefill(self, seq: Sequence) -> None:
         self.warn_if_nothing_selected(seq.kv.num_slots[0])
-        if self.anchor == "queries":  # the pages' scores are final: no page vectors
+        if self.anchor == "queries":  # the pages' scores are final (summed over the layers): no page vectors
+            seq.method_state.page_mass = seq.method_state.page_mass.sum(0)
             return
         for layer in range(seq.kv.pool.num_layers):
             self.summaries.build(seq.kv, layer)
