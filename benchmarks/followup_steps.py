@@ -34,8 +34,10 @@ import torch
 
 import semkv
 from semkv.bench.run import TextContexts
+from semkv.cli.args import parse_params
+from semkv.engine import step as engine_step
 from semkv.engine.engine import Engine
-from semkv.engine.kv_cache import SeqKV
+from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.prefix_cache import PrefixCache, PromptKeys
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams
@@ -55,6 +57,9 @@ TIMED = {  # host functions timed (inclusive, nested ones too) in the steps that
     "_choose_first": (Scheduler, "_choose_first"), "_batch": (Scheduler, "_batch"),
     "graph_runner": (Engine, "graph_runner"), "launch_step": (Engine, "launch_step"),
     "complete_step": (Engine, "complete_step"),
+    "  evict_layer": (engine_step, "evict_layer"), "    compact": (SeqKV, "compact"),
+    "      unshare": (SeqKV, "unshare"), "        pool.release": (KVPool, "release"),
+    "_chunks_done": (Engine, "_chunks_done"),
 }
 
 
@@ -84,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_arguments(p)
     p.add_argument("--method", default="full")
+    p.add_argument("--param", action="append", help="a method parameter, name=value (repeatable)")
     p.add_argument("--context", type=int, default=32_000, help="document tokens")
     p.add_argument("--documents", type=int, default=8)
     p.add_argument("--questions", type=int, default=7, help="follow-ups a document")
@@ -98,6 +104,7 @@ def main() -> None:
     p.add_argument("--trace", type=int, default=0, help="torch.profiler over this many admitting steps")
     p.add_argument("--trace-dir", type=Path, default=Path("followup_trace"))
     args = p.parse_args()
+    params = parse_params(args.param)
     with tempfile.TemporaryDirectory() as tmp:
         llm = semkv.LLM(args.model or random_folder(args.shape, args.tokenizer, Path(tmp)))
     text = TextContexts.from_files(args.text_file, llm.tokenizer)
@@ -109,7 +116,7 @@ def main() -> None:
     cuda = llm.engine.device.type == "cuda"
     ids = iter(range(10**6))
     for d in range(args.documents):  # the first questions: they cache the documents
-        session.submit(next(ids), question(d, 0), sampling(0), get_method(args.method, 0.1), args.method)
+        session.submit(next(ids), question(d, 0), sampling(0), get_method(args.method, 0.1, **params), args.method)
     while session.scheduler.busy:
         session.advance()
     todo = [(d, q) for q in range(1, args.questions + 1) for d in range(args.documents)]
@@ -126,7 +133,7 @@ def main() -> None:
         for slot in free[: len(todo)]:
             seq_id = next(ids)
             live[seq_id] = slot, session.submit(seq_id, question(*todo.pop(0)), sampling(slot),
-                                                get_method(args.method, 0.1), args.method)
+                                                get_method(args.method, 0.1, **params), args.method)
         admitted = session.scheduler.counters.admitted
         admitting = bool(session.scheduler.waiting or session.scheduler.prefilling)
         if cuda:
