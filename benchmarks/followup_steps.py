@@ -57,7 +57,8 @@ TIMED = {  # host functions timed (inclusive, nested ones too) in the steps that
     "_choose_first": (Scheduler, "_choose_first"), "_batch": (Scheduler, "_batch"),
     "graph_runner": (Engine, "graph_runner"), "launch_step": (Engine, "launch_step"),
     "complete_step": (Engine, "complete_step"),
-    "  evict_layer": (engine_step, "evict_layer"), "    compact": (SeqKV, "compact"),
+    "  evict_layer": (engine_step, "evict_layer"), "  evict_layers": (engine_step, "evict_layers"),
+    "    compact": (SeqKV, "compact"),
     "      unshare": (SeqKV, "unshare"), "        pool.release": (KVPool, "release"),
     "_chunks_done": (Engine, "_chunks_done"),
 }

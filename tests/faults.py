@@ -54,8 +54,8 @@ POINTS = [
 
 # hooks the engine calls on a bound method while requests run (not `release` / `reset`: they are the cleanup)
 HOOKS = ("new_state", "admission_bytes", "admission_host_bytes", "device_tokens", "admit", "prefill_context",
-         "observe_prefill", "evict_prefill", "finish_prefill", "begin_step", "step_plan", "plan_selection", "select",
-         "observe_logits", "end_step")
+         "observe_prefill", "evict_prefill", "evict_prefill_layers", "finish_prefill", "begin_step", "step_plan",
+         "plan_selection", "select", "observe_logits", "end_step")
 
 
 def hook_points(method: KVMethod) -> list[Point]:

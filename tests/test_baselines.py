@@ -353,8 +353,10 @@ def test_every_layer_evicted_at_once_keeps_what_each_layer_keeps(monkeypatch, ke
     """A prompt's last chunk packed with others evicts every layer after its forward (`evict_layers`): the methods
     that score every layer in a few calls (SnapKV, PyramidKV, ChunkKV; one layer a call when `key_bytes` is 1) and
     those evicting layer by layer keep each layer's slots of the layer-by-layer path, and compacting the layers
-    together leaves every layer the keys, values and positions one compaction a layer leaves."""
+    together (or one a copy, `key_bytes` 1) leaves every layer the keys, values and positions one compaction a layer
+    leaves."""
     monkeypatch.setattr("semkv.methods.base.LAYERS_KEY_BYTES", key_bytes)
+    monkeypatch.setattr("semkv.engine.kv_cache.COMPACT_BYTES", key_bytes)
     runs = [Run(get_method(name, 56, **params), 120, steps=3, at_once=at_once) for at_once in (False, True)]
     stored = [[run.seq.kv.gather(layer, run.seq.kv.all_slots(layer)) for layer in range(LAYERS)] for run in runs]
     assert runs[0].seq.kv.num_slots == runs[1].seq.kv.num_slots and max(runs[0].seq.kv.num_slots) < 120

@@ -261,6 +261,7 @@ class PageState(Protocol):
 
 _versions = itertools.count(1)
 _NONE = np.zeros(0, dtype=np.int64)  # no page
+COMPACT_BYTES = 256 * 2**20  # kept K/V (and positions) `SeqKV.compact` copies at once
 
 
 def stack_tables(tables: list[torch.Tensor]) -> torch.Tensor:
@@ -472,24 +473,24 @@ class SeqKV:
     def compact(self, keep: dict[int, torch.Tensor]) -> None:
         """Keep only the slots `keep` gives each layer ([kv_heads or 1, n_keep], ascending per head), moved to slots
         [0, n_keep); the pages no longer needed go back to the pool. Layers keeping as many slots in the same layout
-        are gathered in one copy and written back in one (`unshare` moves the pages of all of them at once): a packed
-        prompt chunk compacts every layer after its forward (`step.evict_layers`)."""
-        if not keep:
-            return
+        are gathered in one copy and written back in one, as many as `COMPACT_BYTES` of kept K/V allow (`unshare`
+        moves the pages of all of them at once): a packed prompt chunk compacts every layer after its forward
+        (`step.evict_layers`)."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer, slots in keep.items():
             groups.setdefault(tuple(slots.shape), []).append(layer)
-        kept = [(layers, *self.gather_layers(layers, torch.stack([keep[layer] for layer in layers])))
-                for layers in groups.values()]  # copies: safe to overwrite in place
-        size = self.pool.page_size
-        self.unshare({layer: -(-slots.shape[1] // size) for layer, slots in keep.items()})
-        kf, vf, pf = self.pool.flat()
-        for layers, k, v, pos in kept:
-            n_keep = k.shape[1]
-            rows = self._rows(layers, n_keep)
-            kf[rows], vf[rows], pf[rows] = k, v, pos
-            for layer in layers:
-                self.truncate(layer, n_keep)
+        size, pool = self.pool.page_size, self.pool
+        kf, vf, pf = pool.flat()
+        for (_, n_keep), layers in groups.items():
+            per_layer = n_keep * pool.num_kv_heads * (2 * pool.head_dim * pool.k.element_size() + 4)
+            at_once = max(1, COMPACT_BYTES // per_layer)
+            for part in (layers[first : first + at_once] for first in range(0, len(layers), at_once)):
+                k, v, pos = self.gather_layers(part, torch.stack([keep[layer] for layer in part]))  # copies
+                self.unshare({layer: -(-n_keep // size) for layer in part})
+                rows = self._rows(part, n_keep)
+                kf[rows], vf[rows], pf[rows] = k, v, pos
+                for layer in part:
+                    self.truncate(layer, n_keep)
 
     def _tables(self, layers: list[int]) -> torch.Tensor:
         """The page tables of `layers` [G, capacity] (a view for consecutive layers, else through the staging ring:
@@ -561,7 +562,7 @@ class SeqKV:
         its head (a head evicted would make the rest unreachable)."""
         for layer in range(len(self.pages)):
             pages, aside = self.pages[layer][::-1], self.aside[layer]
-            self.pool.release(np.concatenate([aside[::-1], pages]) if len(aside) else pages)
+            self.pool.release(np.concatenate([aside[::-1], np.asarray(pages, dtype=np.int64)]) if len(aside) else pages)
             self.pages[layer], self.aside[layer] = [], _NONE
             self.num_slots[layer] = 0
         self.protect = 0

@@ -37,27 +37,30 @@ def window_mass(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Ten
     return kernels.window_mass(q_window, keys, positions, query_positions, q_window.shape[-1] ** -0.5)
 
 
-LAYERS_KEY_BYTES = 256 * 2**20  # keys `layers_window_mass` gathers for one call
+LAYERS_KEY_BYTES = 256 * 2**20  # keys a method scoring several layers at once gathers for one group
+
+
+def layer_groups(kv: SeqKV, layers: list[int]) -> list[list[int]]:
+    """`layers` in groups whose keys, gathered and copied by head (`layers_window_mass`), fit in `LAYERS_KEY_BYTES`:
+    a method scoring every layer at once (`evict_prefill_layers`) scores and chooses a group at a time, so its
+    temporaries (the keys, the [G, heads, n] float32 masses) stay near one group's, not every layer's."""
+    n, pool = kv.num_slots[layers[0]], kv.pool
+    at_once = max(1, LAYERS_KEY_BYTES // max(2 * n * pool.num_kv_heads * pool.head_dim * pool.k.element_size(), 1))
+    return [layers[first : first + at_once] for first in range(0, len(layers), at_once)]
 
 
 def layers_window_mass(kv: SeqKV, layers: list[int], q_windows: list[torch.Tensor],
                        query_positions: torch.Tensor) -> torch.Tensor:
-    """`window_mass` of several layers of `kv` holding the same slots, from each one's window queries q_windows ([w,
-    heads, D] each, in the order of `layers`) -> float32 [len(layers), heads, n], in one call a group of layers whose
-    keys fit in `LAYERS_KEY_BYTES`: the group's heads side by side as one layer's (the kernel's GQA groups pair each
-    layer's query heads with its own key heads). A prompt evicting every layer at once (`evict_prefill_layers`) is
-    scored in a few calls, not one a layer."""
+    """`window_mass` of several layers of `kv` holding the same slots (a group of `layer_groups`) in one call, from
+    each one's window queries q_windows ([w, heads, D] each, in the order of `layers`) -> float32 [len(layers), heads,
+    n]: the layers' heads side by side as one layer's (the kernel's GQA groups pair each layer's query heads with its
+    own key heads)."""
     w, heads, dim = q_windows[0].shape
-    n, kv_heads = kv.num_slots[layers[0]], kv.pool.num_kv_heads
-    at_once = max(1, LAYERS_KEY_BYTES // max(2 * n * kv_heads * dim * kv.pool.k.element_size(), 1))  # and a copy
-    masses = []
-    for first in range(0, len(layers), at_once):
-        group = layers[first : first + at_once]
-        keys, positions = kv.stored(group)  # [G, kv_heads, n, D], [G, kv_heads, n]
-        q = torch.stack(q_windows[first : first + at_once], 1).view(w, len(group) * heads, dim)
-        mass = window_mass(q, keys.reshape(-1, n, dim), positions.reshape(-1, n), query_positions)
-        masses.append(mass.view(len(group), heads, n))
-    return torch.cat(masses) if len(masses) > 1 else masses[0]
+    n = kv.num_slots[layers[0]]
+    keys, positions = kv.stored(layers)  # [G, kv_heads, n, D], [G, kv_heads, n]
+    q = torch.stack(q_windows, 1).view(w, len(layers) * heads, dim)
+    mass = window_mass(q, keys.reshape(-1, n, dim), positions.reshape(-1, n), query_positions)
+    return mass.view(len(layers), heads, n)
 
 
 def per_kv_head(scores: torch.Tensor, kv_heads: int, reduce: str = "mean", dim: int = 0) -> torch.Tensor:

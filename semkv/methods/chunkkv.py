@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_range
-from semkv.methods.base import layers_window_mass, neighbour_max, per_kv_head, window_mass
+from semkv.methods.base import layer_groups, layers_window_mass, neighbour_max, per_kv_head, window_mass
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
 from semkv.models.parallel import TensorParallel, over_heads
@@ -127,8 +127,8 @@ class ChunkKV(ScoredEviction):
 
     def evict_prefill_layers(self, seq: Sequence, q_windows: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Every layer at once (a packed prompt chunk's): the first layer of each reuse group scored in a few calls
-        (`layers_window_mass`) and their chunks chosen in one pass, where they keep as many slots (not `hybrid`,
-        every layer holding the same slots); else layer by layer."""
+        (`layers_window_mass`, a `layer_groups` group a call) and each group's chunks chosen in one pass, where they
+        keep as many slots (not `hybrid`, every layer holding the same slots); else layer by layer."""
         kv, layers = seq.kv, len(q_windows)
         n = kv.num_slots[0]
         if self.hybrid or any(count != n for count in kv.num_slots):
@@ -136,14 +136,15 @@ class ChunkKV(ScoredEviction):
         n_keep = self.layer_budget(0, n)
         if n_keep >= n:
             return [None] * layers
-        started = time.perf_counter()
+        started, query_positions = time.perf_counter(), window_positions(seq, q_windows[0])
         scored = list(range(0, layers, self.reuse_layers))  # the others keep their group's first layer's slots
-        mass = layers_window_mass(kv, scored, [q_windows[layer] for layer in scored],
-                                  window_positions(seq, q_windows[0]))  # [scored, heads, n]
-        keep = keep_chunks(mass, kv.pool.num_kv_heads, n_keep, self.window, self.chunk_size, self.per_head, self.tp,
-                           self.neighbours)  # [scored, S, n_keep]
+        keeps = []
+        for group in layer_groups(kv, scored):
+            mass = layers_window_mass(kv, group, [q_windows[layer] for layer in group], query_positions)
+            keeps.extend(keep_chunks(mass, kv.pool.num_kv_heads, n_keep, self.window, self.chunk_size,
+                                     self.per_head, self.tp, self.neighbours))  # [G, S, n_keep]
         self._scored(seq, len(scored), started)
-        return [keep[layer // self.reuse_layers] for layer in range(layers)]
+        return [keeps[layer // self.reuse_layers] for layer in range(layers)]
 
     @staticmethod
     def _scored(seq: Sequence, layers: int, started: float) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
-from semkv.methods.base import keep_top, layers_window_mass, per_kv_head, window_mass
+from semkv.methods.base import keep_top, layer_groups, layers_window_mass, per_kv_head, window_mass
 from semkv.methods.eviction import ScoredEviction, window_positions
 
 
@@ -64,8 +64,8 @@ class SnapKV(ScoredEviction):
 
     def evict_prefill_layers(self, seq: Sequence, q_windows: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Every layer at once (a packed prompt chunk's), where every layer holds the same slots: scored in a few
-        calls (`layers_window_mass`), the top slots chosen in one pass when every layer keeps as many (PyramidKV's
-        budgets differ: a pass a layer); else layer by layer."""
+        calls (`layers_window_mass`, a `layer_groups` group a call), each group's top slots chosen in one pass when
+        its layers keep as many (PyramidKV's budgets differ: a pass a layer); else layer by layer."""
         kv, layers = seq.kv, len(q_windows)
         n = kv.num_slots[0]
         if any(count != n for count in kv.num_slots):
@@ -75,16 +75,17 @@ class SnapKV(ScoredEviction):
         keeps: list[torch.Tensor | None] = [None] * layers
         if not evicting:
             return keeps
-        mass = layers_window_mass(kv, evicting, [q_windows[layer] for layer in evicting],
-                                  window_positions(seq, q_windows[0]))  # [G, heads, n]
-        scores = pooled_scores(mass, q_windows[0].shape[0], kv.pool.num_kv_heads, self.kernel_size, self.pooling)
-        slots = torch.arange(n, device=scores.device)
-        if len({budgets[layer] for layer in evicting}) == 1:
-            n_keep = budgets[evicting[0]]
-            chosen = keep_top(scores, n_keep, slots >= n - min(self.window, n_keep))  # [G, kv_heads, n_keep]
-        else:
-            chosen = [keep_top(scores[i], budgets[layer], slots >= n - min(self.window, budgets[layer]))
-                      for i, layer in enumerate(evicting)]
-        for layer, keep in zip(evicting, chosen):
-            keeps[layer] = keep
+        query_positions, w = window_positions(seq, q_windows[0]), q_windows[0].shape[0]
+        slots = torch.arange(n, device=query_positions.device)
+        for group in layer_groups(kv, evicting):
+            mass = layers_window_mass(kv, group, [q_windows[layer] for layer in group], query_positions)
+            scores = pooled_scores(mass, w, kv.pool.num_kv_heads, self.kernel_size, self.pooling)  # [G, kv_heads, n]
+            if len({budgets[layer] for layer in group}) == 1:
+                n_keep = budgets[group[0]]
+                chosen = keep_top(scores, n_keep, slots >= n - min(self.window, n_keep))  # [G, kv_heads, n_keep]
+            else:
+                chosen = [keep_top(scores[i], budgets[layer], slots >= n - min(self.window, budgets[layer]))
+                          for i, layer in enumerate(group)]
+            for layer, keep in zip(group, chosen):
+                keeps[layer] = keep
         return keeps

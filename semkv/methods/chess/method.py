@@ -75,7 +75,7 @@ from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.methods import calibration
-from semkv.methods.base import layers_window_mass, neighbour_max
+from semkv.methods.base import layer_groups, layers_window_mass, neighbour_max
 from semkv.methods.chess import kernels as chess_kernels
 from semkv.methods.chess.cascade import cascade, cascade_ratios
 from semkv.methods.chess.uncertainty import page_uncertainty, teacher_forced_entropies, token_entropy
@@ -291,16 +291,18 @@ class Chess(KVMethod):
         return [None] * len(q_windows)
 
     def _page_mass(self, seq: Sequence, layers: list[int], q_windows: list[torch.Tensor]) -> None:
-        """The prompt window's attention to each page in `layers` (q_windows [w, heads, D] each): the window's mean
-        summed over the heads and the page's tokens, into `ChessState.page_mass`'s rows [layers, pages]."""
+        """The prompt window's attention to each page in `layers` (consecutive; q_windows [w, heads, D] each): the
+        window's mean summed over the heads and the page's tokens, into `ChessState.page_mass`'s rows [layers, pages],
+        a `layer_groups` group a call."""
         kv, st = seq.kv, seq.method_state
-        mass = layers_window_mass(kv, layers, q_windows, window_positions(seq, q_windows[0]))  # [G, heads, n]
-        mass = mass.sum(1) / q_windows[0].shape[0]  # [G, n]
-        size, n = self.block_size, mass.shape[-1]
-        pages = F.pad(mass, (0, -n % size)).view(len(layers), -1, size).sum(-1)  # [G, pages]
+        query_positions, w = window_positions(seq, q_windows[0]), q_windows[0].shape[0]
+        size, n = self.block_size, kv.num_slots[layers[0]]
         if st.page_mass is None:
-            st.page_mass = pages.new_zeros(kv.pool.num_layers, pages.shape[1])
-        st.page_mass[layers[0] : layers[-1] + 1] = pages
+            st.page_mass = torch.zeros(kv.pool.num_layers, -(-n // size), device=query_positions.device)
+        for group in layer_groups(kv, layers):
+            windows = q_windows[group[0] - layers[0] : group[-1] + 1 - layers[0]]
+            mass = layers_window_mass(kv, group, windows, query_positions).sum(1) / w  # [G, n]
+            st.page_mass[group[0] : group[-1] + 1] = F.pad(mass, (0, -n % size)).view(len(group), -1, size).sum(-1)
 
     def finish_prefill(self, seq: Sequence) -> None:
         self.warn_if_nothing_selected(seq.kv.num_slots[0])
