@@ -465,3 +465,37 @@ def test_prompts_packed_through_the_prefill_graph_pieces_give_the_tokens_of_each
     tokens, packs = arriving_together(llm, method, prompts, monkeypatch)
     assert tokens == want and [n for n in packs if n > 1] == [2] and graphs.hidden.abs().sum() > 0
     assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_compaction_whose_new_pages_grow_the_pool_writes_into_the_grown_pool():
+    """A follow-up compacting shared pages takes new pages for what it keeps; when the pool has none left it grows
+    (new tensors), and the kept keys, values and positions land in the grown pool: every layer reads back its kept
+    slots, the first sequence's cached pages unchanged."""
+    import torch
+
+    from semkv.engine.kv_cache import KVPool, SeqKV
+
+    layers, pages, size = 3, 6, 4
+    pool = KVPool(layers, 1, 2, size, torch.float32, torch.device("cpu"), num_pages=layers * pages + 1)
+    pool.cache = PrefixCache(layers)
+    first = SeqKV(pool)
+    first.ensure_all({layer: pages * size for layer in range(layers)})
+    for layer in range(layers):
+        slots = torch.arange(pages * size)
+        values = (slots + 100 * layer).float()[:, None, None].expand(-1, 1, 2)
+        first.write(layer, slots, values, -values, slots)
+        first.num_slots[layer] = pages * size
+    keys = block_keys(np.arange(pages * size), size, pages)
+    pool.cache.add(keys, np.array(first.pages).T, held=True)
+    follow_up = SeqKV(pool)
+    follow_up.share(pool.cache.match([keys]))
+    assert pool.num_pages == layers * pages + 1  # full: the kept pages must come from a grown pool
+    keep = torch.tensor([[1, 2, 5, 9, 10, 17, 22]])
+    follow_up.compact({layer: keep for layer in range(layers)})
+    assert pool.num_pages > layers * pages + 1
+    for layer in range(layers):
+        k, v, pos = follow_up.gather(layer, follow_up.all_slots(layer))
+        assert k[0, :, 0].tolist() == (keep[0] + 100 * layer).float().tolist() and torch.equal(v, -k)
+        assert pos[0].tolist() == keep[0].tolist()
+        cached = first.gather(layer, first.all_slots(layer))[0][0, :, 0]
+        assert cached.tolist() == list(range(100 * layer, 100 * layer + pages * size))

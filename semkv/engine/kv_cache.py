@@ -480,13 +480,13 @@ class SeqKV:
         for layer, slots in keep.items():
             groups.setdefault(tuple(slots.shape), []).append(layer)
         size, pool = self.pool.page_size, self.pool
-        kf, vf, pf = pool.flat()
         for (_, n_keep), layers in groups.items():
             per_layer = n_keep * pool.num_kv_heads * (2 * pool.head_dim * pool.k.element_size() + 4)
             at_once = max(1, COMPACT_BYTES // per_layer)
             for part in (layers[first : first + at_once] for first in range(0, len(layers), at_once)):
                 k, v, pos = self.gather_layers(part, torch.stack([keep[layer] for layer in part]))  # copies
                 self.unshare({layer: -(-n_keep // size) for layer in part})
+                kf, vf, pf = pool.flat()  # after `unshare`: its allocation may grow the pool
                 rows = self._rows(part, n_keep)
                 kf[rows], vf[rows], pf[rows] = k, v, pos
                 for layer in part:
