@@ -190,7 +190,7 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     keys = [b"a", b"b", b"c"]
     pages = np.array([[10, 20, 30], [11, 21, 31], [12, 22, 32]])  # [blocks, layers]
     assert cache.add(keys, pages, held=True) == 3 and cache.add(keys[:1], pages[:1], held=True) == 0
-    assert cache.cached(21) and not cache.cached(13) and not cache.cached(5000)
+    assert cache.cached_mask(np.array([21, 13, 5000])).tolist() == [True, False, False]
     woken, taken = cache.take(cache.match([[b"a"], [b"b", b"x"]]))
     assert woken == 0 and np.array_equal(taken, pages[:2])  # a second holder: no page was idle
     assert cache.unref([9, 30, 31]) == ([9], 0)  # the second holder's layer 2 given back early: still held
@@ -200,7 +200,8 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     assert cache.unref([11, 10]) == ([], 2) and cache.unref([21, 20]) == ([], 2)
     assert list(cache.lru) == [b"c", b"b", b"a"] and cache.evictable == 9  # tail first
     assert cache.take(cache.match([[b"a"]]))[0] == 3 and list(cache.lru) == [b"c", b"b"] and cache.evictable == 6
-    assert cache.evict(4) == [12, 22, 32, 11, 21, 31] and not cache.cached(12) and set(cache.blocks) == {b"a"}
+    assert cache.evict(4) == [12, 22, 32, 11, 21, 31] and set(cache.blocks) == {b"a"}
+    assert not cache.cached_mask(np.array([12]))[0]
     assert cache.add([b"d"], np.array([[40, 41, 42]]), held=False) == 1 and cache.blocks[b"d"].id in (1, 2)
     assert cache.take([cache.blocks[b"d"]])[1].tolist() == [[40, 41, 42]]  # a reused id holds its new pages
     assert cache.unref([40, 41, 42]) == ([], 3)

@@ -206,11 +206,8 @@ class PrefixCache:
         self.lru[block.key] = block
         self.evictable += self.num_layers
 
-    def cached(self, page: int) -> bool:
-        return page < len(self.owner) and self.owner[page] >= 0
-
     def cached_mask(self, pages: np.ndarray) -> np.ndarray:
-        """`cached` of each page id of `pages` [n] int64: bool [n]."""
+        """Whether each page id of `pages` [n] int64 belongs to a cached block: bool [n]."""
         known = pages < len(self.owner)
         return known & (self.owner[np.where(known, pages, 0)] >= 0) if len(self.owner) else np.zeros(len(pages), bool)
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from semkv.engine.sequence import Sequence
 from semkv.errors import check_range
-from semkv.methods.base import layer_groups, layers_window_mass, neighbour_max, per_kv_head, window_mass
+from semkv.methods.base import layer_groups, layers_window_mass, neighbour_max, per_kv_head
 from semkv.methods.eviction import ScoredEviction, window_positions
 from semkv.methods.snapkv import SnapKV
 from semkv.models.parallel import TensorParallel, over_heads
@@ -116,9 +116,8 @@ class ChunkKV(ScoredEviction):
         if snapkv_layer:
             keep = SnapKV(window=self.window).keep(layer, seq, q_window, n_keep)
         else:
-            keys, _, positions = seq.kv.gather(layer, seq.kv.all_slots(layer))
-            mass = window_mass(q_window, keys, positions, window_positions(seq, q_window))  # [heads, n]
-            keep = keep_chunks(mass[None], keys.shape[0], n_keep, self.window, self.chunk_size, self.per_head,
+            mass = layers_window_mass(seq.kv, [layer], [q_window], window_positions(seq, q_window))  # [1, heads, n]
+            keep = keep_chunks(mass, seq.kv.pool.num_kv_heads, n_keep, self.window, self.chunk_size, self.per_head,
                                self.tp, self.neighbours)[0]
             if self.reuse_layers > 1:  # the group's later layers read it
                 seq.method_state[layer] = keep
