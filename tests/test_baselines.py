@@ -211,7 +211,7 @@ def test_pyramidkv_layers_keep_their_own_counts_of_the_top_snapkv_scores():
     assert budgets[0] > budget > budgets[-1]
     for layer in range(LAYERS):
         assert run.seq.kv.num_slots[layer] == budgets[layer]
-        assert len(run.seq.kv.pages[layer]) == -(-budgets[layer] // PAGE)  # the rest went back to the pool
+        assert run.seq.kv.page_count[layer] == -(-budgets[layer] // PAGE)  # the rest went back to the pool
         for head in range(KV_HEADS):
             assert run.kept(layer)[head] == snapkv_reference(run, layer, head, budgets[layer], window, 5)
 

@@ -3,6 +3,8 @@ caching, preemption and admission past a request that does not fit, on a tiny ra
 Every method of the matrix gives the tokens of whole-prompt prefill, of a cache miss and of a run alone."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -189,6 +191,7 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     cache = PrefixCache(3)
     keys = [b"a", b"b", b"c"]
     pages = np.array([[10, 20, 30], [11, 21, 31], [12, 22, 32]])  # [blocks, layers]
+    lru = lambda: copy.deepcopy(cache).evict(cache.evictable)  # noqa: E731  idle blocks' pages, in eviction order
     assert cache.add(keys, pages, held=True) == 3 and cache.add(keys[:1], pages[:1], held=True) == 0
     assert cache.cached_mask(np.array([21, 13, 5000])).tolist() == [True, False, False]
     woken, taken = cache.take(cache.match([[b"a"], [b"b", b"x"]]))
@@ -196,16 +199,16 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     assert cache.unref([9, 30, 31]) == ([9], 0)  # the second holder's layer 2 given back early: still held
     for layer, idled in enumerate([1, 1, 3]):  # the first holder gives back every layer, tail first
         assert cache.unref(pages[::-1, layer].tolist()) == ([], idled)
-    assert cache.evictable == 3 and list(cache.lru) == [b"c"]  # "a" and "b" are held by the second request
+    assert cache.evictable == 3 and lru() == [12, 22, 32]  # "a" and "b" are held by the second request
     assert cache.unref([11, 10]) == ([], 2) and cache.unref([21, 20]) == ([], 2)
-    assert list(cache.lru) == [b"c", b"b", b"a"] and cache.evictable == 9  # tail first
-    assert cache.take(cache.match([[b"a"]]))[0] == 3 and list(cache.lru) == [b"c", b"b"] and cache.evictable == 6
+    assert lru() == [12, 22, 32, 11, 21, 31, 10, 20, 30] and cache.evictable == 9  # tail first
+    assert cache.take(cache.match([[b"a"]]))[0] == 3 and lru() == [12, 22, 32, 11, 21, 31] and cache.evictable == 6
     assert cache.evict(4) == [12, 22, 32, 11, 21, 31] and set(cache.blocks) == {b"a"}
     assert not cache.cached_mask(np.array([12]))[0]
     assert cache.add([b"d"], np.array([[40, 41, 42]]), held=False) == 1 and cache.blocks[b"d"].id in (1, 2)
     assert cache.take([cache.blocks[b"d"]])[1].tolist() == [[40, 41, 42]]  # a reused id holds its new pages
     assert cache.unref([40, 41, 42]) == ([], 3)
-    assert list(cache.lru) == [b"d"] and cache.clear() == [40, 41, 42] and cache.hits == 4
+    assert lru() == [40, 41, 42] and cache.clear() == [40, 41, 42] and cache.hits == 4
 
 
 def test_a_new_prompt_hashes_its_pages_as_its_prefill_computes_them(llm):
@@ -487,7 +490,7 @@ def test_a_compaction_whose_new_pages_grow_the_pool_writes_into_the_grown_pool()
         first.write(layer, slots, values, -values, slots)
         first.num_slots[layer] = pages * size
     keys = block_keys(np.arange(pages * size), size, pages)
-    pool.cache.add(keys, np.array(first.pages).T, held=True)
+    pool.cache.add(keys, first.pages[:, :pages].T, held=True)
     follow_up = SeqKV(pool)
     follow_up.share(pool.cache.match([keys]))
     assert pool.num_pages == layers * pages + 1  # full: the kept pages must come from a grown pool
@@ -500,3 +503,65 @@ def test_a_compaction_whose_new_pages_grow_the_pool_writes_into_the_grown_pool()
         assert pos[0].tolist() == keep[0].tolist()
         cached = first.gather(layer, first.all_slots(layer))[0][0, :, 0]
         assert cached.tolist() == list(range(100 * layer, 100 * layer + pages * size))
+
+
+
+def test_prefix_cache_keeps_its_eviction_order_through_many_takes():
+    """The LRU order survives blocks taken and given back many times (each leaving a stale entry behind, which is
+    skipped, and dropped when they outgrow the blocks): eviction takes the idle blocks least recently given back
+    first, and the stale entries stay bounded."""
+    cache = PrefixCache(2)
+    keys = [bytes([i]) for i in range(4)]
+    cache.add(keys, np.arange(8).reshape(4, 2) + 10, held=False)  # idle in the order 0, 1, 2, 3
+    for turn in range(3000):  # block 0 or 1 taken and given back: the most recently used each time
+        block = cache.blocks[keys[turn % 2]]
+        cache.take([block])
+        cache.unref(cache.pages[block.id].tolist())
+    assert cache._queued <= 2 * len(cache.by_id) + 1024 + 1
+    assert cache.evict(3) == [14, 15, 16, 17] and cache.evict(8) == [10, 11, 12, 13] and cache.evictable == 0
+
+def test_a_follow_up_keeps_its_host_page_table_equal_to_the_device_one():
+    """`SeqKV.pages` (numpy, what the host moves pages with) stays the device table through a follow-up's life: the
+    cached document shared, its question's pages taken, the layers compacted to different budgets (its protected
+    pages set aside, cached ones losing this holder), a layer truncated, every page released; then no page is in use
+    and every cached block is idle again."""
+    import torch
+
+    from semkv.engine.kv_cache import KVPool, SeqKV
+
+    layers, pages, size = 3, 6, 4
+    pool = KVPool(layers, 1, 2, size, torch.float32, torch.device("cpu"), num_pages=4 * layers * pages)
+    pool.cache = PrefixCache(layers)
+    first = SeqKV(pool)
+    first.ensure_all({layer: pages * size for layer in range(layers)})
+    keys = block_keys(np.arange(pages * size), size, pages)
+    pool.cache.add(keys, first.pages[:, :pages].T, held=True)
+    first.release()
+    assert pool.in_use == 0 and pool.cache.evictable == layers * pages
+
+    def same_tables(kv):
+        for layer in range(layers):
+            count = kv.page_count[layer]
+            assert kv.table[layer, :count].tolist() == kv.layer_pages(layer).tolist()
+        assert kv.widest == kv.page_count.max() and kv.held_pages == kv.page_count.sum() + sum(map(len, kv.aside))
+
+    follow_up = SeqKV(pool)
+    follow_up.share(pool.cache.match([keys]))
+    document = [follow_up.layer_pages(layer).tolist() for layer in range(layers)]
+    follow_up.protect = pages + 1  # the question fills one more page
+    follow_up.ensure_all({layer: (pages + 1) * size + 2 for layer in range(layers)})
+    same_tables(follow_up)
+    assert pool.in_use == layers * (pages + 2) and pool.cache.evictable == 0
+    question = [follow_up.layer_pages(layer)[pages:].tolist() for layer in range(layers)]
+    kept = {0: 7, 1: 11, 2: 3}
+    follow_up.compact({layer: torch.arange(n)[None] * 2 for layer, n in kept.items()})
+    same_tables(follow_up)
+    for layer, n in kept.items():
+        assert follow_up.page_count[layer] == -(-n // size) and follow_up.num_slots[layer] == n
+        assert follow_up.aside[layer].tolist() == document[layer] + question[layer][:1]  # the protected pages
+        assert not set(follow_up.layer_pages(layer).tolist()) & set(document[layer] + question[layer])
+    follow_up.truncate(1, 4)
+    same_tables(follow_up)
+    assert follow_up.page_count.tolist() == [2, 1, 1]
+    follow_up.release()
+    assert pool.in_use == 0 and pool.cache.evictable == layers * pages and follow_up.held_pages == 0

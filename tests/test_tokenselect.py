@@ -460,7 +460,7 @@ def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_d
     for seq in seqs:
         for layer in range(cfg.num_layers):
             n = seq.kv.num_slots[layer] - seq.slot_ready
-            rows = torch.tensor([seq.kv.pages[layer][t // size] * size + t % size for t in range(n)])
+            rows = torch.tensor([seq.kv.pages[layer, t // size] * size + t % size for t in range(n)])
             keys, scales = quantize(pool.flat()[0][rows])
             assert torch.equal(method._sketch.keys.data.view(-1, cfg.num_kv_heads, cfg.head_dim)[rows], keys)
             assert torch.equal(method._sketch.scales.data.view(-1, cfg.num_kv_heads)[rows], scales)

@@ -377,8 +377,9 @@ class Engine:
         kv, done = seq.kv, min(seq.num_computed // self.pool.page_size, seq.block_keys.count)
         added = 0
         if done > seq.cached_blocks:
-            pages = np.array([(kv.aside[layer] if len(kv.aside[layer]) else kv.pages[layer])[seq.cached_blocks:done]
-                              for layer in range(self.config.num_layers)], dtype=np.int64).T  # [blocks, layers]
+            held = [kv.aside[layer] if len(kv.aside[layer]) else kv.layer_pages(layer)
+                    for layer in range(self.config.num_layers)]
+            pages = np.array([pages[seq.cached_blocks : done] for pages in held], dtype=np.int64).T  # [blocks, layers]
             added = self.pool.cache.add(seq.block_keys.first(done)[seq.cached_blocks:], pages, held=True)
         seq.cached_blocks = max(seq.cached_blocks, done)
         if seq.prefill is None:  # the prompt is done
@@ -492,7 +493,7 @@ class Engine:
                 n = seq.kv.num_slots[layer]
                 twin.kv.ensure_slots(layer, n)
                 twin.kv.num_slots[layer] = n
-                src, dst = (kv.table[layer, : len(seq.kv.pages[layer])] for kv in (seq.kv, twin.kv))
+                src, dst = (kv.table[layer, : seq.kv.page_count[layer]] for kv in (seq.kv, twin.kv))
                 for x in (self.pool.k, self.pool.v, self.pool.pos):
                     x[dst] = x[src]
         except BaseException:  # the pool could not hold the copy
@@ -791,7 +792,7 @@ class Engine:
         for seq in seqs:
             if seq.slot_ready or all(n % page for n in seq.kv.num_slots):
                 continue
-            room = self.pages_needed(seq, method) - sum(map(len, seq.kv.pages))
+            room = self.pages_needed(seq, method) - int(seq.kv.page_count.sum())
             total += max(min(sum(1 for n in seq.kv.num_slots if n % page == 0), room), 0)
         return total
 

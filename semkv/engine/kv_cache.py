@@ -283,7 +283,8 @@ def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
     size = pool.page_size
     plans, total = [], 0  # (kv, [(layer, pages held, pages needed)])
     for kv, slots in requests:
-        grow = [(layer, len(kv.pages[layer]), -(-n // size)) for layer, n in slots.items()]
+        held = kv.page_count.tolist()
+        grow = [(layer, held[layer], -(-n // size)) for layer, n in slots.items()]
         grow = [g for g in grow if g[2] > g[1]]
         if grow:
             plans.append((kv, grow))
@@ -292,11 +293,12 @@ def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
         return
     for kv, grow in plans:  # the tables first: one that cannot grow leaves no page taken
         kv.widen(max(need for _, _, need in grow))
-    pages = pool.allocate(total)
+    pages = np.asarray(pool.allocate(total), dtype=np.int64)
     layers, cols, ends, taken = [], [], [], 0
     for kv, grow in plans:
         for layer, have, need in grow:
-            kv.pages[layer] += pages[taken : taken + need - have]
+            kv.pages[layer, have:need] = pages[taken : taken + need - have]
+            kv.page_count[layer] = need
             taken += need - have
             layers += [layer] * (need - have)
             cols += range(have, need)
@@ -307,7 +309,7 @@ def ensure_many(requests: list[tuple["SeqKV", dict[int, int]]]) -> None:
     for (kv, grow), end in zip(plans, ends):
         part = index[:, start:end]
         have = grow[0][1]
-        if len(grow) == len(kv.pages) and all(g == (layer, have, have + 1) for layer, g in enumerate(grow)):
+        if len(grow) == len(kv.page_count) and all(g == (layer, have, have + 1) for layer, g in enumerate(grow)):
             columns.append(kv.table[:, have])
             ids.append(part[2])
         else:
@@ -325,12 +327,14 @@ def append_slots(kvs: list["SeqKV"]) -> None:
         size, before = kv.pool.page_size, kv.num_slots
         kv.num_slots = [n + 1 for n in before]
         if not all(n % size for n in before):  # some layer's last page is full (slots [0, n) exist)
-            requests.append((kv, {layer: n for layer, n in enumerate(kv.num_slots) if n > len(kv.pages[layer]) * size}))
+            held = kv.page_count.tolist()
+            requests.append((kv, {layer: n for layer, n in enumerate(kv.num_slots) if n > held[layer] * size}))
     ensure_many(requests)
 
 
 class SeqKV:
-    """One sequence's page tables (a device tensor [layers, capacity_pages]) and slot counts per layer.
+    """One sequence's page tables (a device tensor [layers, capacity_pages] and its host copy `pages`, numpy, so that
+    a request's thousands of page ids are moved in vector operations) and slot counts per layer.
 
     `version` changes, to a value no other table ever had, whenever pages are added, so holders of a copy of the
     table (the CUDA-graph buffers) know when to copy it again; `widest` is the most pages any layer holds."""
@@ -338,7 +342,8 @@ class SeqKV:
     def __init__(self, pool: KVPool):
         self.pool = pool
         layers = pool.num_layers
-        self.pages: list[list[int]] = [[] for _ in range(layers)]
+        self.pages = np.zeros((layers, 8), dtype=np.int64)  # [layers, capacity]: layer l holds pages[l, :page_count[l]]
+        self.page_count = np.zeros(layers, dtype=np.int64)  # [layers]
         self.num_slots = [0] * layers
         self.widest = 0
         # prefix caching: the first `protect` pages of every layer are prompt pages to be cached, so a rewrite of
@@ -376,11 +381,14 @@ class SeqKV:
         fills, milliseconds of the host's time that a server's step waits for)."""
         if pages <= self.table.shape[1]:
             return
+        width = max(pages, 2 * self.table.shape[1] if doubling else pages)
         with torch.inference_mode(False):  # a normal tensor even when it grows during generation
-            grown = torch.zeros(self.table.shape[0], max(pages, 2 * self.table.shape[1] if doubling else pages),
-                                dtype=torch.long, device=self.table.device)
+            grown = torch.zeros(self.table.shape[0], width, dtype=torch.long, device=self.table.device)
             grown[:, : self.table.shape[1]] = self.table
         self.table = grown
+        host = np.zeros((len(self.pages), width), dtype=np.int64)
+        host[:, : self.pages.shape[1]] = self.pages
+        self.pages = host
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Logical slots (any shape) of `layer` -> physical rows of the flattened pool."""
@@ -421,16 +429,20 @@ class SeqKV:
         """Original token position of every stored slot: [kv_heads, num_slots]."""
         return self.gather(layer, self.all_slots(layer))[2]
 
+    def layer_pages(self, layer: int) -> np.ndarray:
+        """The pages `layer` holds, in slot order: [pages] int64 (a view)."""
+        return self.pages[layer, : self.page_count[layer]]
+
     def share(self, blocks: list) -> None:
         """Start from cached prompt blocks (`PrefixCache.match`): their pages, in every layer, hold this sequence's
         first slots."""
         pages = self.pool.share(blocks)  # [blocks, layers]
-        count = len(blocks) * self.pool.page_size
-        for layer, column in enumerate(pages.T.tolist()):
-            self.pages[layer] = column
-            self.num_slots[layer] = count
-        self.widen(len(blocks))
-        self.table[:, : len(blocks)] = self.pool.staging.send(pages).t()
+        n = len(blocks)
+        self.widen(n)
+        self.pages[:, :n] = pages.T
+        self.page_count[:] = n
+        self.num_slots = [n * self.pool.page_size] * len(self.num_slots)
+        self.table[:, :n] = self.pool.staging.send(pages).t()
 
     def unshare(self, keep: dict[int, int]) -> None:
         """Before the first pages of each layer that `keep` gives (layer -> pages) are rewritten whole by the caller
@@ -439,35 +451,39 @@ class SeqKV:
         holder, the rest go back to the pool. A follow-up question on a cached document compacted to its budget takes
         new pages for what it keeps, not for the whole document. The layers' new pages come in one allocation (before
         any page leaves: the cache keeps them), the leaving ones go in one release and the table's entries in one
-        copy."""
-        cache, plans = self.pool.cache, []  # (layer, pages kept, its pages, columns renewed, pages set aside, leaving)
-        for layer, n in keep.items():
-            held, column = np.asarray(self.pages[layer], dtype=np.int64), np.arange(len(self.pages[layer]))  # [P]
-            guard = 0 if len(self.aside[layer]) else self.protect  # a layer sets its protected pages aside once
-            ours = (column < n) & ((column < guard) | (cache.cached_mask(held) if cache is not None else False))
-            gone = ours | (column >= n)  # in page order
-            if gone.any():
-                plans.append((layer, n, held, np.flatnonzero(ours), gone & (column < guard), gone & (column >= guard)))
-        if not plans:
+        copy; the layers are handled together, as arrays [layers, pages]."""
+        cache = self.pool.cache
+        layers = np.fromiter(keep, dtype=np.int64, count=len(keep))  # [G]
+        n = np.fromiter(keep.values(), dtype=np.int64, count=len(keep))[:, None]  # [G, 1] pages kept
+        count = self.page_count[layers]  # [G]
+        held = self.pages[layers, : count.max(initial=0)]  # [G, P] (a copy); past count[g]: not held
+        column = np.arange(held.shape[1])  # [P]
+        valid = column < count[:, None]
+        guard = np.array([0 if len(self.aside[layer]) else self.protect for layer in layers.tolist()])[:, None]
+        kept = valid & (column < n)
+        cached = np.zeros_like(kept)  # asked of the cache only where it decides: kept pages past the protected ones
+        if cache is not None:
+            asked = kept & (column >= guard)
+            cached[asked] = cache.cached_mask(held[asked])
+        ours = kept & ((column < guard) | cached)  # rewritten: renewed with pages of its own
+        gone = valid & (ours | (column >= n))  # leaving this sequence
+        if not gone.any():
             return
-        fresh = self.pool.allocate(sum(len(plan[3]) for plan in plans))  # before any page leaves (all or nothing)
-        moved, taken = [], 0
-        for layer, n, held, renewed, aside, _ in plans:
-            pages = self.pages[layer]
-            if aside.any():
-                self.aside[layer] = held[aside]
-            for i, page in zip(renewed.tolist(), fresh[taken : taken + len(renewed)]):
-                pages[i] = page
-            moved.append(np.stack([np.full(len(renewed), layer), renewed]))
-            taken += len(renewed)
-            del pages[n:]
-        leaving = np.concatenate([held[gone] for _, _, held, _, _, gone in plans])
+        aside = gone & (column < guard)
+        fresh = np.asarray(self.pool.allocate(int(ours.sum())), dtype=np.int64)  # before any page leaves
+        for g in np.flatnonzero(aside.any(1)).tolist():
+            self.aside[layers[g]] = held[g, aside[g]]
+        leaving = held[gone & ~aside]  # layer by layer, in page order
+        rows, cols = np.nonzero(ours)  # [k] each, layer by layer as `fresh` was taken
+        held[rows, cols] = fresh
+        self.pages[layers, : held.shape[1]] = held
+        self.page_count[layers] = np.minimum(count, n[:, 0])
         if len(leaving):
             self.pool.release(leaving)
-        if fresh:
-            index = self.pool.staging.send(np.concatenate([np.concatenate(moved, 1), [fresh]]))  # [3, k]
+        if len(fresh):
+            index = self.pool.staging.send(np.stack([layers[rows], cols, fresh]))  # [3, k]
             self.table[index[0], index[1]] = index[2]
-        self.widest = max(map(len, self.pages))
+        self.widest = int(self.page_count.max())
         self.version = next(_versions)
 
     def compact(self, keep: dict[int, torch.Tensor]) -> None:
@@ -528,43 +544,46 @@ class SeqKV:
     def truncate(self, layer: int, n: int) -> None:
         """Drop slots >= n and release the pages past them."""
         self.num_slots[layer] = n
-        need = -(-n // self.pool.page_size)
-        extra = self.pages[layer][need:]
-        if extra:
-            del self.pages[layer][need:]
+        need, have = -(-n // self.pool.page_size), int(self.page_count[layer])
+        if have > need:
+            extra = self.pages[layer, need:have].copy()
+            self.page_count[layer] = need
             self.pool.release(extra)
-            self.widest = max(map(len, self.pages))
+            self.widest = int(self.page_count.max())
 
     def drop_pages(self, first: int, count: int) -> None:
         """Remove pages [first, first + count) of every layer, which must be full: their slots go, the later slots
         move down by count * page_size without a copy (only the table's entries move), the pages go back to the
-        pool."""
-        for layer, pages in enumerate(self.pages):
-            self.pool.release(pages[first : first + count])
-            del pages[first : first + count]
-            self.num_slots[layer] -= count * self.pool.page_size
+        pool (in one release, layer by layer)."""
+        self.pool.release(self.pages[:, first : first + count].ravel())
+        self.pages[:, first : self.widest - count] = self.pages[:, first + count : self.widest].copy()
+        self.page_count -= count
+        self.num_slots = [n - count * self.pool.page_size for n in self.num_slots]
         self.table[:, first : self.widest - count] = self.table[:, first + count : self.widest].clone()
-        self.widest = max(map(len, self.pages))
+        self.widest = int(self.page_count.max())
         self.version = next(_versions)
 
     @property
     def held_pages(self) -> int:
         """Pages this sequence holds, in every layer (those set aside for the prefix cache too)."""
-        return sum(map(len, self.pages)) + sum(map(len, self.aside))
+        return int(self.page_count.sum()) + sum(map(len, self.aside))
 
     def resident_slots(self) -> float:
         """Mean stored slots per layer (per KV head)."""
         return sum(self.num_slots) / len(self.num_slots)
 
     def release(self) -> None:
-        """Give every page back to the pool and drop the table (it widens again if the sequence is refilled). Last
-        pages first: cached prompt blocks become idle tail first, so the prefix cache evicts a prompt's tail before
-        its head (a head evicted would make the rest unreachable)."""
-        for layer in range(len(self.pages)):
-            pages, aside = self.pages[layer][::-1], self.aside[layer]
-            self.pool.release(np.concatenate([aside[::-1], np.asarray(pages, dtype=np.int64)]) if len(aside) else pages)
-            self.pages[layer], self.aside[layer] = [], _NONE
-            self.num_slots[layer] = 0
+        """Give every page back to the pool (in one release) and drop the table (it widens again if the sequence is
+        refilled). Each layer's last pages first: cached prompt blocks become idle tail first, so the prefix cache
+        evicts a prompt's tail before its head (a head evicted would make the rest unreachable)."""
+        parts = [part for layer, count in enumerate(self.page_count.tolist())
+                 for part in (self.aside[layer][::-1], self.pages[layer, :count][::-1])]
+        if parts:
+            self.pool.release(np.concatenate(parts))
+        self.page_count[:] = 0
+        self.aside = [_NONE] * len(self.aside)
+        self.num_slots = [0] * len(self.num_slots)
         self.protect = 0
         self.widest = 0
         self.table = self.table.new_zeros(self.table.shape[0], 0)
+        self.pages = np.zeros((len(self.pages), 0), dtype=np.int64)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
@@ -308,8 +309,8 @@ class TokenSelect(KVMethod):
             pool = seqs[0].kv.pool
             size = pool.page_size
             newest = [seq.kv.num_slots[0] - 1 - seq.slot_ready for seq in seqs]  # not a slot prepared ahead
-            self._sketch_rows(pool, pool.staging.send([pages[t // size] * size + t % size
-                                                       for seq, t in zip(seqs, newest) for pages in seq.kv.pages]))
+            self._sketch_rows(pool, pool.staging.send(np.concatenate([seq.kv.pages[:, t // size] * size + t % size
+                                                                      for seq, t in zip(seqs, newest)])))
         if self._plan is None or not self.graph_safe:
             return
         counts = self._cache.counts[self._plan[1].cache_row].tolist()
