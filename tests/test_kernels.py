@@ -104,6 +104,39 @@ def test_prefill_kernel_matches_reference(start, chunk):
         assert (prefill_attention(q, k, v, table, start, context, 0.3, tile=(16, 16, 4, 1)) - want).abs().max() < 1e-5
 
 
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_packed_prefill_kernel_equals_a_call_a_chunk(splits):
+    """Three sequences' chunks one after another in one launch (a follow-up's short chunk, one longer than a query
+    block, one at the start of its sequence), each over its own pages up to its own length: every row as
+    `reference.prefill_attention` gives its chunk alone, with the context in one part or split over three."""
+    from semkv.kernels.triton_prefill import packed_prefill_attention
+
+    k, v, gen = random_pool(seed=5)
+    spans = [(37, 3), (9, 21), (0, 12)]  # (start, chunk)
+    tables = torch.stack([torch.randperm(48, generator=gen)[:16] for _ in spans]).to(torch.int32)  # [P, 16]
+    q = torch.randn(sum(c for _, c in spans), 4, 16, generator=gen)
+    cu_q = torch.tensor([0, 3, 24, 36], dtype=torch.int32)
+    used_k = torch.tensor([a + c for a, c in spans], dtype=torch.int32)
+    want = torch.cat([reference.prefill_attention(q[lo:hi], k, v, table.long(), a, None, 0.3)
+                      for (a, c), table, lo, hi in zip(spans, tables, cu_q[:-1].tolist(), cu_q[1:].tolist())])
+    got = packed_prefill_attention(q, k, v, tables, cu_q, used_k, 21, 40, 0.3, tile=(16, 16, 4, 1), splits=splits)
+    assert got.shape == q.shape and (got - want).abs().max() < 1e-5
+
+
+def test_packed_prefill_leaves_long_chunks_to_cudnn(monkeypatch):
+    """Where FlashAttention 3 does not serve, a step's chunks attend in one Triton launch unless one is long enough
+    for cuDNN's fused attention (a call a chunk, faster there), or the user chose the Triton kernel."""
+    from semkv import kernels
+    from semkv.kernels.cudnn_prefill import MIN_CHUNK
+
+    monkeypatch.setattr(kernels, "use_triton", lambda device: True)  # the dispatch as on a GPU without vLLM
+    q, k_pool = torch.zeros(4, 4, 16, dtype=torch.bfloat16), torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16)
+    assert kernels.packed_prefill_serves(q, k_pool, MIN_CHUNK - 1)
+    assert not kernels.packed_prefill_serves(q, k_pool, MIN_CHUNK)
+    monkeypatch.setenv("SEMKV_PREFILL_ATTENTION", "triton")
+    assert kernels.packed_prefill_serves(q, k_pool, MIN_CHUNK)
+
 def test_prefill_splits_fill_the_device_only_when_query_blocks_do_not():
     from semkv.kernels.triton_prefill import num_splits
 

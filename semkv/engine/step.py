@@ -87,7 +87,8 @@ class PrefillStep:
 class PackedPrefillStep:
     """AttentionContext for the chunks of several sequences in one forward (`Engine.prefill_together`): their tokens
     one after another, so the dense work runs once over them all, and each chunk attends over its own sequence's pages
-    (FlashAttention 3's varlen call for all of them where it serves, else one call a chunk). Only chunks that need
+    (one call for all of them: FlashAttention 3's varlen call where it serves, else the Triton kernel's unless cuDNN
+    would take a long chunk; else, and on the CPU, one call a chunk). Only chunks that need
     nothing else of a `PrefillStep` run here (`Engine.prefill_span` says which): no sparse context, keys stored with
     RoPE, no log-sum-exps, no recorded queries, every layer holding the slots before them; a method's
     `observe_prefill` sees its own chunk's queries, and a last chunk after which the layers evict keeps each layer's
@@ -113,7 +114,7 @@ class PackedPrefillStep:
         self.cu_q = torch.cat([meta[1], meta.new_full((1,), total)]).to(torch.int32)
         self.used_k = meta[2].to(torch.int32)
         self.longest = (max(lengths), max(b for _, b, _ in spans))
-        self.fa3_tables: torch.Tensor | None = None  # [layers, P, W] int32, made at the first call it serves
+        self.packed_tables: torch.Tensor | None = None  # [layers, P, W] int32, made at the first packed call
         if engine.rotary.rope_type == "dynamic":  # its frequencies depend on each prompt's length
             parts = [engine.rotary.cos_sin(self.positions[lo:hi], engine.dtype, seq_len=len(seq.prompt_ids))
                      for seq, lo, hi in zip(seqs, self.bounds, self.bounds[1:])]
@@ -131,13 +132,12 @@ class PackedPrefillStep:
             seq.num_computed = seq.kv.num_slots[layer] = b  # methods see the chunk's tokens as computed while it runs
         q = kernels.rope_store(q, k, v, self.cos, self.sin, self.rows[:, layer, None].expand(-1, k.shape[1]),
                                self.positions, *pool.flat())
-        out = None
-        if kernels.packed_prefill_serves(q, pool.k):
-            if self.fa3_tables is None:
-                self.fa3_tables = self.tables.transpose(0, 1).to(torch.int32).contiguous()
-            out = kernels.packed_prefill_attention(q, pool.k, pool.v, self.fa3_tables[layer], self.cu_q, self.used_k,
-                                                   *self.longest, engine.scale)
-        if out is None:  # one call a chunk
+        if kernels.packed_prefill_serves(q, pool.k, self.longest[0]):
+            if self.packed_tables is None:
+                self.packed_tables = self.tables.transpose(0, 1).to(torch.int32).contiguous()
+            out = kernels.packed_prefill_attention(q, pool.k, pool.v, self.packed_tables[layer], self.cu_q,
+                                                   self.used_k, *self.longest, engine.scale)
+        else:  # one call a chunk
             out = torch.cat([kernels.prefill_attention(q[lo:hi], pool.k, pool.v, seq.kv.table[layer], a, None,
                                                        engine.scale)
                              for seq, (a, _, _), lo, hi in zip(self.seqs, self.spans, self.bounds, self.bounds[1:])])

@@ -70,21 +70,31 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
     return reference.prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=lse)
 
 
-def packed_prefill_serves(q, k_pool) -> bool:
-    """True when `packed_prefill_attention` may serve: FlashAttention 3 on this GPU, as `prefill_path` allows."""
-    if not use_triton(q.device) or prefill_path() not in ("auto", "fa3"):
+def packed_prefill_serves(q, k_pool, longest_q: int) -> bool:
+    """True when `packed_prefill_attention` serves chunks of at most `longest_q` tokens: on CUDA with Triton, unless
+    `prefill_attention` would give one of them to cuDNN (FlashAttention 3 not serving, a chunk of `MIN_CHUNK` tokens
+    or more): cuDNN's fused attention, a call a chunk, outruns the Triton kernel on long chunks."""
+    if not use_triton(q.device):
         return False
-    from semkv.kernels import fa3_prefill
+    from semkv.kernels import cudnn_prefill, fa3_prefill
 
-    return fa3_prefill.usable(q, None, k_pool)
+    if prefill_path() in ("auto", "fa3") and fa3_prefill.usable(q, None, k_pool):
+        return True
+    return not (longest_q >= cudnn_prefill.MIN_CHUNK and _cudnn_serves(k_pool) and not cudnn_prefill.PATH.failed)
 
 
 def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale):
-    """Full prefill attention of several sequences' chunks in one FlashAttention 3 call (`fa3_prefill.packed_attention`,
-    where `packed_prefill_serves`), or None where it refuses: the caller then runs `prefill_attention` a chunk."""
-    from semkv.kernels import fa3_prefill
+    """Full prefill attention of several sequences' chunks in one call (where `packed_prefill_serves`): FlashAttention
+    3's (`fa3_prefill.packed_attention`) where `prefill_path` allows and it serves, else (or where it refuses) the
+    Triton kernel's (`triton_prefill.packed_prefill_attention`, which takes the same arguments)."""
+    from semkv.kernels import fa3_prefill, triton_prefill
 
-    return fa3_prefill.attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
+    if prefill_path() in ("auto", "fa3") and fa3_prefill.usable(q, None, k_pool):
+        out = fa3_prefill.attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
+        if out is not None:
+            return out
+    return triton_prefill.packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k,
+                                                   scale)
 
 
 def warm_up_prefill(k_pool, v_pool, heads: int, scale: float, chunk: int, max_len: int) -> None:

@@ -50,17 +50,17 @@ def _block(q, K, V, Table, slot, valid, kvh, stride_kr, stride_kh, d, m, l, acc,
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["start", "chunk", "n_ctx", "split_len", "stride_cs", "stride_os", "stride_ls"])
-def _prefill(
+@triton.jit
+def _chunk_attention(
     Q, K, V, Table, Context, O, LSE,
     stride_qm, stride_qh, stride_kr, stride_kh, stride_cs, stride_os, stride_om, stride_oh, stride_ls, stride_lm,
-    start, chunk, n_ctx, split_len, scale_log2,
+    start, chunk, n_ctx, split_len, scale_log2, mb, h, part,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, PER_HEAD: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal part first
-    h = tl.program_id(1)
-    part = tl.program_id(2)
+    """Query block mb of a chunk (rows [start, start + chunk) of its sequence, Q / O / LSE at its first row), head h,
+    part `part` of the context [0, n_ctx): the online softmax over that part, and over the chunk itself (causal) in
+    the launch's last part; writes the part's output and, with WRITE_LSE, its log-sum-exp."""
     kvh = h // GROUP
     sel = kvh if PER_HEAD else 0
     rows_q = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index inside the chunk
@@ -105,6 +105,45 @@ def _prefill(
         tl.store(LSE + part * stride_ls + rows_q * stride_lm + h, lse, mask=q_mask)
 
 
+@triton.jit(do_not_specialize=["start", "chunk", "n_ctx", "split_len", "stride_cs", "stride_os", "stride_ls"])
+def _prefill(
+    Q, K, V, Table, Context, O, LSE,
+    stride_qm, stride_qh, stride_kr, stride_kh, stride_cs, stride_os, stride_om, stride_oh, stride_ls, stride_lm,
+    start, chunk, n_ctx, split_len, scale_log2,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, PER_HEAD: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Program (query block, head, part) of one chunk; the longest causal part first."""
+    _chunk_attention(Q, K, V, Table, Context, O, LSE, stride_qm, stride_qh, stride_kr, stride_kh, stride_cs,
+                     stride_os, stride_om, stride_oh, stride_ls, stride_lm, start, chunk, n_ctx, split_len,
+                     scale_log2, tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                     GROUP, D, BLOCK_M, BLOCK_N, PAGE, HAS_CONTEXT, PER_HEAD, WRITE_LSE)
+
+
+@triton.jit(do_not_specialize=["blocks", "split_len", "stride_os", "stride_ls"])
+def _packed_prefill(
+    Q, K, V, Tables, CuQ, UsedK, O, LSE,
+    stride_qm, stride_qh, stride_kr, stride_kh, stride_tp, stride_os, stride_om, stride_oh, stride_ls, stride_lm,
+    blocks, split_len, scale_log2,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Program (chunk p and query block, head, part) of several sequences' chunks one after another: chunk p's rows
+    [CuQ[p], CuQ[p + 1]) of Q / O, the last of its sequence's UsedK[p] slots, read through Tables[p]; `blocks` query
+    blocks a chunk at most (a shorter chunk's extra programs end at once)."""
+    p = tl.program_id(0) // blocks
+    mb = blocks - 1 - tl.program_id(0) % blocks  # the longest causal part first
+    first = tl.load(CuQ + p)
+    chunk = tl.load(CuQ + p + 1) - first
+    if mb * BLOCK_M < chunk:
+        start = tl.load(UsedK + p) - chunk
+        _chunk_attention(Q + first.to(tl.int64) * stride_qm, K, V, Tables + p.to(tl.int64) * stride_tp, Tables,
+                         O + first.to(tl.int64) * stride_om, LSE + first.to(tl.int64) * stride_lm,
+                         stride_qm, stride_qh, stride_kr, stride_kh, 0, stride_os, stride_om, stride_oh, stride_ls,
+                         stride_lm, start, chunk, start, split_len, scale_log2, mb, tl.program_id(1),
+                         tl.program_id(2), GROUP, D, BLOCK_M, BLOCK_N, PAGE, False, False, WRITE_LSE)
+
+
 @functools.cache
 def major_version(index: int | None) -> int:
     """The compute capability's major number of CUDA device `index` (read once: torch's query, about 20 us, ran at
@@ -143,12 +182,7 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
         splits = num_splits(m_blocks * n_heads, n_ctx, sms, block_n)
     split_len = triton.cdiv(triton.cdiv(max(n_ctx, 1), splits), block_n) * block_n
     splits = max(1, triton.cdiv(n_ctx, split_len))
-    if splits == 1:
-        out = torch.empty_like(q)
-        lse_out = torch.empty(chunk, n_heads, device=q.device, dtype=torch.float32) if lse else out
-    else:  # per-part outputs and log-sum-exps, merged below
-        out = torch.empty(splits, chunk, n_heads, dim, device=q.device, dtype=torch.float32)
-        lse_out = torch.empty(splits, chunk, n_heads, device=q.device, dtype=torch.float32)
+    out, lse_out = _parts(q, splits, lse)
     ctx_arg = context if context is not None else table
     _prefill[(m_blocks, n_heads, splits)](
         q, kf, vf, table, ctx_arg, out, lse_out,
@@ -160,14 +194,65 @@ def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False
         HAS_CONTEXT=context is not None, PER_HEAD=context is not None and context.shape[0] > 1,
         WRITE_LSE=lse or splits > 1, num_warps=warps, num_stages=stages,
     )
-    if splits > 1:  # parts [splits, C, heads, D] -> [C, heads, D] and the merged log-sum-exp in one kernel (torch's
-        # softmax, logsumexp and weighted sum were six launches a layer: a short chunk's host time)
-        merged = torch.empty(chunk, n_heads, dim, device=q.device, dtype=q.dtype)
-        merged_lse = torch.empty(chunk, n_heads, device=q.device, dtype=torch.float32) if lse else merged
-        _combine[(chunk, n_heads)](out, lse_out, merged, merged_lse, out.stride(1), out.stride(2), out.stride(0),
-                                   lse_out.stride(1), lse_out.stride(2), lse_out.stride(0), merged.stride(0),
-                                   merged.stride(1), splits, SPLITS_PAD=triton.next_power_of_2(splits), D=dim,
-                                   LOG2=True, WRITE_LSE=lse)
-        return (merged, merged_lse) if lse else merged
+    if splits > 1:
+        return _merged(out, lse_out, q.dtype, lse)
     return (out, lse_out * math.log(2)) if lse else out
+
+
+def _parts(q: torch.Tensor, splits: int, lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp buffers of a launch over q [rows, heads, D] in `splits` parts: the output in q's
+    dtype (and the lse, or a stand-in) for one part; float32 [splits, rows, heads, D] and [splits, rows, heads] for
+    several, merged by `_merged`."""
+    rows, n_heads, dim = q.shape
+    if splits == 1:
+        out = torch.empty_like(q)
+        return out, torch.empty(rows, n_heads, device=q.device, dtype=torch.float32) if lse else out
+    return (torch.empty(splits, rows, n_heads, dim, device=q.device, dtype=torch.float32),
+            torch.empty(splits, rows, n_heads, device=q.device, dtype=torch.float32))
+
+
+def _merged(out: torch.Tensor, lse_out: torch.Tensor, dtype: torch.dtype, lse: bool):
+    """Parts [splits, rows, heads, D] -> [rows, heads, D] (and the merged natural log-sum-exp [rows, heads] with
+    lse=True) in one kernel (torch's softmax, logsumexp and weighted sum were six launches a layer: a short chunk's
+    host time)."""
+    splits, rows, n_heads, dim = out.shape
+    merged = torch.empty(rows, n_heads, dim, device=out.device, dtype=dtype)
+    merged_lse = torch.empty(rows, n_heads, device=out.device, dtype=torch.float32) if lse else merged
+    _combine[(rows, n_heads)](out, lse_out, merged, merged_lse, out.stride(1), out.stride(2), out.stride(0),
+                              lse_out.stride(1), lse_out.stride(2), lse_out.stride(0), merged.stride(0),
+                              merged.stride(1), splits, SPLITS_PAD=triton.next_power_of_2(splits), D=dim, LOG2=True,
+                              WRITE_LSE=lse)
+    return (merged, merged_lse) if lse else merged
+
+
+def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale, tile=None,
+                             splits=None):
+    """`fa3_prefill.packed_attention`'s contract in one launch: q [T, heads, D] holds the chunks of several sequences
+    one after another (chunk i: rows [cu_q[i], cu_q[i + 1]), cu_q [P + 1] int32), each over its own pages (tables
+    [P, >= pages], int32 or int64) up to used_k[i] slots, its chunk the last of them (lower-right causal); longest_q /
+    longest_k: the longest chunk and context. Returns out [T, heads, D]. One launch a layer instead of one a chunk:
+    eight follow-up questions of a step were 192 launches and merges of `prefill_attention`.
+    tile / splits: override `tile_for` / `num_splits` (tests)."""
+    _, n_heads, dim = q.shape
+    _, page, kv_heads, _ = k_pool.shape
+    kf, vf = k_pool.view(-1, kv_heads, dim), v_pool.view(-1, kv_heads, dim)
+    block_m, block_n, warps, stages = tile or tile_for(dim, q.device, False)
+    blocks = triton.cdiv(longest_q, block_m)  # query blocks of the longest chunk
+    programs = tables.shape[0] * blocks
+    if splits is None:
+        sms = device_limits(q.device.index)[0] if q.device.type == "cuda" else 1
+        splits = num_splits(programs * n_heads, longest_k, sms, block_n)
+    split_len = triton.cdiv(triton.cdiv(max(longest_k, 1), splits), block_n) * block_n
+    splits = max(1, triton.cdiv(longest_k, split_len))
+    out, lse_out = _parts(q, splits, splits > 1)
+    _packed_prefill[(programs, n_heads, splits)](
+        q, kf, vf, tables, cu_q, used_k, out, lse_out,
+        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), tables.stride(0),
+        out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2),
+        lse_out.stride(0) if splits > 1 else 0, lse_out.stride(-2),
+        blocks, split_len, scale * LOG2E,
+        GROUP=n_heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, WRITE_LSE=splits > 1,
+        num_warps=warps, num_stages=stages,
+    )
+    return _merged(out, lse_out, q.dtype, False) if splits > 1 else out
 
