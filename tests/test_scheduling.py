@@ -505,7 +505,6 @@ def test_a_compaction_whose_new_pages_grow_the_pool_writes_into_the_grown_pool()
         assert cached.tolist() == list(range(100 * layer, 100 * layer + pages * size))
 
 
-
 def test_prefix_cache_keeps_its_eviction_order_through_many_takes():
     """The LRU order survives blocks taken and given back many times (each leaving a stale entry behind, which is
     skipped, and dropped when they outgrow the blocks): eviction takes the idle blocks least recently given back
@@ -519,6 +518,7 @@ def test_prefix_cache_keeps_its_eviction_order_through_many_takes():
         cache.unref(cache.pages[block.id].tolist())
     assert cache._queued <= 2 * len(cache.by_id) + 1024 + 1
     assert cache.evict(3) == [14, 15, 16, 17] and cache.evict(8) == [10, 11, 12, 13] and cache.evictable == 0
+
 
 def test_a_follow_up_keeps_its_host_page_table_equal_to_the_device_one():
     """`SeqKV.pages` (numpy, what the host moves pages with) stays the device table through a follow-up's life: the

@@ -576,8 +576,8 @@ class SeqKV:
         """Give every page back to the pool (in one release) and drop the table (it widens again if the sequence is
         refilled). Each layer's last pages first: cached prompt blocks become idle tail first, so the prefix cache
         evicts a prompt's tail before its head (a head evicted would make the rest unreachable)."""
-        parts = [part for layer, count in enumerate(self.page_count.tolist())
-                 for part in (self.aside[layer][::-1], self.pages[layer, :count][::-1])]
+        parts = [part for layer in range(len(self.aside))
+                 for part in (self.aside[layer][::-1], self.layer_pages(layer)[::-1])]
         if parts:
             self.pool.release(np.concatenate(parts))
         self.page_count[:] = 0

@@ -76,11 +76,18 @@ def packed_prefill_serves(q, k_pool, longest_q: int) -> bool:
     or more): cuDNN's fused attention, a call a chunk, outruns the Triton kernel on long chunks."""
     if not use_triton(q.device):
         return False
-    from semkv.kernels import cudnn_prefill, fa3_prefill
+    from semkv.kernels import cudnn_prefill
 
-    if prefill_path() in ("auto", "fa3") and fa3_prefill.usable(q, None, k_pool):
+    if _fa3_packs(q, k_pool):
         return True
     return not (longest_q >= cudnn_prefill.MIN_CHUNK and _cudnn_serves(k_pool) and not cudnn_prefill.PATH.failed)
+
+
+def _fa3_packs(q, k_pool) -> bool:
+    """True when FlashAttention 3's varlen call may serve a packed step, as `prefill_path` allows."""
+    from semkv.kernels import fa3_prefill
+
+    return prefill_path() in ("auto", "fa3") and fa3_prefill.usable(q, None, k_pool)
 
 
 def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale):
@@ -89,7 +96,7 @@ def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q,
     Triton kernel's (`triton_prefill.packed_prefill_attention`, which takes the same arguments)."""
     from semkv.kernels import fa3_prefill, triton_prefill
 
-    if prefill_path() in ("auto", "fa3") and fa3_prefill.usable(q, None, k_pool):
+    if _fa3_packs(q, k_pool):
         out = fa3_prefill.attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
         if out is not None:
             return out

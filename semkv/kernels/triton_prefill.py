@@ -244,7 +244,7 @@ def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q,
         splits = num_splits(programs * n_heads, longest_k, sms, block_n)
     split_len = triton.cdiv(triton.cdiv(max(longest_k, 1), splits), block_n) * block_n
     splits = max(1, triton.cdiv(longest_k, split_len))
-    out, lse_out = _parts(q, splits, splits > 1)
+    out, lse_out = _parts(q, splits, False)
     _packed_prefill[(programs, n_heads, splits)](
         q, kf, vf, tables, cu_q, used_k, out, lse_out,
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), tables.stride(0),
