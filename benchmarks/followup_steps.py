@@ -7,9 +7,11 @@ caching on: the first question on each of `--documents` documents of `--context`
 then `--questions` follow-ups a document, `--concurrency` in flight (a new one submitted as one ends, as a load
 client does), `--new-tokens` each (EOS ignored; with `--stagger` the requests ask for different counts, so that they
 end in different steps and follow-ups are admitted one at a time, as a served load's arrive). For the follow-ups'
-steps: their wall time by kind (decode only, or admitting k follow-ups), the host time of the admission's and the
-prefill's functions in the admitting steps (`TIMED`, timed inclusively), the caching allocator's device allocations
-and every wait of the host for the device in them, by semkv call site (torch's sync debug mode). One JSON line; with
+steps: their wall time by kind (decode only, or admitting k follow-ups), each follow-up's time to its first token
+(from its submission to the token's publication inside a step, `Scheduler.publish`, or the step's end), the host
+time of the admission's and the prefill's functions in the admitting steps (`TIMED`, timed inclusively), the caching
+allocator's device allocations and every wait of the host for the device in them, by semkv call site (torch's sync
+debug mode). One JSON line; with
 `--trace N` torch.profiler's tables over the first N admitting steps (and each one's host time against its device
 busy time), with `--profile` cProfile's of them (which slows them about 1.3x).
 
@@ -60,7 +62,7 @@ TIMED = {  # host functions timed (inclusive, nested ones too) in the steps that
     "  evict_layer": (engine_step, "evict_layer"), "  evict_layers": (engine_step, "evict_layers"),
     "    compact": (SeqKV, "compact"),
     "      unshare": (SeqKV, "unshare"), "        pool.release": (KVPool, "release"),
-    "_chunks_done": (Engine, "_chunks_done"),
+    "_chunks_done": (Engine, "_chunks_done"), "end_prompt": (Engine, "end_prompt"),
 }
 
 
@@ -70,7 +72,8 @@ class Timers:
     def __init__(self) -> None:
         self.on, self.seconds, self.calls = False, collections.Counter(), collections.Counter()
         for label, (owner, name) in TIMED.items():
-            setattr(owner, name, self._wrapped(label, getattr(owner, name)))
+            if hasattr(owner, name):  # (an older tree, for A/B runs, may lack one)
+                setattr(owner, name, self._wrapped(label, getattr(owner, name)))
 
     def _wrapped(self, label: str, function):
         @functools.wraps(function)
@@ -128,6 +131,17 @@ def main() -> None:
     # torch.profiler from the first admitting step to the last traced one
     tracer, traced = torch.profiler.profile() if args.trace else None, 0
     memory = torch.cuda.memory_stats() if cuda else {}
+    # each follow-up's TTFT: from its submission to its first token given to the caller, inside a step where the
+    # scheduler publishes it (`Scheduler.publish`, as the server sends it), else when the step returns
+    submitted, ttft = {}, []
+
+    def answered() -> None:
+        now = time.perf_counter()
+        for _, seq in live.values():
+            if seq.output_ids and seq in submitted:
+                ttft.append(now - submitted.pop(seq))
+
+    session.scheduler.publish = answered
     started = time.perf_counter()
     while todo or live:
         free = sorted(set(range(args.concurrency)) - {slot for slot, _ in live.values()})
@@ -135,6 +149,7 @@ def main() -> None:
             seq_id = next(ids)
             live[seq_id] = slot, session.submit(seq_id, question(*todo.pop(0)), sampling(slot),
                                                 get_method(args.method, 0.1, **params), args.method)
+            submitted[live[seq_id][1]] = time.perf_counter()
         admitted = session.scheduler.counters.admitted
         admitting = bool(session.scheduler.waiting or session.scheduler.prefilling)
         if cuda:
@@ -163,6 +178,7 @@ def main() -> None:
             torch.cuda.synchronize()
         kind = f"admit {session.scheduler.counters.admitted - admitted}" if admitting else "decode"
         walls[kind].append(time.perf_counter() - step)
+        answered()
         live = {k: v for k, v in live.items() if not v[1].finished}
     seconds = time.perf_counter() - started
     session.advance()
@@ -174,6 +190,8 @@ def main() -> None:
         wall_ms={k: dict(count=len(v), mean=round(1e3 * statistics.mean(v), 2),
                          median=round(1e3 * statistics.median(v), 2), max=round(1e3 * max(v), 2))
                  for k, v in sorted(walls.items())},
+        ttft_ms=dict(count=len(ttft), mean=round(1e3 * statistics.mean(ttft), 2),
+                     median=round(1e3 * statistics.median(ttft), 2), max=round(1e3 * max(ttft), 2)),
         host_ms_per_admitting_step={k: round(1e3 * v / max(admits, 1), 3) for k, v in timers.seconds.items()},
         calls=dict(timers.calls), cached_tokens=counters.cached_tokens,
         allocator={k: after.get(k, 0) - memory.get(k, 0) for k in

@@ -107,9 +107,9 @@ def test_a_follow_ups_chunk_takes_every_layers_pages_at_once(llm):
     """A follow-up question on a cached document prefills only its question: a short last chunk, in the packed
     forward even alone. Its pages for every layer come in one allocation, one copy of their ids to the device: five
     copies in all (its prompt from the cache's end and the cached pages at admission, the new pages, the chunk's
-    bounds and last row); where the method compacts the layers at prefill's end (SnapKV), one more (every layer's new
-    pages for the slots it keeps: the layers are compacted together after the forward). The tokens are those of a
-    run without the cache."""
+    bounds and last row); where the method compacts the layers at prefill's end (SnapKV), one more in the next step,
+    once its first token is chosen (every layer's new pages for the slots it keeps: the layers are compacted
+    together). The tokens are those of a run without the cache."""
     document = CONTEXTS[0] * 2
     prompts = [f"{document}\n\n{q}" for q in QUESTIONS[:2]]
     for method, compactions in ((get_method("full"), 0), (get_method("snapkv", SMALL), 1)):
@@ -124,6 +124,8 @@ def test_a_follow_ups_chunk_takes_every_layers_pages_at_once(llm):
         try:
             driver.submit(encode(llm, prompts[1]), method)
             driver.advance()  # its admission and its one chunk
+            assert len(counted) == 5
+            driver.advance()  # its first token, then its prompt's end
         finally:
             del staging.send
         assert driver.seqs[1].stats.cached_tokens > 0
@@ -152,6 +154,37 @@ def test_a_follow_up_compacted_at_prefill_takes_new_pages_for_what_it_keeps_not_
     # its prompt's pages (cached or its own, kept for the cache until its prefill ends) and each layer's new pages
     # for its kept slots (new pages for a whole layer's document before: 95 here against 78)
     assert pool.peak_in_use - before <= layers * (pages + -(-SMALL // page))
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def test_a_follow_ups_first_token_goes_out_before_its_method_compacts_the_document(llm):
+    """A follow-up question on a cached document under SnapKV: its first token is given, and the scheduler's
+    `publish` called, while it still holds the whole document (its prompt's end, `Engine.end_prompt`: the
+    compaction, then the document's pages back to the cache, comes after, before its first decode step); a request
+    that ends at its first token is published too. The tokens are those of a run without the cache, and nothing is
+    held after."""
+    method = get_method("snapkv", SMALL)
+    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS[:2]]
+    want = alone(llm, method, prompts)
+    pool, layers = llm.engine.pool, llm.config.num_layers
+    pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=4096)
+    driver.submit(encode(llm, prompts[0]), method)
+    driver.finish()
+    seen = []  # at each publish: the follow-up's tokens, whether its prompt is ended, its pages in every layer
+    driver.session.scheduler.publish = lambda: seen.append(
+        (len(follow_up.output_ids), follow_up.prefill is None, int(follow_up.kv.page_count.min())))
+    driver.submit(encode(llm, prompts[1]), method)
+    follow_up = driver.seqs[1]
+    while len(follow_up.output_ids) < 2:
+        driver.advance()
+    pages = -(-len(follow_up.prompt_ids) // pool.page_size)
+    assert seen == [(1, False, pages)]  # every layer held the whole prompt when its first token went out
+    assert follow_up.kv.page_count.max() < pages and layers > 1  # compacted before its first decode step
+    assert driver.finish() == want
+    assert len(seen) == 1  # decode steps' tokens go out with the step (the caller's, after `advance`)
+    driver.submit(encode(llm, prompts[1]), method, new=1)
+    assert driver.finish()[2] == want[1][:1] and len(seen) == 2
     assert llm.engine.memory().held == (0, 0, 0, 0)
 
 

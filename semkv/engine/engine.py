@@ -28,7 +28,8 @@ from semkv.engine.sampler import sample, token_logprob
 from semkv.engine.scheduler import Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.staging import copy_early
-from semkv.engine.step import DecodeStep, PackedPrefillStep, PrefillStep, StepInputs, evict_layer, plan_chunks
+from semkv.engine.step import (DecodeStep, PackedPrefillStep, PrefillStep, StepInputs, evict_layer, evict_layers,
+                               plan_chunks)
 from semkv.models.config import ModelConfig
 from semkv.models.llama import LlamaModel
 from semkv.models.rotary import RotaryEmbedding
@@ -64,6 +65,9 @@ class PrefillPlan:
     cut: int | None  # chunks may be cut to a step's budget when the piece after the cut keeps this many tokens (the
     # method's window); None: the method prefills in chunks of its own, which stay whole
     layers: Generator[int, None, torch.Tensor] | None = None  # a prefill by layer under way (`LlamaModel.by_layer`)
+    # a last chunk run in `Engine.prefill_together` whose layers evict: each layer's window queries [w, heads, D],
+    # for `Engine.end_prompt`
+    windows: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -286,15 +290,24 @@ class Engine:
         return self.model(ids, step, logits_at=logits_at)
 
     def _chunks_done(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
-        """After a call's chunks: once the prompt is done, the method's `finish_prefill` and the logits of its last
-        token [vocab]; else None."""
-        plan = seq.prefill
-        if plan.spans:
+        """After a call's chunks: once the prompt is done, its end (`end_prompt`) and the logits of its last token
+        [vocab]; else None."""
+        if seq.prefill.spans:
             return None
+        self.end_prompt(seq)
+        return logits[0]
+
+    def end_prompt(self, seq: Sequence) -> None:
+        """The end of a prompt whose chunks have all run: the eviction of every layer where its last chunk ran in
+        `prefill_together` (with the window queries that chunk kept), the method's `finish_prefill`; the request is
+        ready to decode."""
+        started, plan = time.perf_counter(), seq.prefill
+        if plan.windows is not None:
+            evict_layers(plan.method, seq, plan.windows)
         plan.method.finish_prefill(seq)
         self._prefill_done(seq)
         seq.prefill = None
-        return logits[0]
+        seq.stats.prefill_s += time.perf_counter() - started
 
     @staticmethod
     def _take(plan: PrefillPlan, budget: int) -> int:
@@ -331,9 +344,11 @@ class Engine:
     @torch.inference_mode()
     def prefill_together(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
         """The next chunk of each prompt (`prefill_span` said so, with the budget that cut it) in one forward: the
-        dense work once over their tokens, each chunk's attention over its own pages. For each prompt, as
-        `continue_prefill`: the logits of its last token [vocab] once the prompt is done (after the method's
-        `finish_prefill`), else None. Several follow-up questions on cached documents cost one forward, not one each."""
+        dense work once over their tokens, each chunk's attention over its own pages. For each prompt the logits of
+        its last token [vocab] once its chunks have all run, else None; unlike `continue_prefill`, a prompt's end
+        (its layers' eviction, the method's `finish_prefill`) is left to the caller's `end_prompt`, so that its first
+        token may be chosen and sent first: the eviction changes only what later tokens attend to. Several follow-up
+        questions on cached documents cost one forward, not one each."""
         started = time.perf_counter()
         spans = [seq.prefill.spans[0] for seq in seqs]
         step = PackedPrefillStep(self, seqs, spans)
@@ -341,12 +356,13 @@ class Engine:
                          for seq, (a, b, _) in zip(seqs, spans)])
         last = self.pool.staging.send([end - 1 for end in step.bounds[1:]])  # [P] each chunk's last row
         logits = self._chunk_forward(ids, step, last)
-        step.evict()
         firsts = []
         for i, seq in enumerate(seqs):
-            del seq.prefill.spans[0]
+            plan = seq.prefill
+            del plan.spans[0]
+            plan.windows = step.windows.get(i)
             seq.stats.prefill_s += time.perf_counter() - started
-            firsts.append(self._chunks_done(seq, logits[i : i + 1]))
+            firsts.append(None if plan.spans else logits[i])
         return firsts
 
     def lookup_prefix(self, seq: Sequence, method: KVMethod) -> None:

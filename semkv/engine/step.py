@@ -92,8 +92,9 @@ class PackedPrefillStep:
     nothing else of a `PrefillStep` run here (`Engine.prefill_span` says which): no sparse context, keys stored with
     RoPE, no log-sum-exps, no recorded queries, every layer holding the slots before them; a method's
     `observe_prefill` sees its own chunk's queries, and a last chunk after which the layers evict keeps each layer's
-    last queries, to evict every layer at once after the forward (`evict`: later layers never read an earlier one's
-    pages, which the chunk holds until its prompt ends either way). Every layer's pages are taken at once."""
+    last queries (`windows`), to evict every layer at once after the forward (`Engine.end_prompt`: later layers never
+    read an earlier one's pages, which the chunk holds until its prompt ends either way). Every layer's pages are
+    taken at once."""
 
     def __init__(self, engine, seqs: list[Sequence], spans: list[tuple[int, int, bool]]):
         self.engine, self.seqs, self.spans = engine, seqs, spans
@@ -148,11 +149,6 @@ class PackedPrefillStep:
             lo, hi = self.bounds[i], self.bounds[i + 1]
             windows.append(q[hi - min(self.seqs[i].prefill.method.window_size(), hi - lo) : hi].clone())
         return out
-
-    def evict(self) -> None:
-        """After the forward: the prefill-time eviction of every layer of the chunks that end their prompts."""
-        for i, windows in self.windows.items():
-            evict_layers(self.seqs[i].prefill.method, self.seqs[i], windows)
 
 
 def evict_layer(method: KVMethod, seq: Sequence, layer: int, q_last: torch.Tensor) -> None:

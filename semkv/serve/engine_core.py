@@ -2,9 +2,11 @@
 scheduler loop, so no Python web work (HTTP, JSON, tokenizing, detokenizing) ever waits in front of a step.
 
 Each iteration takes what the web process sent (without waiting while requests run; blocking when idle), runs one
-`Session.advance` (the scheduler's step), and sends one `Outputs` message with every request's new tokens and ends,
-the scheduler's counters and, now and then, the engine's memory. With tensor parallelism this process is rank 0 and
-starts the other ranks (`LLM(tensor_parallel_size=N)`). If the loop raises, it sends `EngineDied` before it ends.
+`Session.advance` (the scheduler's step), and sends one `Outputs` message with every request's new tokens and ends, the
+scheduler's counters and, now and then, the engine's memory; a step that gives prompts their first tokens sends those at
+once, before it ends the prompts of its packed forward (`Scheduler.publish`). With tensor parallelism this process is
+rank 0 and starts the other ranks (`LLM(tensor_parallel_size=N)`). If the loop raises, it sends `EngineDied` before it
+ends.
 """
 from __future__ import annotations
 
@@ -58,6 +60,8 @@ class EngineCore:
         self.draining = False
         self.measured = 0.0  # when the engine's memory was last measured
         self.reported_steps = 0  # the scheduler's step count in the last message (each step's tokens are reported)
+        self.started = False  # a request got its first token since the last `_report` (the pool changed)
+        self.scheduler.publish = self._publish  # a step's first tokens go out before the prompts' ends
 
     def run(self) -> None:
         with torch.inference_mode():
@@ -99,23 +103,39 @@ class EngineCore:
             return
         self.requests[message.request_id] = Tracked(seq)
 
-    def _report(self, batch_sizes: list[int]) -> None:
-        """Send each request's new tokens and ends (one message for the iteration); forget ended requests."""
-        ended, self.ended = self.ended, []
-        failed = dict(self.scheduler.failed)
-        self.scheduler.failed.clear()
+    def _new_tokens(self) -> tuple[list[int], list[list[int]], dict]:
+        """The requests with tokens not sent yet, those tokens and their log-probabilities (now counted as sent)."""
         ids, tokens, logprobs = [], [], {}
-        changed = bool(ended)  # requests came or went: the pool changed
-        for request_id, tracked in list(self.requests.items()):
+        for request_id, tracked in self.requests.items():
             seq, sent = tracked.seq, tracked.sent
             n = len(seq.output_ids)
             if n > sent:
-                changed |= sent == 0
+                self.started |= sent == 0
                 ids.append(request_id)
                 tokens.append(seq.output_ids[sent:n])
                 if seq.params.logprobs is not None:
                     logprobs[request_id] = seq.logprobs[sent:n]
                 tracked.sent = n
+        return ids, tokens, logprobs
+
+    def _publish(self) -> None:
+        """Inside a step (`Scheduler.publish`): send the tokens it has given so far (ends wait for `_report`)."""
+        ids, tokens, logprobs = self._new_tokens()
+        if ids:
+            self.outputs.send(pickle.dumps(Outputs(ids, tokens, logprobs, [], self.scheduler.counters,
+                                                   len(self.scheduler.running), len(self.scheduler.waiting), [],
+                                                   None, time.monotonic()), pickle.HIGHEST_PROTOCOL))
+
+    def _report(self, batch_sizes: list[int]) -> None:
+        """Send each request's new tokens and ends (one message for the iteration); forget ended requests."""
+        ended, self.ended = self.ended, []
+        failed = dict(self.scheduler.failed)
+        self.scheduler.failed.clear()
+        ids, tokens, logprobs = self._new_tokens()
+        changed = bool(ended) or self.started  # requests came or went: the pool changed
+        self.started = False
+        for request_id, tracked in list(self.requests.items()):
+            seq = tracked.seq
             if seq.finished:
                 changed = True
                 del self.requests[request_id]
