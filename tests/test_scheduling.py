@@ -307,6 +307,36 @@ def test_a_request_awaiting_its_first_token_may_be_cancelled_or_preempted(llm, h
     assert not scheduler.awaiting and llm.engine.memory().held == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("how", ["cancel", "preempt"])
+def test_a_follow_up_awaiting_its_first_token_and_its_prompts_end_may_be_cancelled_or_preempted(llm, how):
+    """A follow-up question on a cached document under SnapKV, after its packed forward: it awaits its first token
+    with its prompt not yet ended (its layers not yet compacted, every page still held: `Engine.end_prompt` comes
+    after the token). Cancelled there it ends with no token; preempted there it is recomputed and ends with the tokens
+    of a run without the cache; either way nothing is held after."""
+    method = get_method("snapkv", SMALL)
+    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS[:2]]
+    want = alone(llm, method, prompts)
+    llm.engine.pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=4096)
+    driver.submit(encode(llm, prompts[0]), method)
+    driver.finish()
+    driver.submit(encode(llm, prompts[1]), method)
+    scheduler, follow_up = driver.session.scheduler, driver.seqs[1]
+    driver.advance()
+    assert follow_up in scheduler.awaiting and follow_up.prefill is not None and not follow_up.output_ids
+    assert follow_up.stats.cached_tokens > 0 and follow_up.prefill.windows is not None
+    if how == "cancel":
+        driver.session.cancel(follow_up.seq_id)
+    else:
+        scheduler._preempt(follow_up)  # as `_make_room` does when a decode step's pages are missing
+    outputs = driver.finish()
+    if how == "cancel":
+        assert follow_up.finish_reason == "cancelled" and follow_up.output_ids == []
+    else:
+        assert outputs == want and scheduler.counters.preemptions == 1
+    assert not scheduler.awaiting and llm.engine.memory().held == (0, 0, 0, 0)
+
+
 def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):
     """On a pool of fixed size, finished requests leave their prompt pages cached (idle, counted as available); a
     request that needs more than the free pages evicts the least recently used ones and runs."""
