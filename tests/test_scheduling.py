@@ -60,6 +60,18 @@ class Driver:
         return [s.output_ids for s in self.seqs]
 
 
+def cached_document(llm, method, copies: int = 4, budget: int = 4096):
+    """A session whose first question on a document (`copies` times the first context) is done, its pages in the
+    prefix cache: the driver, the two questions' prompts on that document and their tokens without the cache."""
+    prompts = [f"{CONTEXTS[0] * copies}\n\n{q}" for q in QUESTIONS[:2]]
+    want = alone(llm, method, prompts)
+    llm.engine.pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=budget)
+    driver.submit(encode(llm, prompts[0]), method)
+    driver.finish()
+    return driver, prompts, want
+
+
 @pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
 def test_chunked_prefill_between_decode_steps_gives_the_tokens_of_whole_prompts(llm, name, i, params):
     """A prompt arriving while another decodes is prefilled 16 tokens a step between its decode steps (several
@@ -85,12 +97,7 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
     cache; the pages go back to the pool, the cache keeps them idle."""
     method = get_method(name, SMALL, **params)
     document = CONTEXTS[0] * 2
-    prompts = [f"{document}\n\n{q}" for q in QUESTIONS[:2]]
-    want = alone(llm, method, prompts)
-    llm.engine.pool.clear_cache()
-    driver = Driver(llm, max_num_batched_tokens=64)
-    driver.submit(encode(llm, prompts[0]), method)
-    driver.finish()
+    driver, prompts, want = cached_document(llm, method, copies=2, budget=64)
     driver.submit(encode(llm, prompts[1]), method)
     assert driver.finish() == want
     second, bound = driver.seqs[1], method.bound(llm.config, llm.tokenizer, 16)
@@ -110,14 +117,8 @@ def test_a_follow_ups_chunk_takes_every_layers_pages_at_once(llm):
     bounds and last row); where the method compacts the layers at prefill's end (SnapKV), one more in the next step,
     once its first token is chosen (every layer's new pages for the slots it keeps: the layers are compacted
     together). The tokens are those of a run without the cache."""
-    document = CONTEXTS[0] * 2
-    prompts = [f"{document}\n\n{q}" for q in QUESTIONS[:2]]
     for method, compactions in ((get_method("full"), 0), (get_method("snapkv", SMALL), 1)):
-        want = alone(llm, method, prompts)
-        llm.engine.pool.clear_cache()
-        driver = Driver(llm, max_num_batched_tokens=4096)
-        driver.submit(encode(llm, prompts[0]), method)
-        driver.finish()
+        driver, prompts, want = cached_document(llm, method, copies=2)
         staging, counted = llm.engine.pool.staging, []
         send = staging.send
         staging.send = lambda values: counted.append(1) or send(values)  # counts the copies to the device
@@ -138,13 +139,8 @@ def test_a_follow_up_compacted_at_prefill_takes_new_pages_for_what_it_keeps_not_
     (SnapKV): the layer's kept slots get new pages (the cached ones stay the cache's), the document's other pages
     leave it without new ones being taken; the tokens are those of a run without the cache."""
     method = get_method("snapkv", SMALL)
-    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS[:2]]
-    want = alone(llm, method, prompts)
+    driver, prompts, want = cached_document(llm, method)
     pool = llm.engine.pool
-    pool.clear_cache()
-    driver = Driver(llm, max_num_batched_tokens=4096)
-    driver.submit(encode(llm, prompts[0]), method)
-    driver.finish()
     before = pool.peak_in_use = pool.in_use
     driver.submit(encode(llm, prompts[1]), method)
     assert driver.finish() == want
@@ -164,13 +160,8 @@ def test_a_follow_ups_first_token_goes_out_before_its_method_compacts_the_docume
     that ends at its first token is published too. The tokens are those of a run without the cache, and nothing is
     held after."""
     method = get_method("snapkv", SMALL)
-    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS[:2]]
-    want = alone(llm, method, prompts)
+    driver, prompts, want = cached_document(llm, method)
     pool, layers = llm.engine.pool, llm.config.num_layers
-    pool.clear_cache()
-    driver = Driver(llm, max_num_batched_tokens=4096)
-    driver.submit(encode(llm, prompts[0]), method)
-    driver.finish()
     seen = []  # at each publish: the follow-up's tokens, whether its prompt is ended, its pages in every layer
     driver.session.scheduler.publish = lambda: seen.append(
         (len(follow_up.output_ids), follow_up.prefill is None, int(follow_up.kv.page_count.min())))
@@ -314,12 +305,7 @@ def test_a_follow_up_awaiting_its_first_token_and_its_prompts_end_may_be_cancell
     after the token). Cancelled there it ends with no token; preempted there it is recomputed and ends with the tokens
     of a run without the cache; either way nothing is held after."""
     method = get_method("snapkv", SMALL)
-    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS[:2]]
-    want = alone(llm, method, prompts)
-    llm.engine.pool.clear_cache()
-    driver = Driver(llm, max_num_batched_tokens=4096)
-    driver.submit(encode(llm, prompts[0]), method)
-    driver.finish()
+    driver, prompts, want = cached_document(llm, method)
     driver.submit(encode(llm, prompts[1]), method)
     scheduler, follow_up = driver.session.scheduler, driver.seqs[1]
     driver.advance()
