@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from semkv.engine.memory import MemoryUsage
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
 from semkv.launch import Ranks, end_with_parent
@@ -122,9 +123,7 @@ class EngineCore:
         """Inside a step (`Scheduler.publish`): send the tokens it has given so far (ends wait for `_report`)."""
         ids, tokens, logprobs = self._new_tokens()
         if ids:
-            self.outputs.send(pickle.dumps(Outputs(ids, tokens, logprobs, [], self.scheduler.counters,
-                                                   len(self.scheduler.running), len(self.scheduler.waiting), [],
-                                                   None, time.monotonic()), pickle.HIGHEST_PROTOCOL))
+            self._send(ids, tokens, logprobs, [], [], None)
 
     def _report(self, batch_sizes: list[int]) -> None:
         """Send each request's new tokens and ends (one message for the iteration); forget ended requests."""
@@ -153,9 +152,15 @@ class EngineCore:
         stepped = self.scheduler.counters.steps != self.reported_steps  # a step with no tokens to send counts too
         if ids or ended or batch_sizes or memory is not None or stepped:
             self.reported_steps = self.scheduler.counters.steps
-            message = Outputs(ids, tokens, logprobs, ended, self.scheduler.counters, len(self.scheduler.running),
-                              len(self.scheduler.waiting), batch_sizes, memory, time.monotonic())
-            self.outputs.send(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+            self._send(ids, tokens, logprobs, ended, batch_sizes, memory)
+
+    def _send(self, ids: list[int], tokens: list[list[int]], logprobs: dict, ended: list[Ended],
+              batch_sizes: list[int], memory: MemoryUsage | None) -> None:
+        """One `Outputs` message, with the scheduler's counters and queue lengths as they are now."""
+        scheduler = self.scheduler
+        message = Outputs(ids, tokens, logprobs, ended, scheduler.counters, len(scheduler.running),
+                          len(scheduler.waiting), batch_sizes, memory, time.monotonic())
+        self.outputs.send(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
 def watch_ranks(ranks: Ranks, address: str, done: threading.Event) -> None:
