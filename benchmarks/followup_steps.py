@@ -11,7 +11,7 @@ steps: their wall time by kind (decode only, or admitting k follow-ups), each fo
 (from its submission to the token's publication inside a step, `Scheduler.publish`, or the step's end), the host
 time of the admission's and the prefill's functions in the admitting steps (`TIMED`, timed inclusively), the caching
 allocator's device allocations and every wait of the host for the device in them, by semkv call site (torch's sync
-debug mode). One JSON line; with
+debug mode). With `--warm-up`, the server's warm-up (`Session.warm_up`) first. One JSON line; with
 `--trace N` torch.profiler's tables over the first N admitting steps (and each one's host time against its device
 busy time), with `--profile` cProfile's of them (which slows them about 1.3x).
 
@@ -104,6 +104,7 @@ def main() -> None:
                    help="the i-th of the concurrent requests asks for new-tokens + i * stagger tokens, so that they "
                         "end in different steps and follow-ups arrive one at a time, as a served load's do")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--warm-up", action="store_true", help="Session.warm_up with the method first, as semkv serve does")
     p.add_argument("--profile", action="store_true", help="cProfile the admitting steps (slows them)")
     p.add_argument("--trace", type=int, default=0, help="torch.profiler over this many admitting steps")
     p.add_argument("--trace-dir", type=Path, default=Path("followup_trace"))
@@ -118,6 +119,10 @@ def main() -> None:
                                            ignore_eos=True)
     session = Session(llm, max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True)
     cuda = llm.engine.device.type == "cuda"
+    warm_up = time.perf_counter()
+    if args.warm_up:
+        session.warm_up(get_method(args.method, 0.1, **params), args.method)
+    warm_up = time.perf_counter() - warm_up
     ids = iter(range(10**6))
     for d in range(args.documents):  # the first questions: they cache the documents
         session.submit(next(ids), question(d, 0), sampling(0), get_method(args.method, 0.1, **params), args.method)
@@ -186,7 +191,8 @@ def main() -> None:
     after = torch.cuda.memory_stats() if cuda else {}
     admits = sum(len(v) for k, v in walls.items() if k != "decode")
     print(json.dumps(dict(
-        seconds=round(seconds, 2), followups=args.documents * args.questions, stagger=args.stagger,
+        seconds=round(seconds, 2), warm_up_seconds=round(warm_up, 2), followups=args.documents * args.questions,
+        stagger=args.stagger,
         wall_ms={k: dict(count=len(v), mean=round(1e3 * statistics.mean(v), 2),
                          median=round(1e3 * statistics.median(v), 2), max=round(1e3 * max(v), 2))
                  for k, v in sorted(walls.items())},

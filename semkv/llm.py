@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect as pyinspect
+import math
 import os
 import weakref
 from collections import OrderedDict
@@ -14,7 +15,7 @@ import torch
 from semkv.engine.engine import Engine
 from semkv.engine.kv_cache import SeqKV
 from semkv.engine.memory import MemoryUsage
-from semkv.engine.scheduler import Scheduler
+from semkv.engine.scheduler import Counters, Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.trace import Trace
 from semkv.errors import RankError, SemkvError, check_range, check_text
@@ -395,6 +396,12 @@ class LLM(TextModel):
 
 
 IDLE_METHODS = 2  # methods a server keeps with their CUDA graphs while no request uses them (`Session`)
+# `Session.warm_up`'s text and its follow-up questions' lengths in tokens (multiples of 16 and others: Triton compiles
+# a kernel again for an argument that is or is not a multiple of 16)
+WARM_UP_TEXT = ("Before its first request, a server reads a text of its own. It prefills two documents in chunks, "
+                "then asks questions of several lengths about both at once; every kernel those paths use is compiled "
+                "now, not while a client waits for its first token. ")
+WARM_UP_QUESTIONS = (5, 16, 23, 40)
 
 
 class Session:
@@ -414,6 +421,39 @@ class Session:
         self.idle: OrderedDict[str, None] = OrderedDict()
         if max_num_batched_tokens is not None:  # its cuts' prefill plans now, not while requests wait (on CUDA)
             llm.engine.warm_up_cuts(max_num_batched_tokens)
+
+    def warm_up(self, method: KVMethod, key: str) -> None:
+        """A server's first requests at the speed of the next (`semkv serve` on CUDA, for its default method; key: the
+        method's requests' key). Triton compiles a kernel at the first call of each variant (its constant arguments,
+        which integers are multiples of 16): 0.2-0.5 s each on an H200, paid by the first requests otherwise (the
+        first follow-up questions after a server start took 0.2-1 s more than the next ones,
+        benchmarks/results/2026-11-30-h200-warm-up.md). So: two documents of several prefill chunks of the step's
+        budget, prefilled together, then `WARM_UP_QUESTIONS` on each, admitted together (prefix-cache hits, the
+        packed forward, their prompts' ends), decoding in batches of 8 down to 1; then the scheduler's counters start
+        again and the prefix cache forgets the warm-up's pages. A request of the warm-up that fails raises its error."""
+        engine = self.llm.engine
+        step = self.scheduler.max_num_batched_tokens or engine.prefill_chunk
+        room = engine.pool.max_pages // engine.config.num_layers * engine.pool.page_size if engine.pool.max_pages \
+            else math.inf  # tokens a request could hold alone
+        length = max(2, min(2 * step + 37, self.llm.config.max_position_embeddings // 2, room // 16))
+        sentences = self.llm.encode(WARM_UP_TEXT, chat=False)[0]
+        words = sentences * (1 + (length + max(WARM_UP_QUESTIONS)) // len(sentences))
+        documents = [words[:length], words[1:1 + max(1, length - step // 2)]]  # two lengths, different first pages
+        asked = [[doc + words[-q:] for q in WARM_UP_QUESTIONS] for doc in documents]
+        failed = len(self.scheduler.failed)
+        # the follow-ups end one a step: their decode steps' graphs are captured for every batch-size bucket up to 8
+        for prompts, stagger in (([doc + words[-9:] for doc in documents], 0), ([p for a in asked for p in a], 1)):
+            for i, prompt in enumerate(prompts):
+                params = SamplingParams(max_new_tokens=2 + i * stagger, ignore_eos=True)
+                self.submit(-1 - len(self.requests), prompt, params, method, key)
+            while self.scheduler.busy:
+                self.advance()
+        self.llm.reset_prefix_cache()
+        self.scheduler.counters = Counters()
+        errors = [error for _, error in self.scheduler.failed[failed:]]
+        del self.scheduler.failed[failed:]
+        if errors:
+            raise errors[0]
 
     def _everywhere(self, name: str, *args) -> None:
         if self.llm.ranks is not None:

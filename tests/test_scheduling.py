@@ -179,6 +179,30 @@ def test_a_follow_ups_first_token_goes_out_before_its_method_compacts_the_docume
     assert llm.engine.memory().held == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("name", ["chunkkv", "chess"])
+def test_a_servers_warm_up_runs_documents_and_follow_ups_then_leaves_nothing_behind(llm, name):
+    """`Session.warm_up` (a server's start on CUDA) prefills two documents in chunks, then asks follow-up questions on
+    both together from the prefix cache; after it nothing is held or cached, the counters start again, and the
+    session's requests get the tokens of a run without it."""
+    method = get_method(name, SMALL)
+    prompts = [f"{CONTEXTS[0] * 2}\n\n{q}" for q in QUESTIONS[:2]]
+    want = alone(llm, method, prompts)
+    llm.engine.pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=96)
+    warmed = driver.session.scheduler.counters
+    driver.session.warm_up(method, repr(method))
+    assert warmed.admitted == 10 and warmed.cached_tokens >= 8 * 96 and warmed.steps > 4
+    counters = driver.session.scheduler.counters
+    assert (counters.admitted, counters.steps, counters.cached_tokens) == (0, 0, 0)
+    memory = llm.engine.memory()
+    assert (memory.pages_in_use, memory.requests, memory.cached_pages) == (0, 0, 0)
+    assert sum(memory.state_bytes.values()) == 0 and not driver.session.requests
+    for prompt in prompts:
+        driver.submit(encode(llm, prompt), method)
+    assert driver.finish() == want
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
 def test_a_session_keeps_the_graphs_of_idle_methods_it_may_serve_again(llm):
     """A server's session keeps the batch (its decode steps' graphs) of an `idle_graphs` method while no request uses
     it: the next request of that method reuses them and gets the tokens of a fresh run; past IDLE_METHODS idle ones,

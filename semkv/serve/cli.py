@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests running at once (default: as many as memory holds)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of a prompt prefix an earlier request computed (default: on)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU, run the default method on a text of its own before listening (documents in "
+                        "chunks, follow-up questions on them together), so that the first requests do not wait for "
+                        "Triton to compile kernels (default: on; a few seconds, less once Triton's cache has them)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="log throughput, queue and KV pool use this often while busy (0: never)")
     p.add_argument("--api-key", default=os.environ.get("SEMKV_API_KEY"),
@@ -83,13 +87,15 @@ def run(args: argparse.Namespace) -> int:
 
     from semkv.serve.app import ServerConfig, create_app
     from semkv.serve.client import EngineClient
-    from semkv.serve.messages import EngineSettings
+    from semkv.serve.messages import EngineSettings, MethodChoice
     from semkv.serve.metrics import Metrics
     from semkv.text import TextModel
 
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
                               args.gpu_memory_utilization, args.tensor_parallel_size, args.max_num_batched_tokens,
-                              args.max_num_seqs, args.enable_prefix_caching)
+                              args.max_num_seqs, args.enable_prefix_caching,
+                              MethodChoice(args.method, budget, tuple(sorted(params.items())))
+                              if args.warm_up else None)
     client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
     try:
         ready = client.ready

@@ -198,6 +198,9 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
             session = llm.new_session(max_num_batched_tokens=settings.max_num_batched_tokens,
                                       max_num_seqs=settings.max_num_seqs,
                                       enable_prefix_caching=settings.enable_prefix_caching)
+            if settings.warm_up is not None and llm.engine.device.type == "cuda":
+                choice = settings.warm_up
+                session.warm_up(get_method(choice.name, choice.budget, **dict(choice.params)), choice.key)
             folder = str(model_folder(settings.model)[1])
         except Exception as error:  # noqa: BLE001 - the web process says why and exits with code 2
             if not isinstance(error, SemkvError):

@@ -40,6 +40,7 @@ class EngineSettings:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
+    warm_up: MethodChoice | None = None  # on CUDA, run this method on a text of its own first (`Session.warm_up`)
 
 
 # -- web -> engine ------------------------------------------------------------------------------------------------
