@@ -8,8 +8,11 @@ sum): 0.350 ms a layer on an H200 against these kernels' 0.171 (`benchmarks/kern
 two kernels read the keys instead: `_window_lse`, each window query's log-sum-exp over the keys it sees (online
 softmax, the keys split between programs; the splits merged in torch), then `_window_mass`, for a block of keys every
 window query's probability exp(q . k * scale - lse), summed over the window. GQA by grouping: query head h reads KV
-head h // group. Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to run the
-kernels on CPU tensors (slowly) for tests.
+head h // group. What varies with the prompt (its length, the window's, the heads of the layers scored at once,
+the splits) is a runtime argument Triton does not specialize on (`do_not_specialize`): one compiled kernel serves
+every prompt, so a server compiles none between requests (each variant took 0.2-0.4 s on an H200, paid by the
+request that first needed it). Importing this module imports Triton; set TRITON_INTERPRET=1 before importing it to
+run the kernels on CPU tensors (slowly) for tests.
 """
 from __future__ import annotations
 
@@ -23,12 +26,11 @@ MAX_SPLITS = 16
 
 
 @triton.jit
-def _scores(q_ptr, k_ptr, pos_ptr, qpos_ptr, h, kv, i, j, w, n, scale, HEADS: tl.constexpr, DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+def _scores(q_ptr, k_ptr, pos_ptr, qpos_ptr, h, kv, i, j, w, n, scale, heads, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Head h's scaled scores of window queries i [BLOCK_M] against keys j [BLOCK_N] of KV head kv, -inf where a key
     is in a query's future or either is out of range: [BLOCK_M, BLOCK_N] float32."""
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + (i[:, None] * HEADS + h) * DIM + d[None, :], mask=(i[:, None] < w) & (d[None, :] < DIM),
+    q = tl.load(q_ptr + (i[:, None] * heads + h) * DIM + d[None, :], mask=(i[:, None] < w) & (d[None, :] < DIM),
                 other=0.0)
     k = tl.load(k_ptr + (kv * n + j[:, None]) * DIM + d[None, :], mask=(j[:, None] < n) & (d[None, :] < DIM),
                 other=0.0)
@@ -39,10 +41,10 @@ def _scores(q_ptr, k_ptr, pos_ptr, qpos_ptr, h, kv, i, j, w, n, scale, HEADS: tl
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit
-def _window_lse(q_ptr, k_ptr, pos_ptr, qpos_ptr, m_ptr, l_ptr, w, n, per_split, scale, GROUP: tl.constexpr,
-                HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["w", "n", "per_split", "heads", "splits"])
+def _window_lse(q_ptr, k_ptr, pos_ptr, qpos_ptr, m_ptr, l_ptr, w, n, per_split, scale, heads, splits,
+                GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Program (head, query tile, split): the running max and sum of exp over its keys, per query."""
     h, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,26 +52,25 @@ def _window_lse(q_ptr, k_ptr, pos_ptr, qpos_ptr, m_ptr, l_ptr, w, n, per_split, 
     total = tl.zeros([BLOCK_M], tl.float32)
     for start in range(split * per_split, tl.minimum((split + 1) * per_split, n), BLOCK_N):
         s = _scores(q_ptr, k_ptr, pos_ptr, qpos_ptr, h, h // GROUP, i, start + tl.arange(0, BLOCK_N), w, n, scale,
-                    HEADS, DIM, BLOCK_D)
+                    heads, DIM, BLOCK_D)
         m_new = tl.maximum(m, tl.max(s, 1))
         total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m = m_new
-    out = (h * w + i) * SPLITS + split
+    out = (h * w + i) * splits + split
     tl.store(m_ptr + out, m, mask=i < w)
     tl.store(l_ptr + out, total, mask=i < w)
 
 
-@triton.jit
-def _window_mass(q_ptr, k_ptr, pos_ptr, qpos_ptr, lse_ptr, out_ptr, w, n, scale, GROUP: tl.constexpr,
-                 HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["w", "n", "heads"])
+def _window_mass(q_ptr, k_ptr, pos_ptr, qpos_ptr, lse_ptr, out_ptr, w, n, scale, heads, GROUP: tl.constexpr,
+                 DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (head, key block): every window query's probability of each key, summed over the window."""
     h, block = tl.program_id(0), tl.program_id(1)
     j = block * BLOCK_N + tl.arange(0, BLOCK_N)
     mass = tl.zeros([BLOCK_N], tl.float32)
     for first in range(0, w, BLOCK_M):
         i = first + tl.arange(0, BLOCK_M)
-        s = _scores(q_ptr, k_ptr, pos_ptr, qpos_ptr, h, h // GROUP, i, j, w, n, scale, HEADS, DIM, BLOCK_D)
+        s = _scores(q_ptr, k_ptr, pos_ptr, qpos_ptr, h, h // GROUP, i, j, w, n, scale, heads, DIM, BLOCK_D)
         lse = tl.load(lse_ptr + h * w + i, mask=i < w, other=0.0)
         mass += tl.sum(tl.exp(s - lse[:, None]), 0)  # exp(-inf) = 0 where not visible
     tl.store(out_ptr + h * n + j, mass, mask=j < n)
@@ -88,10 +89,10 @@ def window_mass(q_window: torch.Tensor, keys: torch.Tensor, positions: torch.Ten
     per_split = triton.cdiv(triton.cdiv(n, splits), BLOCK_N) * BLOCK_N
     m = torch.empty(heads, w, splits, device=q.device, dtype=torch.float32)
     total = torch.empty_like(m)
-    shape = dict(GROUP=heads // kv_heads, HEADS=heads, DIM=dim,
+    shape = dict(GROUP=heads // kv_heads, DIM=dim,
                  BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    _window_lse[(heads, tiles, splits)](q, k, pos, qpos, m, total, w, n, per_split, scale, SPLITS=splits, **shape)
+    _window_lse[(heads, tiles, splits)](q, k, pos, qpos, m, total, w, n, per_split, scale, heads, splits, **shape)
     lse = torch.logsumexp(m + total.log(), dim=-1).contiguous()  # [heads, w]; an empty split adds exp(-inf) = 0
     out = torch.empty(heads, n, device=q.device, dtype=torch.float32)
-    _window_mass[(heads, triton.cdiv(n, BLOCK_N))](q, k, pos, qpos, lse, out, w, n, scale, **shape)
+    _window_mass[(heads, triton.cdiv(n, BLOCK_N))](q, k, pos, qpos, lse, out, w, n, scale, heads, **shape)
     return out
