@@ -1,7 +1,7 @@
 # The six device calls of this page, in order, one H200 each (fresh machines: calls 1, 2, 4, 5, 6 started one; 3 ran
 # on call 2's). Trees: main = 923bc9b; branch = next/first-tokens-first rebased on it (964ec91);
-# warm-up = 923bc9b + Session.warm_up (call 4: the follow-ups all asking 3 tokens; call 5: one more each, as
-# committed); call 6 = the warm-up commit + the window kernels' do_not_specialize. `.carry/old/semkv` held
+# warm-up = 923bc9b + Session.warm_up (call 4: the follow-ups all asking 3 tokens; call 5: 23700ab, the i-th
+# follow-up asking 2 + i); call 6 = 2e52349 (23700ab + the window kernels' do_not_specialize). `.carry/old/semkv` held
 # `git archive 923bc9b semkv` where a call names an old tree. Every followup_steps.py run: random weights of
 # Qwen2.5-0.5B's shape, 8 documents of 32,000 tokens cut from the RULER essays, their first questions, then 56
 # follow-ups of 40 tokens, 8 in flight, 64 new tokens each, steps of 8,192 tokens, prefix caching on; no vLLM
