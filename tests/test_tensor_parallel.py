@@ -221,3 +221,22 @@ def test_command_line_generate_and_bench_with_two_ranks(pair, tiny_model_dir, tm
     bad = subprocess.run(cli + ["generate", "--model", path, "--device", "cpu", "--prompt", "hi",
                                 "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "tensor_parallel_size=3 does not divide" in bad.stderr
+
+
+def test_a_servers_warm_up_leaves_nothing_on_any_rank(pair):
+    """`Session.warm_up` with two ranks (rank 1 replays every call of rank 0's session): afterwards no rank holds a
+    page, a cached page or method state, and the session answers as one process."""
+    from semkv.engine.sequence import SamplingParams
+
+    one, two = pair
+    session = two.new_session(max_num_batched_tokens=64)
+    method = semkv.get_method("chunkkv", SMALL)
+    session.warm_up(method, "chunkkv")
+    for rank in two.memory():
+        assert (rank.pages_in_use, rank.requests, rank.cached_pages, rank.state_bytes) == (0, 0, 0, {})
+    ids = one.encode(CONTEXTS[0], chat=False)[0]
+    seq = session.submit(0, ids, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method, "chunkkv")
+    while session.scheduler.busy:
+        session.advance()
+    assert seq.output_ids == one.generate(ids, method="chunkkv", budget=SMALL, max_new_tokens=NEW, chat=False,
+                                          ignore_eos=True)[0].token_ids
