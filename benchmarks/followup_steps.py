@@ -6,7 +6,8 @@ One process loads the model (random weights of `--shape` unless `--model`) and r
 caching on: the first question on each of `--documents` documents of `--context` tokens (cut from `--text-file`),
 then `--questions` follow-ups a document, `--concurrency` in flight (a new one submitted as one ends, as a load
 client does), `--new-tokens` each (EOS ignored; with `--stagger` the requests ask for different counts, so that they
-end in different steps and follow-ups are admitted one at a time, as a served load's arrive). For the follow-ups'
+end in different steps and follow-ups are admitted one at a time, or with `--groups` a few at a time, as a served
+load's arrive). For the follow-ups'
 steps: their wall time by kind (decode only, or admitting k follow-ups), each follow-up's time to its first token
 (from its submission to the token's publication inside a step, `Scheduler.publish`, or the step's end), the host
 time of the admission's and the prefill's functions in the admitting steps (`TIMED`, timed inclusively), the caching
@@ -103,6 +104,10 @@ def main() -> None:
     p.add_argument("--stagger", type=int, default=0,
                    help="the i-th of the concurrent requests asks for new-tokens + i * stagger tokens, so that they "
                         "end in different steps and follow-ups arrive one at a time, as a served load's do")
+    p.add_argument("--groups", type=int, default=None,
+                   help="with --stagger: the concurrent requests in this many groups, the g-th asking for new-tokens "
+                        "+ g * stagger tokens (a round's follow-ups arrive over that many steps; default: one group "
+                        "each)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--warm-up", action="store_true", help="Session.warm_up with the method first, as semkv serve does")
     p.add_argument("--profile", action="store_true", help="cProfile the admitting steps (slows them)")
@@ -115,8 +120,9 @@ def main() -> None:
     text = TextContexts.from_files(args.text_file, llm.tokenizer)
     docs = [text.window(i, args.documents, args.context) for i in range(args.documents)]
     question = lambda d, q: docs[d] + text.window(q + 1, 97, args.question_tokens)  # noqa: E731
-    sampling = lambda slot: SamplingParams(max_new_tokens=args.new_tokens + slot * args.stagger,  # noqa: E731
-                                           ignore_eos=True)
+    groups = args.groups or args.concurrency
+    sampling = lambda slot: SamplingParams(  # noqa: E731
+        max_new_tokens=args.new_tokens + slot * groups // args.concurrency * args.stagger, ignore_eos=True)
     session = Session(llm, max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True)
     cuda = llm.engine.device.type == "cuda"
     warm_up = time.perf_counter()
@@ -192,7 +198,7 @@ def main() -> None:
     admits = sum(len(v) for k, v in walls.items() if k != "decode")
     print(json.dumps(dict(
         seconds=round(seconds, 2), warm_up_seconds=round(warm_up, 2), followups=args.documents * args.questions,
-        stagger=args.stagger,
+        stagger=args.stagger, groups=groups,
         wall_ms={k: dict(count=len(v), mean=round(1e3 * statistics.mean(v), 2),
                          median=round(1e3 * statistics.median(v), 2), max=round(1e3 * max(v), 2))
                  for k, v in sorted(walls.items())},
