@@ -203,6 +203,19 @@ def test_a_servers_warm_up_runs_documents_and_follow_ups_then_leaves_nothing_beh
     assert llm.engine.memory().held == (0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
+def test_the_warm_up_runs_every_method_of_the_matrix_and_leaves_nothing(llm, name, i, params):
+    """A server may warm up with any method as its default: the warm-up's requests end without an error, and no page,
+    cached page, request or method state is left."""
+    method = get_method(name, SMALL, **params)
+    llm.engine.pool.clear_cache()
+    session = llm.new_session(max_num_batched_tokens=96)
+    session.warm_up(method, repr(method))
+    memory = llm.engine.memory()
+    assert (memory.pages_in_use, memory.requests, memory.cached_pages) == (0, 0, 0)
+    assert sum(memory.state_bytes.values()) == 0 and not session.scheduler.failed
+
+
 def test_a_session_keeps_the_graphs_of_idle_methods_it_may_serve_again(llm):
     """A server's session keeps the batch (its decode steps' graphs) of an `idle_graphs` method while no request uses
     it: the next request of that method reuses them and gets the tokens of a fresh run; past IDLE_METHODS idle ones,
