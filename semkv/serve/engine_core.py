@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -199,8 +200,11 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
                                       max_num_seqs=settings.max_num_seqs,
                                       enable_prefix_caching=settings.enable_prefix_caching)
             if settings.warm_up is not None and llm.engine.device.type == "cuda":
-                choice = settings.warm_up
+                choice, started = settings.warm_up, time.perf_counter()
+                print(f"semkv serve: warming up {choice.name} (Triton compiles its kernels now; --no-warm-up skips "
+                      "this)", file=sys.stderr, flush=True)
                 session.warm_up(get_method(choice.name, choice.budget, **dict(choice.params)), choice.key)
+                print(f"semkv serve: warmed up in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             folder = str(model_folder(settings.model)[1])
         except Exception as error:  # noqa: BLE001 - the web process says why and exits with code 2
             if not isinstance(error, SemkvError):
