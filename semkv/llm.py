@@ -425,8 +425,8 @@ class Session:
     def warm_up(self, method: KVMethod, key: str) -> None:
         """A server's first requests at the speed of the next (`semkv serve` on CUDA, for its default method; key: the
         method's requests' key). Triton compiles a kernel at the first call of each variant (its constant arguments,
-        which integers are multiples of 16): 0.2-0.5 s each on an H200, paid by the first requests otherwise (the
-        first follow-up questions after a server start took 0.2-1 s more than the next ones,
+        which integers are multiples of 16): 0.2-0.4 s each on an H200, paid by the first requests otherwise (with an
+        empty Triton cache the first follow-up questions after a start waited 2.0-3.0 s,
         benchmarks/results/2026-11-30-h200-warm-up.md). So: two documents of several prefill chunks of the step's
         budget, prefilled together, then `WARM_UP_QUESTIONS` on each, admitted together (prefix-cache hits, the
         packed forward, their prompts' ends), decoding in batches of 8 down to 1; then the scheduler's counters start
