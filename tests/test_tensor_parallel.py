@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import semkv
+from semkv.engine.sequence import SamplingParams
 from semkv.errors import SemkvError
 from semkv.launch import check_size
 from test_method_matrix import CASES, CONTEXTS, IDS, NEW, QUESTIONS, SMALL
@@ -226,8 +227,6 @@ def test_command_line_generate_and_bench_with_two_ranks(pair, tiny_model_dir, tm
 def test_a_servers_warm_up_leaves_nothing_on_any_rank(pair):
     """`Session.warm_up` with two ranks (rank 1 replays every call of rank 0's session): afterwards no rank holds a
     page, a cached page or method state, and the session answers as one process."""
-    from semkv.engine.sequence import SamplingParams
-
     one, two = pair
     session = two.new_session(max_num_batched_tokens=64)
     method = semkv.get_method("chunkkv", SMALL)

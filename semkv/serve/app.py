@@ -201,7 +201,7 @@ def create_app(text: TextModel, client: EngineClient, config: ServerConfig) -> F
             raise ApiError(429, f"{len(client.requests)} requests are in flight, the most this server takes "
                            "(--max-concurrent-requests); retry later", kind="rate_limit_exceeded")
         try:
-            return client.submit(ids, sampling, MethodChoice(name, budget, tuple(sorted(params.items()))))
+            return client.submit(ids, sampling, MethodChoice.of(name, budget, params))
         except EngineDead as exc:
             raise unavailable(str(exc)) from None
 

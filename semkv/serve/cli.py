@@ -94,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
                               args.gpu_memory_utilization, args.tensor_parallel_size, args.max_num_batched_tokens,
                               args.max_num_seqs, args.enable_prefix_caching,
-                              MethodChoice(args.method, budget, tuple(sorted(params.items())))
-                              if args.warm_up else None)
+                              MethodChoice.of(args.method, budget, params) if args.warm_up else None)
     client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
     try:
         ready = client.ready

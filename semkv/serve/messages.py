@@ -20,6 +20,11 @@ class MethodChoice:
     budget: int | float | None
     params: tuple[tuple[str, Any], ...]
 
+    @classmethod
+    def of(cls, name: str, budget: int | float | None, params: dict[str, Any]) -> MethodChoice:
+        """The choice of a method, a budget and its parameters (in name order: the same ones give the same `key`)."""
+        return cls(name, budget, tuple(sorted(params.items())))
+
     @property
     def key(self) -> str:
         """Requests with the same key share one bound method, so they decode in one batch."""
