@@ -430,7 +430,8 @@ class Session:
         benchmarks/results/2026-11-30-h200-warm-up.md). So: two documents of several prefill chunks of the step's
         budget, prefilled together, then `WARM_UP_QUESTIONS` on each, admitted together (prefix-cache hits, the
         packed forward, their prompts' ends), decoding in batches of 8 down to 1; then the scheduler's counters start
-        again and the prefix cache forgets the warm-up's pages. A request of the warm-up that fails raises its error."""
+        again and the prefix cache forgets the warm-up's pages. A request of the warm-up that fails raises its error
+        (the first one), after the others have ended."""
         engine = self.llm.engine
         step = self.scheduler.max_num_batched_tokens or engine.prefill_chunk
         room = engine.pool.max_pages // engine.config.num_layers * engine.pool.page_size if engine.pool.max_pages \
@@ -441,17 +442,24 @@ class Session:
         documents = [words[:length], words[1:1 + max(1, length - step // 2)]]  # two lengths, different first pages
         asked = [[doc + words[-q:] for q in WARM_UP_QUESTIONS] for doc in documents]
         failed = len(self.scheduler.failed)
-        # the follow-ups end one a step: their decode steps' graphs are captured for every batch-size bucket up to 8
-        for prompts, stagger in (([doc + words[-9:] for doc in documents], 0), ([p for a in asked for p in a], 1)):
-            for i, prompt in enumerate(prompts):
-                params = SamplingParams(max_new_tokens=2 + i * stagger, ignore_eos=True)
-                self.submit(-1 - len(self.requests), prompt, params, method, key)
-            while self.scheduler.busy:
-                self.advance()
-        self.llm.reset_prefix_cache()
-        self.scheduler.counters = Counters()
-        errors = [error for _, error in self.scheduler.failed[failed:]]
-        del self.scheduler.failed[failed:]
+        try:  # the follow-ups end one a step: their decode graphs are captured for each batch-size bucket up to 8
+            for prompts, stagger in (([doc + words[-9:] for doc in documents], 0), ([p for a in asked for p in a], 1)):
+                for i, prompt in enumerate(prompts):
+                    params = SamplingParams(max_new_tokens=2 + i * stagger, ignore_eos=True)
+                    self.submit(-1 - len(self.requests), prompt, params, method, key)
+                while self.scheduler.busy:
+                    self.advance()
+                if len(self.scheduler.failed) > failed:  # the first failure is the one to raise: no more requests
+                    break
+        except BaseException:  # a submission raised: the warm-up's other requests end too
+            for seq_id in [i for i in self.requests if i < 0]:
+                self.cancel(seq_id)
+            raise
+        finally:
+            self.llm.reset_prefix_cache()
+            self.scheduler.counters = Counters()
+            errors = [error for _, error in self.scheduler.failed[failed:]]
+            del self.scheduler.failed[failed:]
         if errors:
             raise errors[0]
 

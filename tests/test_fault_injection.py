@@ -201,6 +201,35 @@ def test_every_injected_failure_cleans_up(llm, config):
             INJECTED.append((config, path, point.name))
 
 
+@pytest.mark.parametrize("config", ["chunkkv", "chess"])
+def test_a_failure_in_a_servers_warm_up_reaches_its_caller_and_leaves_nothing(llm, config):
+    """`Session.warm_up` (a server's start, with its default method): every point its clean run reaches fails at its
+    middle call; the warm-up raises that failure (the server says it and does not start) and nothing is held or
+    cached after it."""
+    name, params = CONFIGS[config]
+    method = get_method(name, SMALL, **params)
+    points = [p for p in POINTS if hasattr(p.owner, p.attribute)] + hook_points(method)
+
+    def warm_up() -> None:
+        llm.reset_prefix_cache()
+        try:
+            llm.new_session(max_num_batched_tokens=16, enable_prefix_caching=True).warm_up(method, "m")
+        finally:
+            llm.session = None
+
+    with Injector(points) as counting:
+        warm_up()
+    assert counting.calls
+    for point, n in counting.calls.items():
+        where = f"{config} / warm-up / {point.name} call {math.ceil(n / 2)}"
+        with Injector(points, (point, math.ceil(n / 2))), pytest.raises(BaseException) as caught:
+            warm_up()
+        assert named(caught.value), f"{where}: the caller got {type(caught.value).__name__}: {caught.value}"
+        memory = llm.engine.memory()
+        assert memory.held == (0, 0, 0, 0) and memory.cached_pages == 0, where
+        INJECTED.append((config, "warm-up", point.name))
+
+
 def test_the_count_of_injected_failures(capsys):
     """Runs after the others (pytest keeps a file's order): says how many failures were injected, at how many points
     (a point: one method configuration's allocation, copy, hook or sampling step) and that each path had its
