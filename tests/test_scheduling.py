@@ -203,6 +203,36 @@ def test_a_servers_warm_up_runs_documents_and_follow_ups_then_leaves_nothing_beh
     assert llm.engine.memory().held == (0, 0, 0, 0)
 
 
+def test_a_step_of_little_prompt_work_gives_its_first_tokens_before_it_ends_any_prompt(llm):
+    """A step that computed at most `read_at_once` prompt tokens (CUDA's steps: a short forward to wait for) gives
+    its prompts their first tokens before it returns; the step publishes the first tokens of the step before first
+    (before it waits), then its own, and only then ends the prompts of its packed forwards (SnapKV's compaction).
+    Past the limit a follow-up awaits the next step (`Scheduler.awaiting`). The tokens are those of a run without the
+    cache."""
+    method = get_method("snapkv", SMALL)
+    prompts = [f"{CONTEXTS[0] * 4}\n\n{q}" for q in QUESTIONS]
+    want = alone(llm, method, prompts)
+    llm.engine.pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=4096)
+    scheduler = driver.session.scheduler
+    driver.submit(encode(llm, prompts[0]), method)
+    driver.finish()
+    scheduler.read_at_once = 8  # a follow-up's chunk is longer: it awaits the next step
+    driver.submit(encode(llm, prompts[1]), method)
+    driver.advance()
+    first = driver.seqs[1]
+    assert first in scheduler.awaiting and not first.output_ids and first.stats.cached_tokens > 0
+    scheduler.read_at_once = 4096
+    seen = []  # at each publish: each follow-up's tokens and whether its prompt is ended
+    scheduler.publish = lambda: seen.append([(len(s.output_ids), s.prefill is None) for s in driver.seqs[1:]])
+    driver.submit(encode(llm, prompts[2]), method)
+    driver.advance()  # the first follow-up's token, the second's admission and token, then both prompts' ends
+    assert seen == [[(1, False), (0, False)], [(1, False), (1, False)]]
+    assert all(s.prefill is None and s in scheduler.running for s in driver.seqs[1:])
+    assert driver.finish() == want
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
 @pytest.mark.parametrize("name, i, params", CASES, ids=IDS)
 def test_the_warm_up_runs_every_method_of_the_matrix_and_leaves_nothing(llm, name, i, params):
     """A server may warm up with any method as its default: the warm-up's requests end without an error, and no page,

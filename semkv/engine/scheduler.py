@@ -1,26 +1,30 @@
 """Continuous batching of requests that arrive over time, each with its own method object.
 
-Requests of one method object decode in one batch; the batches of different methods take turns, one decode step each
-per `advance`. With a token budget (`max_num_batched_tokens`, the server) a step is: one decode step of every batch,
-then prompt chunks up to what the budget has left (a chunk cut to it; a method's own chunks stay whole), so a long
-prompt is prefilled over several steps while the running requests keep decoding; a step in which no request decodes
-prefills up to the engine's own chunk (`Engine.prefill_chunk`) when it is larger than the budget, which bounds the
-time between a running request's tokens, not a prefill's. The last batch's decode step ends (its tokens read, the
-method's `end_step`, its finished requests released) after the chunks of the prompts already being prefilled are
-queued and before new prompts are admitted: the device runs those chunks while the host ends the step, instead of
-idling between the decode step's end and the first chunk (an H200, 64 requests of 32,000 tokens: a mixed step
-54.2 -> 49.7 ms, benchmarks/results/2026-11-29-h200-mixed-steps.md). The prompts a step finishes get their first
-tokens chosen on the device at its end and read by the next step after it has queued its own work (`_choose_first`,
-`_first_tokens`): the device goes from one step's prefill to the next one's while the host admits and plans it;
-they decode from the step after (until then they count as decoding for the budget, unless they ask for one
-token). The chunks of a step that need no more than attention from their methods (`Engine.prefill_span`: most follow-up
-questions on a cached document, the last short chunks of prompts) run together in one forward
-(`Engine.prefill_together`) instead of one each; a prompt that such a forward ends is ended (its layers' eviction, the
-method's `finish_prefill`: `Engine.end_prompt`) once its first token is given and `publish` has sent it, before its
-first decode step, so that a follow-up question's first token does not wait for its method's work on the document (on an
-H200, 8 follow-ups on 32k documents under ChunkKV: first tokens 95 -> 54 ms after submission, Full KV's 50-52). Without
-a budget (`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get their first
-tokens at once.
+Requests of one method object decode in one batch; the batches of different methods take turns, one decode step each per
+`advance`. With a token budget (`max_num_batched_tokens`, the server) a step is: one decode step of every batch, then
+prompt chunks up to what the budget has left (a chunk cut to it; a method's own chunks stay whole), so a long prompt is
+prefilled over several steps while the running requests keep decoding; a step in which no request decodes prefills up to
+the engine's own chunk (`Engine.prefill_chunk`) when it is larger than the budget, which bounds the time between a
+running request's tokens, not a prefill's. The last batch's decode step ends (its tokens read, the method's `end_step`,
+its finished requests released) after the chunks of the prompts already being prefilled are queued and before new
+prompts are admitted: the device runs those chunks while the host ends the step, instead of idling between the decode
+step's end and the first chunk (an H200, 64 requests of 32,000 tokens: a mixed step 54.2 -> 49.7 ms,
+benchmarks/results/2026-11-29-h200-mixed-steps.md). The prompts a step finishes get their first tokens chosen on the
+device at its end and read by the next step after it has queued its own work (`_choose_first`, `_first_tokens`): the
+device goes from one step's prefill to the next one's while the host admits and plans it; they decode from the step
+after (until then they count as decoding for the budget, unless they ask for one token). On CUDA a step that computed at
+most `READ_AT_ONCE` prompt tokens (follow-up questions on cached documents) reads its prompts' first tokens before it
+ends instead (`read_at_once`): the host waits for a short forward, after publishing the tokens of the step before (an
+H200, ChunkKV's follow-ups arriving over two steps: first tokens' median 31.6 -> 28-30 ms, slowest decode step 40 -> 2.7
+ms, benchmarks/results/2026-11-30-h200-served-follow-ups.md). The chunks of a step that need no more than attention from
+their methods (`Engine.prefill_span`: most follow-up questions on a cached document, the last short chunks of prompts)
+run together in one forward (`Engine.prefill_together`) instead of one each; a prompt that such a forward ends is ended
+(its layers' eviction, the method's `finish_prefill`: `Engine.end_prompt`) once the step's first tokens are given and
+`publish` has sent them, before its first decode step, so that a follow-up question's first token does not wait for its
+method's work on the documents, its own or that of the follow-ups admitted a step before it (on an H200, 8 follow-ups on
+32k documents under ChunkKV: first tokens 95 -> 54 ms after submission, Full KV's 50-52). Without a budget
+(`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get their first tokens at
+once.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.
@@ -57,6 +61,7 @@ StopTest = Callable[[Sequence], str]  # why a request stops after its last token
 BYPASS = 8  # admissions that may pass a waiting request the pool cannot hold now, before it holds the queue
 SCAN = 16  # waiting requests looked at per admission (the oldest ones)
 WATERMARK = 100  # admission leaves 1 / WATERMARK of the pool free for the running requests' next pages
+READ_AT_ONCE = 1024  # on CUDA, a step of at most this many prompt tokens reads their first tokens before it ends
 
 
 Mark = float | torch.cuda.Event  # a point in time: the clock's on the CPU, a recorded event on CUDA
@@ -129,6 +134,12 @@ class Scheduler:
         # called once a step's first tokens are given to their requests (`_first_tokens`), before the ends of the
         # prompts that a packed forward ran (`Engine.end_prompt`): a server sends the tokens out then
         self.publish: Callable[[], None] | None = None
+        self._given = False  # first tokens given in this step, not yet published
+        self._ending: list[Sequence] = []  # prompts given their first tokens, to be ended once published
+        # a step that computed at most this many prompt tokens reads their first tokens before it ends: the host waits
+        # for a short forward (follow-up questions), and those tokens go out before the step's prompt ends, not after
+        # the next step's work (0: never, the CPU's steps, where nothing runs ahead of the host)
+        self.read_at_once = READ_AT_ONCE if engine.device.type == "cuda" else 0
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
         """Queue a request (its `method_state` made already) behind the waiting ones."""
@@ -183,6 +194,7 @@ class Scheduler:
                 prompt += self._prefill(seq, 0, progress)
             self._choose_first()
             self._first_tokens()
+            self._publish_then_end()
             tokens = prompt
         active = [b for b in self.batches.values() if b.running]
         launched = None  # the last batch's step, completed after the running prompts' chunks are queued
@@ -214,6 +226,10 @@ class Scheduler:
             tokens, prompt = tokens + done, prompt + done
             self._first_tokens()  # the last step's prompts: their tokens were chosen before this step's work
             self._choose_first()
+            if self._choosing is not None and done <= self.read_at_once:  # a short forward: its prompts' tokens now,
+                self._publish()  # the last step's out first, not after the wait
+                self._first_tokens()
+            self._publish_then_end()
         self.engine.reserved = 0  # the promises hold while this scheduler steps
         if tokens:
             self.counters.steps += 1
@@ -378,9 +394,9 @@ class Scheduler:
     def _first_tokens(self) -> None:
         """The prompts whose first tokens `_choose_first` chose get them and join their method's batch (those
         preempted or ended since are left out). A prompt recomputed after preemption gets none: its next tokens are
-        its output's. Then `publish`, then the ends of the prompts that a packed forward ran (their layers' eviction,
-        the method's `finish_prefill`, their pages to the prefix cache: a follow-up question's first token does not
-        wait for its method's work on the cached document)."""
+        its output's. Those whose prompts a packed forward ran are ended by `_publish_then_end`, once the step's
+        first tokens are out: a follow-up question's first token does not wait for its method's work on the cached
+        document, its own or that of the follow-ups before it."""
         if self._choosing is None:
             return
         (done, fresh, choice), self._choosing = self._choosing, None
@@ -396,7 +412,6 @@ class Scheduler:
                 self.engine.append_token(seq, token, self._stop[seq], logits)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([seq], error)
-        ending = []
         for seq, _ in done:
             if seq not in self.awaiting:  # preempted, or failed or ended above
                 continue
@@ -406,10 +421,24 @@ class Scheduler:
                 continue
             self._batch(self._method[seq], seq).running.append(seq)
             if seq.prefill is not None:
-                ending.append(seq)
-        if self.publish is not None and fresh:
+                self._ending.append(seq)
+        self._given |= bool(fresh)
+
+    def _publish(self) -> None:
+        """`publish` the first tokens given since it was last called, if any."""
+        if self.publish is not None and self._given:
             self.publish()
+        self._given = False
+
+    def _publish_then_end(self) -> None:
+        """After a step's first tokens are given: `publish`, then the ends of the prompts that a packed forward ran
+        (their layers' eviction, the method's `finish_prefill`, their pages to the prefix cache), before their first
+        decode step."""
+        self._publish()
+        ending, self._ending = self._ending, []
         for seq in ending:
+            if seq.finished or seq.prefill is None:  # ended or preempted since
+                continue
             try:
                 self.engine.end_prompt(seq)
                 if self.prefix_caching:
@@ -512,7 +541,7 @@ class Scheduler:
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
         if not self.contain:
             self._done.clear()  # the run ends: no prompt's logits outlive it in the error's traceback
-            self._choosing = None
+            self._choosing, self._ending = None, []
             self.awaiting.clear()
             raise error
         for seq in seqs:
