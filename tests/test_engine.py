@@ -76,6 +76,18 @@ def test_pages_are_returned_after_generation(tiny_llm):
     assert tiny_llm.engine.pool.in_use == 0
 
 
+def test_the_warm_ups_prepare_no_longer_context_than_every_layer_of_the_pool_holds(tiny_llm):
+    model, cfg = tiny_llm.engine.model, tiny_llm.config
+    engine = semkv.engine.engine.Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
+    longest = engine._longest_warm_up()  # 399 pages of 16 tokens beside the scratch page, shared by the 3 layers
+    assert longest == 399 // cfg.num_layers * 16 < cfg.max_position_embeddings
+    seq = Sequence(0, [1] * longest, SamplingParams(max_new_tokens=1), SeqKV(engine.pool))
+    engine.prefill(seq, get_method("full"))  # a prompt of that length fills the pool
+    assert engine.pool.free_pages < cfg.num_layers
+    engine.release(seq)
+    assert engine.pool.in_use == 0
+
+
 def test_a_request_gets_its_whole_page_table_at_admission(tiny_llm):
     """The engine makes a request's page table as wide as its prompt and output can fill when it admits it, so that
     neither its prefill nor its decode steps make a new one (each a device allocation on the step's path)."""

@@ -299,7 +299,7 @@ def test_prefix_cache_counts_holders_by_page_and_evicts_tails_first():
     assert cache.add([b"d"], np.array([[40, 41, 42]]), held=False) == 1 and cache.blocks[b"d"].id in (1, 2)
     assert cache.take([cache.blocks[b"d"]])[1].tolist() == [[40, 41, 42]]  # a reused id holds its new pages
     assert cache.unref([40, 41, 42]) == ([], 3)
-    assert lru() == [40, 41, 42] and cache.clear() == [40, 41, 42] and cache.hits == 4
+    assert lru() == [40, 41, 42] and cache.clear() == [40, 41, 42]
 
 
 def test_a_new_prompt_hashes_its_pages_as_its_prefill_computes_them(llm):

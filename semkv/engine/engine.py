@@ -195,8 +195,10 @@ class Engine:
                                 self._longest_warm_up())
 
     def _longest_warm_up(self) -> int:
-        """The longest context the warm-ups prepare: what the model and the pool take, at most `WARM_UP_MAX_LEN`."""
-        capacity = self.pool.max_pages * self.pool.page_size if self.pool.max_pages else WARM_UP_MAX_LEN
+        """The longest context the warm-ups prepare: what the model and the pool take (every layer holds a prompt's
+        tokens in pages of its own), at most `WARM_UP_MAX_LEN`."""
+        layer_pages = (self.pool.max_pages - 1) // self.config.num_layers if self.pool.max_pages else None  # less scratch
+        capacity = layer_pages * self.pool.page_size if layer_pages is not None else WARM_UP_MAX_LEN
         return min(self.config.max_position_embeddings, capacity, WARM_UP_MAX_LEN)
 
     @torch.inference_mode()

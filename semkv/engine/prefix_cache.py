@@ -115,7 +115,6 @@ class PrefixCache:
         self._queued = 0  # entries in the runs, stale ones too (rebuilt when they outgrow the blocks)
         self._clock = 0
         self.evictable = 0  # pages of fully idle blocks
-        self.hits = 0  # blocks taken by requests (counters for metrics)
         self.recent: deque[PromptKeys] = deque(maxlen=RECENT)  # the last prompts looked up, whose keys others share
 
     def match(self, runs: Iterable[list[bytes]]) -> list[Block]:
@@ -143,7 +142,6 @@ class PrefixCache:
         self.idled_at[wake] = -1
         self.evictable -= self.num_layers * len(wake)
         self.idle[ids] -= woken
-        self.hits += len(blocks)
         return int(woken.sum()), pages
 
     def add(self, keys: list[bytes], pages: np.ndarray, held: bool) -> int:
