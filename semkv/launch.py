@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import datetime
+import gc
 import multiprocessing
 import os
 import pickle
@@ -119,6 +120,17 @@ def describe(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)[-1:]
     at = f" (at {frames[0].filename}:{frames[0].lineno} in {frames[0].name})" if frames else ""
     return f"{type(error).__name__}: {error}{at}"
+
+
+def freeze_heap() -> int:
+    """Collect, then freeze every object alive now (the model, its modules, the libraries) so that the cyclic garbage
+    collector never walks them again, as vLLM's processes do after their start: a full collection of a process holding
+    the embedded model walks about 370,000 objects (184 ms on two CPU cores), a pause that lands on whichever step
+    allocates past the collector's threshold; after the freeze it takes well under a millisecond. For a serving
+    process, once its start and warm-up are done. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def end_with_parent() -> None:

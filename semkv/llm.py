@@ -19,7 +19,7 @@ from semkv.engine.scheduler import Counters, Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.engine.trace import Trace
 from semkv.errors import RankError, SemkvError, check_range, check_text
-from semkv.launch import Ranks, check_size, raise_judged, receive, report
+from semkv.launch import Ranks, check_size, freeze_heap, raise_judged, receive, report
 from semkv.methods import METHODS, KVMethod, get_method
 from semkv.models.loader import load_model, model_config, resolve_device, resolve_dtype
 from semkv.models.parallel import TensorParallel, check_divisible
@@ -539,6 +539,7 @@ def _replay(tp: TensorParallel, device: torch.device, calls, settings: dict) -> 
     llm = LLM.__new__(LLM)
     llm.ranks, llm.session, llm.closed = None, None, False
     llm._load(device, tp, **settings)
+    freeze_heap()  # a collector pause on one rank would stall every rank's collectives
     report("ready")
     while (what := receive(calls)) is not None:
         try:

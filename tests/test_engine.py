@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import numpy as np
 import pytest
@@ -86,6 +87,22 @@ def test_the_warm_ups_prepare_no_longer_context_than_every_layer_of_the_pool_hol
     assert engine.pool.free_pages < cfg.num_layers
     engine.release(seq)
     assert engine.pool.in_use == 0
+
+
+def test_freeze_heap_takes_a_loaded_model_out_of_the_collectors_walks(tiny_llm):
+    """What a serving process holds after its start (here the tiny model and everything the suite loaded) is frozen:
+    a full collection walks only what came after."""
+    from semkv.launch import freeze_heap
+
+    model = tiny_llm.engine.model
+    assert any(o is model for o in gc.get_objects())
+    try:
+        frozen = freeze_heap()
+        walked = gc.get_objects()
+        assert frozen > 10 * len(walked) and not any(o is model for o in walked)
+    finally:
+        gc.unfreeze()  # the rest of the suite collects as usual
+    assert gc.get_freeze_count() == 0 and any(o is model for o in gc.get_objects())
 
 
 def test_a_request_gets_its_whole_page_table_at_admission(tiny_llm):

@@ -78,6 +78,7 @@ def banner(name: str, args: argparse.Namespace, budget, ready) -> str:
 
 def run(args: argparse.Namespace) -> int:
     check(args)
+    from semkv.launch import freeze_heap
     from semkv.methods import get_method
 
     budget, params = parse_budget(args.budget), parse_params(args.param)
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                               args.log_stats_interval)
         app = create_app(text, client, config)
         print(banner(name, args, budget, client.ready), file=sys.stderr, flush=True)
+        freeze_heap()  # the tokenizer, the app: no collector pause over them between two streamed tokens
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=None)
     finally:

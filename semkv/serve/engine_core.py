@@ -26,7 +26,7 @@ import zmq
 from semkv.engine.memory import MemoryUsage
 from semkv.engine.sequence import Sequence
 from semkv.errors import SemkvError
-from semkv.launch import Ranks, end_with_parent
+from semkv.launch import Ranks, end_with_parent, freeze_heap
 from semkv.llm import LLM, Session
 from semkv.methods import get_method
 from semkv.models.loader import model_folder
@@ -206,6 +206,7 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
                 session.warm_up(get_method(choice.name, choice.budget, **dict(choice.params)), choice.key)
                 print(f"semkv serve: warmed up in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             folder = str(model_folder(settings.model)[1])
+            freeze_heap()  # no collector pause over the start's objects in front of a step
         except Exception as error:  # noqa: BLE001 - the web process says why and exits with code 2
             if not isinstance(error, SemkvError):
                 traceback.print_exc()
