@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import inspect as pyinspect
-import math
 import os
 import weakref
 from collections import OrderedDict
@@ -434,9 +433,7 @@ class Session:
         (the first one), after the others have ended."""
         engine = self.llm.engine
         step = self.scheduler.max_num_batched_tokens or engine.prefill_chunk
-        room = engine.pool.max_pages // engine.config.num_layers * engine.pool.page_size if engine.pool.max_pages \
-            else math.inf  # tokens a request could hold alone
-        length = max(2, min(2 * step + 37, self.llm.config.max_position_embeddings // 2, room // 16))
+        length = max(2, min(2 * step + 37, self.llm.config.max_position_embeddings // 2, engine.room() // 16))
         sentences = self.llm.encode(WARM_UP_TEXT, chat=False)[0]
         words = sentences * (1 + (length + max(WARM_UP_QUESTIONS)) // len(sentences))
         documents = [words[:length], words[1:1 + max(1, length - step // 2)]]  # two lengths, different first pages

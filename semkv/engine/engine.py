@@ -194,12 +194,16 @@ class Engine:
         kernels.warm_up_prefill(self.pool.k, self.pool.v, self.config.num_heads, self.scale, self.prefill_chunk,
                                 self._longest_warm_up())
 
+    def room(self) -> float:
+        """The tokens one request could hold alone in the pool: every layer holds them in pages of its own, beside
+        the scratch page (inf for a pool that grows)."""
+        if not self.pool.max_pages:
+            return math.inf
+        return (self.pool.max_pages - 1) // self.config.num_layers * self.pool.page_size
+
     def _longest_warm_up(self) -> int:
-        """The longest context the warm-ups prepare: what the model and the pool take (every layer holds a prompt's
-        tokens in pages of its own), at most `WARM_UP_MAX_LEN`."""
-        layer_pages = (self.pool.max_pages - 1) // self.config.num_layers if self.pool.max_pages else None  # less scratch
-        capacity = layer_pages * self.pool.page_size if layer_pages is not None else WARM_UP_MAX_LEN
-        return min(self.config.max_position_embeddings, capacity, WARM_UP_MAX_LEN)
+        """The longest context the warm-ups prepare: what the model and the pool take, at most `WARM_UP_MAX_LEN`."""
+        return int(min(self.config.max_position_embeddings, self.room(), WARM_UP_MAX_LEN))
 
     @torch.inference_mode()
     def warm_up_cuts(self, step_tokens: int) -> None:
