@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv.bench.device import measured_bandwidth
-from semkv.kernels import (cudnn_prefill, fa3_prefill, reference, triton_decode, triton_fused, triton_page_select,
+from semkv.kernels import (cudnn_prefill, fa3, reference, triton_decode, triton_fused, triton_page_select,
                            triton_prefill)
 from semkv.methods.chess import reference as chess_reference, triton_summary_dot
 from semkv.methods.dynsplit import (reference as dynsplit_reference, triton_chunk_best, triton_chunk_refresh,
@@ -76,30 +76,24 @@ def check_decode(gen, bandwidth: float) -> list[dict]:
         sel_ms = do_bench(lambda: triton_decode.decode_attention(q, k, v, tables, slots, sel_lengths, dim**-0.5),
                           return_mode="median")
         floor_ms = 1e3 * batch * context * kv_heads * dim * 2 * 2 / bandwidth
-        fa3 = {}
-        if fa3_prefill.usable(q, None, k):  # vLLM's FlashAttention 3 as vLLM decodes with it: not yet semkv's path
-            from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
-
-            cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            used = lengths[:, 0].int()
-            block_table = tables.int()
+        flash = {}
+        if fa3.usable(q, None, k, fa3.DECODE_PATH):  # semkv's full decode path where vLLM brings FlashAttention 3
+            inputs = fa3.decode_inputs(tables[:, None], lengths, context)  # one layer
 
             def fa3_decode():
-                return flash_attn_varlen_func(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=context,
-                                              seqused_k=used, softmax_scale=dim**-0.5, causal=True,
-                                              block_table=block_table, fa_version=3)
-            fa3 = dict(err_fa3=rel_err(fa3_decode(), want), fa3_ms=do_bench(fa3_decode, return_mode="median"))
+                return fa3.decode_attention(q, k, v, inputs, 0, dim**-0.5)
+            flash = dict(err_fa3=rel_err(fa3_decode(), want), fa3_ms=do_bench(fa3_decode, return_mode="median"))
         rows.append(dict(kernel="decode", batch=batch, context=context, heads=heads, kv_heads=kv_heads, head_dim=dim,
                          err_full=rel_err(got, want),
                          err_selected=rel_err(got_sel, want_sel), triton_ms=full_ms, reference_ms=ref_ms,
-                         selected_1pct_ms=sel_ms, floor_ms=floor_ms, **fa3))
+                         selected_1pct_ms=sel_ms, floor_ms=floor_ms, **flash))
     return rows
 
 
 def check_prefill(gen) -> list[dict]:
     """The paged Triton prefill kernel (with its log-sum-exps; a short chunk over a long context splits it), the
     cuDNN path of long chunks (`kernels.cudnn_prefill`) and FlashAttention 3 where vLLM brings it
-    (`kernels.fa3_prefill`), against the float32 reference."""
+    (`kernels.fa3`), against the float32 reference."""
     from triton.testing import do_bench
 
     rows = []
@@ -117,8 +111,8 @@ def check_prefill(gen) -> list[dict]:
         paths = [("triton", lambda: triton_prefill.prefill_attention(q, k, v, table, start, None, dim**-0.5, lse=True))]
         if cudnn_prefill.usable(q, None):
             paths.append(("cudnn", lambda: cudnn_prefill.prefill_attention(q, k, v, table, start, dim**-0.5, lse=True)))
-        if fa3_prefill.usable(q, None, k):
-            paths.append(("fa3", lambda: fa3_prefill.prefill_attention(q, k, v, table, start, dim**-0.5, lse=True)))
+        if fa3.usable(q, None, k):
+            paths.append(("fa3", lambda: fa3.prefill_attention(q, k, v, table, start, dim**-0.5, lse=True)))
         for path, fn in paths:
             got, got_lse = fn()
             ms = do_bench(fn, return_mode="median")
@@ -133,7 +127,7 @@ def check_prefill(gen) -> list[dict]:
 
 
 def check_packed_prefill(gen) -> list[dict]:
-    """Several sequences' chunks in one FlashAttention 3 call (`fa3_prefill.packed_attention`, what
+    """Several sequences' chunks in one FlashAttention 3 call (`fa3.packed_attention`, what
     `Engine.prefill_together` runs where it serves) against the float32 reference a chunk, and its time against one
     FlashAttention 3 call a chunk. Qwen2.5-0.5B's heads (14, 2, 64); 8 follow-up questions of 17-40 tokens on
     contexts of 32k, and the same with one new prompt's chunk of 4,096 tokens among them."""
@@ -147,15 +141,15 @@ def check_packed_prefill(gen) -> list[dict]:
         want = torch.cat([reference.prefill_attention(q.float(), k.float(), v.float(), table, a, None, dim**-0.5)
                           for q, table, (a, _) in zip(qs, tables, chunks)])
         paths = {}
-        if fa3_prefill.available():
+        if fa3.available():
             q = torch.cat(qs)
             cu_q = torch.tensor([0] + [sum(c for _, c in chunks[: i + 1]) for i in range(len(chunks))],
                                 dtype=torch.int32, device="cuda")
             used = torch.tensor([a + c for a, c in chunks], dtype=torch.int32, device="cuda")
             longest = (max(c for _, c in chunks), max(a + c for a, c in chunks))
             block = tables.to(torch.int32)
-            paths["packed"] = lambda: fa3_prefill.packed_attention(q, k, v, block, cu_q, used, *longest, dim**-0.5)
-            paths["each"] = lambda: torch.cat([fa3_prefill.prefill_attention(q_, k, v, table, a, dim**-0.5)
+            paths["packed"] = lambda: fa3.packed_attention(q, k, v, block, cu_q, used, *longest, dim**-0.5)
+            paths["each"] = lambda: torch.cat([fa3.prefill_attention(q_, k, v, table, a, dim**-0.5)
                                                for q_, table, (a, _) in zip(qs, tables, chunks)])
         for path, fn in paths.items():
             rows.append(dict(kernel="packed_prefill", path=path, chunks=len(chunks), tokens=sum(c for _, c in chunks),
@@ -687,6 +681,8 @@ def main() -> int:
                                      "mismatch or without a CUDA device.")
     parser.add_argument("--prefill-only", action="store_true", help="check the prefill attention paths alone")
     parser.add_argument("--attention-only", action="store_true", help="check the decode and prefill attention alone")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="check the decode attention alone (the Triton kernel and FlashAttention 3's path)")
     parser.add_argument("--window-only", action="store_true", help="check the window's attention mass alone")
     parser.add_argument("--buckets-only", action="store_true",
                         help="check SentenceKV's and DynSplit-KV's ranking and slot-list kernels alone")
@@ -698,6 +694,8 @@ def main() -> int:
     bandwidth = measured_bandwidth(torch.device("cuda"))
     if args.prefill_only:
         rows = check_prefill(gen) + check_packed_prefill(gen)
+    elif args.decode_only:
+        rows = check_decode(gen, bandwidth)
     elif args.attention_only:
         rows = check_decode(gen, bandwidth) + check_prefill(gen) + check_packed_prefill(gen)
     elif args.window_only:

@@ -12,7 +12,10 @@
 # decode step's device and host time go), modes_bench (issue 55's targets: `semkv bench` with real prefills at
 # 31,744, batch 16 and Full KV's largest batch, Full KV, CHESS, ChunkKV and the retrieving modes; ARGS: e.g.
 # --methods full,sentencekv to run fewer), kernels (kernel_check.py: each Triton kernel against its reference and
-# its speed), fa3 (FlashAttention 3, vLLM's, against cuDNN as the prefill attention: kernel_check.py's prefill rows,
+# its speed), decode (issue 54: full decode attention through FlashAttention 3, vLLM's, against the Triton kernel:
+# kernel_check.py's decode rows, then `semkv bench` with real prefills at 31,744, batches 16 and 64, Full KV and ChunkKV
+# neighbours=3 at 10%, SEMKV_DECODE_ATTENTION=triton then auto, each its own process), fa3 (FlashAttention 3,
+# vLLM's, against cuDNN as the prefill attention: kernel_check.py's prefill rows,
 # then first_steps.py's server sessions on the model with SEMKV_PREFILL_ATTENTION=cudnn and auto, 32 x 32k with 512
 # new tokens and 128 x 2k with 64), syncs (first_steps.py --sync-debug on the model, 32 x 32k, 16 at a time, for
 # Full KV, CHESS anchor="queries" and ChunkKV neighbours=3 at 10%: every wait of the host for the device in a
@@ -28,7 +31,7 @@
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|fa3|syncs|ruler|ab [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|decode|fa3|syncs|ruler|ab [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -93,6 +96,23 @@ modes_bench)  # issue 55's targets, one bench call (the rows of the methods it r
   tar czf $out/modes_bench.tgz -C $W --exclude='*.png' modes_bench modes_bench.log device.txt ;;
 kernels)  # benchmarks/kernel_check.py: every Triton kernel against its reference, then its speed
   timeout $seconds python3 benchmarks/kernel_check.py "$@" | tee $out/kernels.txt ;;
+decode)  # full decode attention: FlashAttention 3 against the Triton kernel, kernels then benches (a path done is kept)
+  essays
+  mkdir -p $W/decode
+  end=$(( $(date +%s) + seconds - 20 ))
+  [ -f $W/decode/kernels.txt ] || timeout 120 python3 benchmarks/kernel_check.py --decode-only \
+    > $W/decode/kernels.txt 2>&1
+  grep '^| decode' $W/decode/kernels.txt
+  for path in triton auto; do
+    log=$W/decode/bench_$path.log
+    [ -f $log ] && continue
+    (( $(date +%s) + 60 > end )) && { echo "decode: $path not started: too little time left"; continue; }
+    SEMKV_DECODE_ATTENTION=$path timeout $(( end - $(date +%s) )) python3 -m semkv.cli.main bench --model $QWEN \
+      --text-file $W/essays.txt --contexts 31744 --budget 0.1 --steps 32 --batches 16,64 --methods full,chunkkv \
+      --param chunkkv.neighbours=3 --out $W/decode/$path "$@" > $log.part 2>&1 && mv $log.part $log
+    echo "== $path"; grep -v '^{' $log* | tail -n 8
+  done
+  tar czf $out/decode.tgz -C $W --exclude='*.png' decode device.txt ;;
 fa3)  # the prefill attention of full chunks: FlashAttention 3 against cuDNN, kernels then sessions, pairs in turn
   essays
   mkdir -p $W/fa3

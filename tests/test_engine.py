@@ -72,6 +72,44 @@ def test_batched_greedy_generation_equals_transformers_generate(tiny_model_dir, 
         assert out.token_ids == want.tolist()
 
 
+@pytest.mark.parametrize("method, params, layers", [("full", {}, [0, 1, 2]), ("quest", dict(dense_layers=1), [0]),
+                                                  ("pyramidkv", {}, [])])
+def test_full_decode_through_flashattention_3s_arguments_gives_the_same_tokens(tiny_llm, monkeypatch, method, params,
+                                                                               layers):
+    """Where FlashAttention 3 serves full decode attention (the layers that select nothing, where they attend whole
+    contexts: Full KV's, Quest's dense layer; not an evicting method's), a step hands it each layer's int32 page tables
+    and slot counts, made once a step (`fa3.decode_inputs`): here its call is stood in for by the same attention in
+    plain torch over exactly those arguments, so a table of the wrong layer or row, or a wrong count, changes the
+    tokens. Eager steps and the static-buffer (CUDA-graph) steps both."""
+    from semkv.engine.cuda_graph import GraphRunner
+    from semkv.kernels import fa3, reference
+
+    def run():
+        return greedy(tiny_llm, PROMPTS, method=get_method(method, None if method == "full" else 48, **params))
+
+    want = run()
+    calls = []
+
+    def flash_decode(q, k_pool, v_pool, inputs, layer, scale):  # FlashAttention 3's contract, in plain torch
+        assert inputs.tables.dtype == inputs.used.dtype == inputs.cu_q.dtype == torch.int32
+        assert inputs.tables.is_contiguous() and inputs.used.is_contiguous()
+        assert inputs.cu_q.tolist() == list(range(q.shape[0] + 1)) and int(inputs.used.max()) <= inputs.longest
+        calls.append(layer)
+        return reference.decode_attention(q, k_pool, v_pool, inputs.tables[layer].long(), None,
+                                          inputs.used[layer, :, None].long(), scale)
+
+    monkeypatch.setattr(semkv.kernels, "fa3_decodes", lambda q, k_pool: True)
+    monkeypatch.setattr(fa3, "decode_attention", flash_decode)
+    assert run() == want
+    assert sorted(set(calls)) == layers and calls[: len(layers)] == layers
+    calls.clear()
+    monkeypatch.setattr(tiny_llm.engine, "cuda_graphs", True)  # every step through the static buffers (no capture)
+    static, forward_step = [], GraphRunner.forward_step
+    monkeypatch.setattr(GraphRunner, "forward_step", lambda self, *a: static.append(1) or forward_step(self, *a))
+    assert run() == want
+    assert static and sorted(set(calls)) == layers
+
+
 def test_pages_are_returned_after_generation(tiny_llm):
     greedy(tiny_llm, PROMPTS)
     assert tiny_llm.engine.pool.in_use == 0

@@ -254,14 +254,15 @@ def test_bad_page_size(tiny_model_dir):
         semkv.LLM(tiny_model_dir("llama"), device="cpu", page_size=0)
 
 
-def test_bad_prefill_attention_is_named(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("SEMKV_PREFILL_ATTENTION", "flash")
-    with pytest.raises(semkv.SemkvError, match="SEMKV_PREFILL_ATTENTION='flash' is not a prefill attention; "
-                                               "allowed: auto, fa3, cudnn, triton"):
+@pytest.mark.parametrize("variable, kind, allowed", [("SEMKV_PREFILL_ATTENTION", "prefill", "auto, fa3, cudnn, triton"),
+                                                     ("SEMKV_DECODE_ATTENTION", "decode", "auto, fa3, triton")])
+def test_bad_attention_path_is_named(tiny_model_dir, monkeypatch, variable, kind, allowed):
+    monkeypatch.setenv(variable, "flash")
+    with pytest.raises(semkv.SemkvError, match=f"{variable}='flash' is not a {kind} attention; allowed: {allowed}"):
         semkv.LLM(tiny_model_dir("llama"), device="cpu")
     proc = subprocess.run([sys.executable, "-m", "semkv.cli.main", "generate", "--prompt", "hi", "--device", "cpu"],
                           capture_output=True, text=True, env={**__import__("os").environ})
-    assert proc.returncode == 2 and "SEMKV_PREFILL_ATTENTION='flash'" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"{variable}='flash'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
 

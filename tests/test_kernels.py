@@ -830,34 +830,51 @@ def test_cudnn_prefill_turns_itself_off_with_one_warning_when_cudnn_refuses():
         cudnn_prefill.PATH.failed.clear()
 
 
-def test_fa3_prefill_turns_itself_off_with_one_warning_when_it_refuses(monkeypatch):
-    """FlashAttention 3 refusing a call (a shape or build it does not run) leaves prefill to the next path for the
-    rest of the process, with one warning naming the error."""
-    from semkv.kernels import fa3_prefill
+def test_fa3_turns_itself_off_with_one_warning_when_it_refuses(monkeypatch):
+    """FlashAttention 3 refusing a prefill call (a shape or build it does not run) leaves prefill to the next path for
+    the rest of the process, with one warning naming the error, and decode to it still; a refused decode call leaves
+    decode to the Triton kernel and prefill to FlashAttention 3."""
+    from semkv.kernels import fa3
 
-    monkeypatch.setattr(fa3_prefill, "available", lambda: True)  # as where vLLM is installed on a Hopper GPU
+    monkeypatch.setattr(fa3, "available", lambda: True)  # as where vLLM is installed on a Hopper GPU
     q, k_pool = torch.zeros(64, 4, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16)
-    assert fa3_prefill.usable(q, None, k_pool) and not fa3_prefill.usable(q, torch.zeros(1, 3), k_pool)
-    try:
-        with pytest.warns(RuntimeWarning, match="head_dim 80 is not supported"):
-            fa3_prefill.PATH.turn_off(RuntimeError("head_dim 80 is not supported"))
-        assert not fa3_prefill.usable(q, None, k_pool)
-    finally:
-        fa3_prefill.PATH.failed.clear()
+    assert fa3.usable(q, None, k_pool) and not fa3.usable(q, torch.zeros(1, 3), k_pool)
+    for path, other in [(fa3.PATH, fa3.DECODE_PATH), (fa3.DECODE_PATH, fa3.PATH)]:
+        try:
+            with pytest.warns(RuntimeWarning, match="head_dim 80 is not supported"):
+                path.turn_off(RuntimeError("head_dim 80 is not supported"))
+            assert not fa3.usable(q, None, k_pool, path) and fa3.usable(q, None, k_pool, other)
+        finally:
+            path.failed.clear()
+
+
+def test_fa3_decode_inputs_are_each_layers_int32_tables_and_counts():
+    """A decode step's FlashAttention 3 arguments, made once for every layer: each layer's rows of page ids and slot
+    counts contiguous in int32, and one query row a sequence."""
+    from semkv.kernels import fa3
+
+    tables = torch.arange(3 * 4 * 5).view(3, 4, 5)  # [B, layers, W] int64
+    num_slots = torch.arange(12).view(3, 4) + 1  # [B, layers]
+    inputs = fa3.decode_inputs(tables, num_slots, longest=80)
+    assert inputs.tables.shape == (4, 3, 5) and inputs.used.shape == (4, 3) and inputs.longest == 80
+    for layer in range(4):
+        assert torch.equal(inputs.tables[layer], tables[:, layer].int()) and inputs.tables[layer].is_contiguous()
+        assert torch.equal(inputs.used[layer], num_slots[:, layer].int()) and inputs.used[layer].is_contiguous()
+    assert inputs.cu_q.tolist() == [0, 1, 2, 3] and inputs.cu_q.dtype == torch.int32
 
 
 def test_fa3_prefill_lengths_are_made_on_the_device_once_a_chunk():
     """FlashAttention 3's cu_seqlens_q (0, chunk) and seqused_k (n,) of a chunk, made without copying from host
     memory (`torch.tensor(list).to(cuda)` waited for every queued kernel, once for each follow-up's chunk) and kept
     for the chunk's other layers."""
-    from semkv.kernels import fa3_prefill
+    from semkv.kernels import fa3
 
     device = torch.device("cpu")
     for chunk, n in [(1, 1), (37, 31_037), (8192, 32_000)]:
-        cu_q, used_k = fa3_prefill.lengths(chunk, n, device)
+        cu_q, used_k = fa3.lengths(chunk, n, device)
         assert cu_q.tolist() == [0, chunk] and used_k.tolist() == [n]
         assert cu_q.dtype == used_k.dtype == torch.int32
-        assert fa3_prefill.lengths(chunk, n, device)[0] is cu_q  # the chunk's next layers reuse them
+        assert fa3.lengths(chunk, n, device)[0] is cu_q  # the chunk's next layers reuse them
 
 
 @pytest.mark.parametrize("start, chunk", [(0, 40), (0, 1100), (700, 300), (1024, 50), (1500, 1200), (2048, 1024)])

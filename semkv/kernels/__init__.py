@@ -1,6 +1,7 @@
 """Attention over the paged cache: Triton kernels on CUDA (and for full prefill chunks on Hopper, FlashAttention 3
-where vLLM's wheel brings it, `fa3_prefill`, else cuDNN's fused attention for long chunks, `cudnn_prefill`; the
-choice: `prefill_path`), the plain-torch reference elsewhere (or when `SEMKV_KERNELS=reference`). All take the same
+where vLLM's wheel brings it, `fa3`, else cuDNN's fused attention for long chunks, `cudnn_prefill`; the
+choice: `prefill_path`; for full decode attention FlashAttention 3 too: `decode_path`), the plain-torch reference
+elsewhere (or when `SEMKV_KERNELS=reference`). All take the same
 arguments, so the engine and the methods never see which one runs."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from semkv.errors import SemkvError
 from semkv.kernels import reference
 
 PREFILL_PATHS = ("auto", "fa3", "cudnn", "triton")  # SEMKV_PREFILL_ATTENTION's values
+DECODE_PATHS = ("auto", "fa3", "triton")  # SEMKV_DECODE_ATTENTION's values
 
 
 def use_triton(device: torch.device) -> bool:
@@ -33,33 +35,56 @@ def decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale, max_len: 
     return reference.decode_attention(q, k_pool, v_pool, tables, slots, lengths, scale)
 
 
+def decode_path(device: torch.device | None = None) -> str:
+    """The kernel that runs full decode attention (a step's layer that selects nothing) on CUDA, from
+    SEMKV_DECODE_ATTENTION: `auto` (the default: FlashAttention 3 where vLLM's wheel brings it to a Hopper GPU, else
+    Triton), `fa3` or `triton`. With a device, checks the value as `prefill_path` does."""
+    return _path("SEMKV_DECODE_ATTENTION", DECODE_PATHS, "decode", device)
+
+
+def fa3_decodes(q, k_pool) -> bool:
+    """True when FlashAttention 3 may serve full decode attention of q over k_pool (`decode_path` allows it and
+    `fa3.usable` for decode), so that a decode step makes its `fa3.decode_inputs`."""
+    if not use_triton(q.device) or decode_path() not in ("auto", "fa3"):
+        return False
+    from semkv.kernels import fa3
+
+    return fa3.usable(q, None, k_pool, fa3.DECODE_PATH)
+
+
 def prefill_path(device: torch.device | None = None) -> str:
     """The kernel that runs full prefill chunks on CUDA, from SEMKV_PREFILL_ATTENTION: `auto` (the default:
     FlashAttention 3 where vLLM's wheel brings it to a Hopper GPU, else cuDNN for chunks of 1,024 tokens or more, else
     Triton), `fa3`, `cudnn` or `triton` (each falling back to Triton where it cannot serve a call). With a device,
     checks that the value is allowed and that `fa3`, if asked for, is there (the engine does at start)."""
-    path = os.environ.get("SEMKV_PREFILL_ATTENTION", "auto")
-    if device is not None:
-        if path not in PREFILL_PATHS:
-            raise SemkvError(f"SEMKV_PREFILL_ATTENTION={path!r} is not a prefill attention; allowed: "
-                             + ", ".join(PREFILL_PATHS))
-        if path == "fa3" and use_triton(device):
-            from semkv.kernels import fa3_prefill
+    return _path("SEMKV_PREFILL_ATTENTION", PREFILL_PATHS, "prefill", device)
 
-            if not fa3_prefill.available():
-                raise SemkvError("SEMKV_PREFILL_ATTENTION=fa3 needs vLLM's FlashAttention 3 (pip install vllm) and "
-                                 "a Hopper GPU; allowed without them: auto, cudnn, triton")
+
+def _path(variable: str, allowed: tuple[str, ...], kind: str, device: torch.device | None) -> str:
+    """The value of `variable` (default `auto`); with a device, checked against `allowed`, and `fa3` against
+    FlashAttention 3's presence."""
+    path = os.environ.get(variable, "auto")
+    if device is not None:
+        if path not in allowed:
+            raise SemkvError(f"{variable}={path!r} is not a {kind} attention; allowed: " + ", ".join(allowed))
+        if path == "fa3" and use_triton(device):
+            from semkv.kernels import fa3
+
+            if not fa3.available():
+                others = ", ".join(p for p in allowed if p != "fa3")
+                raise SemkvError(f"{variable}=fa3 needs vLLM's FlashAttention 3 (pip install vllm) and a Hopper GPU; "
+                                 f"allowed without them: {others}")
     return path
 
 
 def prefill_attention(q, k_pool, v_pool, table, start, context, scale, lse=False):
     """See `reference.prefill_attention`."""
     if use_triton(q.device):
-        from semkv.kernels import cudnn_prefill, fa3_prefill, triton_prefill
+        from semkv.kernels import cudnn_prefill, fa3, triton_prefill
 
         path = prefill_path()
-        if path in ("auto", "fa3") and fa3_prefill.usable(q, context, k_pool):
-            out = fa3_prefill.attend(q, k_pool, v_pool, table, start, scale, lse=lse)
+        if path in ("auto", "fa3") and fa3.usable(q, context, k_pool):
+            out = fa3.attend(q, k_pool, v_pool, table, start, scale, lse=lse)
             if out is not None:
                 return out
         if path in ("auto", "cudnn") and cudnn_prefill.usable(q, context):
@@ -85,19 +110,19 @@ def packed_prefill_serves(q, k_pool, longest_q: int) -> bool:
 
 def _fa3_packs(q, k_pool) -> bool:
     """True when FlashAttention 3's varlen call may serve a packed step, as `prefill_path` allows."""
-    from semkv.kernels import fa3_prefill
+    from semkv.kernels import fa3
 
-    return prefill_path() in ("auto", "fa3") and fa3_prefill.usable(q, None, k_pool)
+    return prefill_path() in ("auto", "fa3") and fa3.usable(q, None, k_pool)
 
 
 def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale):
     """Full prefill attention of several sequences' chunks in one call (where `packed_prefill_serves`): FlashAttention
-    3's (`fa3_prefill.packed_attention`) where `prefill_path` allows and it serves, else (or where it refuses) the
+    3's (`fa3.packed_attention`) where `prefill_path` allows and it serves, else (or where it refuses) the
     Triton kernel's (`triton_prefill.packed_prefill_attention`, which takes the same arguments)."""
-    from semkv.kernels import fa3_prefill, triton_prefill
+    from semkv.kernels import fa3, triton_prefill
 
     if _fa3_packs(q, k_pool):
-        out = fa3_prefill.attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
+        out = fa3.attend_packed(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale)
         if out is not None:
             return out
     return triton_prefill.packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k,
@@ -126,10 +151,10 @@ def _cudnn_serves(k_pool) -> bool:
     """True when cuDNN may serve full prefill chunks in this process (so its plans are worth building)."""
     if not use_triton(k_pool.device):
         return False
-    from semkv.kernels import fa3_prefill
+    from semkv.kernels import fa3
 
     path = prefill_path()
-    return path == "cudnn" or path == "auto" and not fa3_prefill.serves(k_pool.dtype)
+    return path == "cudnn" or path == "auto" and not fa3.serves(k_pool.dtype)
 
 
 def rms_norm(x, weight, eps, residual=None):

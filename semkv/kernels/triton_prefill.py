@@ -227,7 +227,7 @@ def _merged(out: torch.Tensor, lse_out: torch.Tensor, dtype: torch.dtype, lse: b
 
 def packed_prefill_attention(q, k_pool, v_pool, tables, cu_q, used_k, longest_q, longest_k, scale, tile=None,
                              splits=None):
-    """`fa3_prefill.packed_attention`'s contract in one launch: q [T, heads, D] holds the chunks of several sequences
+    """`fa3.packed_attention`'s contract in one launch: q [T, heads, D] holds the chunks of several sequences
     one after another (chunk i: rows [cu_q[i], cu_q[i + 1]), cu_q [P + 1] int32), each over its own pages (tables
     [P, >= pages], int32 or int64) up to used_k[i] slots, its chunk the last of them (lower-right causal); longest_q /
     longest_k: the longest chunk and context. Returns out [T, heads, D]. One launch a layer instead of one a chunk:
