@@ -25,18 +25,19 @@
 # benchmarks/results, carried: followup_steps.py's follow-ups on 8 cached documents, admitted one at a time
 # (--stagger 16) and eight at a time, and first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a
 # time; this tree's scripts over each tree's semkv, each in its own process, old then new, on the model; a run done
-# while the machine is warm is kept). SECONDS (default
+# while the machine is warm is kept), steps (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of
+# 2,048 and 4,096 tokens, --max-num-batched-tokens: ITL p99 / p50 against the prompt rate). SECONDS (default
 # 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
 # stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
 # is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
 # $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|decode|fa3|syncs|ruler|ab [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|decode|fa3|syncs|ruler|ab|steps [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then seconds=$1; shift; fi
-W=${VLLM_WORK:-/tmp/w} out=${OUT:-/tmp/out}
+W=${VLLM_WORK:-/tmp/w} out=${OUT:-/tmp/out} start=$(date +%s)
 mkdir -p $W $out
 if [ "$stage" = status ]; then bash benchmarks/vllm_setup.sh status; exit 0; fi
 source benchmarks/vllm_setup.sh install || exit 1  # (an argument, so that it does not see this script's)
@@ -62,6 +63,17 @@ quality)
 serve)
   python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
   pack serve serve ;;
+steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c64 with --max-num-batched-tokens of
+  # 2048, 4096 (the default 8192 is the serve stage's); ARGS: e.g. --servers full (a budget done is kept)
+  for budget in 2048 4096; do
+    python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$budget --phases c64 \
+      --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget \
+      --deadline $(( seconds - 15 - ($(date +%s) - start) )) "$@"
+  done
+  tar czf $out/steps.tgz -C $W steps device.txt
+  for budget in 2048 4096; do
+    echo "== $budget"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget | grep -A12 '^\*\*c64'
+  done ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
 profile)  # where the server's time goes, without the web process
