@@ -120,8 +120,8 @@ class Engine:
         activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per prefill chunk; None: 32768 on CUDA,
         512 on the CPU (`DEFAULT_CHUNK`). warm_up: on CUDA, compile the kernels and build the
         prefill attention's plans now (`warm_up`), so that the first request runs at the speed of the next."""
-        # SEMKV_PREFILL_ATTENTION and SEMKV_DECODE_ATTENTION checked before anything loads
-        kernels.prefill_path(device), kernels.decode_path(device)
+        kernels.prefill_path(device)  # SEMKV_PREFILL_ATTENTION and SEMKV_DECODE_ATTENTION checked before anything
+        kernels.decode_path(device)  # loads
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.tp = config.tp  # tensor parallelism: every rank runs this engine in step with the others
         self.prefill_chunk = prefill_chunk or DEFAULT_CHUNK[device.type == "cuda"]

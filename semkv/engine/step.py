@@ -186,11 +186,11 @@ class DecodeStep:
         self.traced = [(b, s) for b, s in enumerate(batch.seqs)  # none in a captured CUDA-graph step
                        if s.trace is not None and s.trace.wants(s.num_computed - len(s.prompt_ids))]
         self.step_selection = None  # one selection for every layer (methods with a step plan)
-        self.fa3: fa3.DecodeInputs | None = None  # FlashAttention 3's arguments, where it serves full attention
-        # FlashAttention 3 serves the layers that select nothing where they attend whole contexts; an evicting
-        # method's contexts are its budget, where the Triton kernel was faster (ChunkKV at 16 x 31,744, 10%: forward
-        # 1.35 against 1.50 ms on an H200; Full KV 3.01 against 2.83)
-        self.whole = method.kind in ("full", "selection")
+        # FlashAttention 3's arguments for the layers that select nothing, made at the first of them where it serves
+        # them (None: not decided yet; False: the Triton kernel's). It serves them where they attend whole contexts;
+        # an evicting method's contexts are its budget, where the Triton kernel was faster (ChunkKV at 16 x 31,744,
+        # 10%: forward 1.35 against 1.50 ms on an H200; Full KV 3.01 against 2.83)
+        self.fa3: fa3.DecodeInputs | bool | None = None if method.kind in ("full", "selection") else False
         if batch.step_plan is not None:
             self.step_selection = self._timed(lambda: method.plan_selection(batch, batch.step_plan))
 
@@ -228,10 +228,13 @@ class DecodeStep:
                                              key_rope=key_rope)
         else:
             out = None
-            if selection is None and self.whole and kernels.fa3_decodes(q, pool.k):
-                if self.fa3 is None:  # made at the first layer that selects nothing, for every layer
-                    self.fa3 = fa3.decode_inputs(self.tables, batch.num_slots, batch.max_slots)
+            if selection is None and self.fa3 is None:  # decided once a step, not a layer
+                self.fa3 = kernels.fa3_decodes(q, pool.k) and fa3.decode_inputs(self.tables, batch.num_slots,
+                                                                                 batch.max_slots)
+            if selection is None and self.fa3:
                 out = fa3.attend_decode(q, pool.k, pool.v, self.fa3, layer, engine.scale)
+                if out is None:  # refused (the path is off now): the Triton kernel for the rest of the step
+                    self.fa3 = False
             if out is None:
                 max_len = batch.max_slots if selection is None else 0
                 out = kernels.decode_attention(q, pool.k, pool.v, tables, slots, lengths, engine.scale, max_len)
