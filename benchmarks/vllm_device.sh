@@ -24,13 +24,14 @@
 # scheduler against another's, `git archive REV semkv benchmarks | tar -x -C .carry/old/semkv` less
 # benchmarks/results, carried: followup_steps.py's follow-ups on 8 cached documents, admitted one at a time
 # (--stagger 16) and eight at a time, and first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a
-# time; this tree's scripts over each tree's semkv, each in its own process, old then new, on the model; a run done
-# while the machine is warm is kept), steps (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of
-# 2,048 and 4,096 tokens, --max-num-batched-tokens: ITL p99 / p50 against the prompt rate). SECONDS (default
-# 540): the stage's time, so the archive of its results is written inside the call's 10 minutes; ARGS go to the
-# stage's script (e.g. --runs full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine
-# is warm: a stage cut short resumes where it stopped when called again. Each stage ends by packing its folder into
-# $OUT/<stage>.tgz (prompts left out: they are remade from the essays) and printing its tables.
+# time, and 32 x 32,000 with 512 new tokens 16 at a time (the decode steps); this tree's scripts over each tree's
+# semkv, each in its own process, old then new, on the model; a run done while the machine is warm is kept), steps
+# (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of 2,048 and 4,096 tokens,
+# --max-num-batched-tokens: ITL p99 / p50 against the prompt rate). SECONDS (default 540): the stage's time, so
+# the archive of its results is written inside the call's 10 minutes; ARGS go to the stage's script (e.g. --runs
+# full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine is warm: a stage cut short
+# resumes where it stopped when called again. Each stage ends by packing its folder into $OUT/<stage>.tgz (prompts
+# left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
 stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|decode|fa3|syncs|ruler|ab|steps [SECONDS] [ARGS...]}
 shift
@@ -176,7 +177,8 @@ ab)  # the scheduler of this tree against another's: prompt rate and follow-ups,
   # each run: a log name, then this tree's script and its arguments (the old tree's semkv imported first for "old")
   followups="followup_steps.py --documents 8 --questions 7 --concurrency 8 --new-tokens 128"
   for run in "followup_stagger $followups --stagger 16" "followup_steps $followups" \
-             "first_steps first_steps.py --context 32000 --requests 64 --new-tokens 1 --max-num-seqs 64 --runs 2"; do
+             "first_steps first_steps.py --context 32000 --requests 64 --new-tokens 1 --max-num-seqs 64 --runs 2" \
+             "decode_steps first_steps.py --context 32000 --requests 32 --new-tokens 512 --max-num-seqs 16 --runs 2"; do
     for tree in old new; do
       read -ra words <<< "$run"
       root=$PWD; [ $tree = old ] && root=$PWD/.carry/old/semkv

@@ -71,14 +71,16 @@ def compare(llm, method, want=None) -> list[list[int]]:
     return [o.token_ids for o in out]
 
 
-def session(llm, method, want: list[list[int]] | None = None, late: int = 1, **options) -> list[list[int]]:
+def session(llm, method, want: list[list[int]] | None = None, late: int = 1, pipeline: bool = False,
+            **options) -> list[list[int]]:
     """The server's path: requests of the method and one of Full KV (cancelled after its first token) arrive, and
     `late` more of the method (the first one's prompt again) once the first has its first token, so they are admitted
     beside a running one; the session advances until none is left. An injected failure must end its request(s)
     alone: it raises from `submit`, or the request ends with it in `failed`; `advance` never raises, and the other
     requests end as they would have (with the tokens `want` of a clean run). options: `LLM.new_session`'s (whole
-    prompts, no prefix cache)."""
+    prompts, no prefix cache); pipeline: the scheduler's (on CUDA by default, off on the CPU)."""
     s = llm.new_session(**{"enable_prefix_caching": False, **options})
+    s.scheduler.pipeline = pipeline
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=1)
     seqs, errors = {}, []
     kept = [0, 1, *range(3, 3 + late)]  # the requests not cancelled
@@ -132,8 +134,15 @@ def packed(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
     return session(llm, method, want, late=2, max_num_batched_tokens=256, enable_prefix_caching=True)
 
 
+def pipelined(llm, method, want: list[list[int]] | None = None) -> list[list[int]]:
+    """The serving session with pipelined decode steps (`Scheduler.pipeline`, as on CUDA): once the requests of the
+    method decode alone, each step is launched before the last one is ended."""
+    llm.reset_prefix_cache()
+    return session(llm, method, want, pipeline=True, max_num_batched_tokens=16, enable_prefix_caching=True)
+
+
 PATHS = {"batching": batching, "generate": generate, "compare": compare, "session": session, "serving": serving,
-         "packed": packed}
+         "packed": packed, "pipelined": pipelined}
 
 
 def plan(calls: dict[str, dict]) -> list[tuple[str, object, int]]:

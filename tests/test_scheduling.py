@@ -110,6 +110,42 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
     assert (llm.engine.pool.cached_pages > 0) == shares
 
 
+PIPELINED = [("full", 0, {})] + [c for c in CASES if c[1] == 0]
+
+
+@pytest.mark.parametrize("name, i, params", PIPELINED, ids=["full"] + [i for c, i in zip(CASES, IDS) if c[1] == 0])
+def test_a_pipelined_decode_gives_the_tokens_of_steps_ended_one_by_one(llm, name, i, params, monkeypatch):
+    """A batch decoding alone launches its next step before it ends the last one (`Scheduler.pipeline`, on CUDA:
+    switched on here): every method gives the tokens of steps ended one at a time, requests that end at different
+    steps (in the step launched after the one that ended them: its tokens past their end are dropped) and one
+    cancelled while a step is pending included; every page and byte of state is free again after."""
+    method = get_method(name, None if name == "full" else SMALL, **params)
+    lengths = [NEW, NEW - 5, NEW + 3, 2]
+    ids = [encode(llm, p) for p in (PROMPTS * 2)[: len(lengths)]]
+
+    def run(pipeline: bool) -> tuple[list[list[int]], int]:
+        driver = Driver(llm, max_num_batched_tokens=4096)
+        driver.session.scheduler.pipeline = pipeline
+        pipelined, step = [], type(driver.session.scheduler)._pipelined
+        monkeypatch.setattr(type(driver.session.scheduler), "_pipelined",
+                            lambda self, started: pipelined.append(step(self, started)) or pipelined[-1])
+        for prompt, new in zip(ids, lengths):
+            driver.submit(prompt, method, new)
+        driver.submit(ids[0], method, NEW)  # cancelled once a step is pending
+        while driver.session.scheduler._pending is None and driver.session.scheduler.busy:
+            driver.advance()
+        driver.session.cancel(len(driver.seqs) - 1)
+        tokens = driver.finish()
+        assert llm.engine.pool.in_use == 0 and llm.engine.memory().held == (0, 0, 0, 0)
+        return tokens[:-1], sum(pipelined)
+
+    want, none = run(False)
+    got, pipelined = run(True)
+    assert got == want and none == 0
+    assert [len(t) for t in got] == lengths
+    assert (pipelined > 0) == llm.engine.pipelines(method)  # Full KV, the eviction methods, Quest, KeyDiff, H2O...
+
+
 def test_a_follow_ups_chunk_takes_every_layers_pages_at_once(llm):
     """A follow-up question on a cached document prefills only its question: a short last chunk, in the packed
     forward even alone. Its pages for every layer come in one allocation, one copy of their ids to the device: five

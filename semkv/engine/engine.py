@@ -575,10 +575,11 @@ class Engine:
             self.timer.stop(span)
         return inputs, plan
 
-    def step_inputs(self, seqs: list[Sequence], method: KVMethod, ahead: bool = False) -> StepInputs:
+    def step_inputs(self, seqs: list[Sequence], method: KVMethod, ahead: int = 0) -> StepInputs:
         """The method picks write slots (decode eviction) or every layer appends; appended tokens get pages. The
-        inputs reach the device in one copy that does not wait for it. ahead: for the step after the one running
-        (its token is not known yet: the caller fills it in on the device; positions are one further)."""
+        inputs reach the device in one copy that does not wait for it. ahead: for a step after the ones launched
+        and not yet completed, this many steps after the last completed one (its token is not known yet: the caller
+        fills it in on the device; positions are that much further)."""
         write = None
         if type(method).begin_step is not KVMethod.begin_step:
             before = [list(s.kv.num_slots) for s in seqs]
@@ -588,7 +589,7 @@ class Engine:
         if write is None:  # every layer appends
             append_slots([seq.kv for seq in seqs if not seq.slot_ready])
             for seq in seqs:
-                seq.slot_ready = ahead
+                seq.slot_ready = bool(ahead)
         else:
             appends = (write == slots_before[:, :, None]).any(-1).tolist()
             requests = []
@@ -637,6 +638,8 @@ class Engine:
             read.ready.synchronize()
         values = read.values.tolist()
         for seq, attended, widest in zip(seqs, values[0], values[1]):
+            if seq.finished:  # released since the step was launched (`complete_step` skips it)
+                continue
             seq.num_computed += 1
             seq.attended_total += attended
             stats = seq.stats
@@ -689,15 +692,15 @@ class Engine:
         self.complete_step(self.launch_step(running, method, graphs, pick), is_stop)
 
     def launch_step(self, running: list[Sequence], method: KVMethod, graphs: GraphRunner | None, pick=_sample,
-                    early: bool = False) -> LaunchedStep:
+                    early: bool = False, behind: int = 0) -> LaunchedStep:
         """A decode step up to its read: the forward (graph replay when it fits), the greedy tokens chosen on the
         device, the next step's inputs prepared while it runs, the method's `observe_logits`. early: the read is
         copied to the host as soon as the forward is done (CUDA), so that `complete_step` waits for this step only,
-        not for work queued after it (a scheduler's prompt chunks)."""
+        not for work queued after it (a scheduler's prompt chunks or next step). behind: steps of these requests
+        launched before this one and not yet completed (a pipelined launch, `pipelines`: 1)."""
         started = time.perf_counter()
-        ahead, self._ahead = self._ahead, None
-        inputs = ahead[1] if ahead is not None and len(ahead[0]) == len(running) and all(
-            a is s and s.slot_ready for a, s in zip(ahead[0], running)) else None
+        inputs = self._ahead[1] if self.ready_ahead(running) else None
+        self._ahead = None
         if inputs is not None:  # this step consumes the slots prepared for it
             for seq in running:
                 seq.slot_ready = False
@@ -718,7 +721,7 @@ class Engine:
             # greedy tokens, filled in on the device), when its pages are there beside the scheduler's `reserved`;
             # a request that finishes now leaves a spare slot behind, and the method's end_step must not move the
             # cache (`steady_slots`)
-            upcoming = self.step_inputs(running, method, ahead=True)
+            upcoming = self.step_inputs(running, method, ahead=1 + behind)
             upcoming.packed[:, 0] = chosen
             self._ahead = (list(running), upcoming)
         span = self.timer.start("selection") if self.timer else None  # per-step bookkeeping of the method
@@ -727,12 +730,34 @@ class Engine:
             self.timer.stop(span)
         return LaunchedStep(running, method, logits, read, steady, pick, time.perf_counter() - started)
 
+    @staticmethod
+    def pipelines(method: KVMethod) -> bool:
+        """True when a decode step of `method` may be launched before the one before it is completed: the step reads
+        nothing that the last one's end leaves on the host (no step plan, `end_step` or `observe_logits` of its own),
+        so its tokens are those of steps run one after another."""
+        return all(getattr(type(method), hook) is getattr(KVMethod, hook)
+                   for hook in ("begin_step", "step_plan", "end_step", "observe_logits"))
+
+    def ready_ahead(self, running: list[Sequence]) -> bool:
+        """True when the last launched step prepared the inputs of the next one for exactly these requests, in this
+        order (their tokens that step's, filled in on the device): that step may be launched before the last one is
+        completed."""
+        ahead = self._ahead
+        return ahead is not None and len(ahead[0]) == len(running) and all(
+            a is s and s.slot_ready for a, s in zip(ahead[0], running))
+
     def complete_step(self, launched: LaunchedStep, is_stop) -> None:
         """The rest of a launched decode step: its tokens and statistics in one read (greedy), the method's
         `end_step`, each request's next token and stop check."""
         started = time.perf_counter()
         running, method, logits, pick = launched.running, launched.method, launched.logits, launched.pick
         tokens = self.finish_read(running, launched.read)
+        if any(s.finished for s in running):  # launched before the step that finished them was completed: their
+            live = [b for b, s in enumerate(running) if not s.finished]  # tokens here are past their end
+            running, logits = [running[b] for b in live], logits[live]
+            tokens = None if tokens is None else [tokens[b] for b in live]
+            if not running:
+                return
         # a request recomputed after preemption (`Sequence.replaying`) knows its next token: its output's
         known = [s.output_ids[s.num_computed - len(s.prompt_ids)] if s.num_computed < s.num_tokens else None
                  for s in running]

@@ -22,7 +22,12 @@ run together in one forward (`Engine.prefill_together`) instead of one each; a p
 (its layers' eviction, the method's `finish_prefill`: `Engine.end_prompt`) once the step's first tokens are given and
 `publish` has sent them, before its first decode step, so that a follow-up question's first token does not wait for its
 method's work on the documents, its own or that of the follow-ups admitted a step before it (on an H200, 8 follow-ups on
-32k documents under ChunkKV: first tokens 95 -> 54 ms after submission, Full KV's 50-52). Without a budget
+32k documents under ChunkKV: first tokens 95 -> 54 ms after submission, Full KV's 50-52). A batch that decodes
+alone (nothing waiting, no prompt to run) pipelines its steps on CUDA (`pipeline`): its next decode step, whose
+inputs the last one prepared on the device (`Engine.ready_ahead`), is launched before the last one is ended, so the
+device runs a step while the host ends the one before and a server sends its tokens; only for methods whose steps
+read nothing the last step's end leaves on the host (`Engine.pipelines`), so the tokens are those of steps run one
+after another (a request that a step ended gets no token from the step already launched). Without a budget
 (`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get their first tokens at
 once.
 
@@ -140,6 +145,12 @@ class Scheduler:
         # for a short forward (follow-up questions), and those tokens go out before the step's prompt ends, not after
         # the next step's work (0: never, the CPU's steps, where nothing runs ahead of the host)
         self.read_at_once = READ_AT_ONCE if engine.device.type == "cuda" else 0
+        # a batch decoding alone (nothing waiting, no prompt) launches its next decode step before it ends the last
+        # one, when the last one prepared its inputs (`Engine.ready_ahead`): the device runs a step while the host
+        # ends the one before and the server sends its tokens (off CUDA nothing runs ahead of the host: off)
+        self.pipeline = engine.device.type == "cuda"
+        # a batch's decode step (`Engine.launch_step`'s) launched by the last `advance`, ended by the next
+        self._pending: tuple[Batch, object] | None = None
 
     def submit(self, seq: Sequence, method: KVMethod, is_stop: StopTest) -> None:
         """Queue a request (its `method_state` made already) behind the waiting ones."""
@@ -177,6 +188,7 @@ class Scheduler:
         """End a waiting or running request now: it finishes as "cancelled" and everything it holds is freed."""
         if seq not in self._method:
             return
+        self._settle()
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.finished, seq.finish_reason = True, seq.finish_reason or "cancelled"
@@ -188,6 +200,8 @@ class Scheduler:
         are released."""
         budget = self.max_num_batched_tokens
         started = self._mark()
+        if self._pending is not None and self._pipelined(started):
+            return
         tokens = prompt = 0
         if budget is None:  # whole prompts first, as many as fit
             while (seq := self._admit()) is not None:
@@ -204,13 +218,17 @@ class Scheduler:
                 if not batch.running:
                     continue
                 overlap = i == len(active) - 1 and budget is not None and bool(self.prefilling)
-                step = self.engine.launch_step(batch.running, batch.method, batch.graphs, early=overlap)
+                alone = self.pipeline and self._alone(batch)
+                step = self.engine.launch_step(list(batch.running), batch.method, batch.graphs,
+                                               early=overlap or alone)
             except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
                 self._fail([s for s in batch.running if not s.finished], error)  # not those it finished before
                 continue
             tokens += len(batch.running)
             if overlap:
                 launched = (batch, step)
+            elif alone and self.engine.ready_ahead(batch.running):
+                self._pending = (batch, step)  # ended by the next advance, after it launched the next step
             else:
                 self._complete(batch, step)
         if budget is not None:  # what the decode steps left of the budget goes to prompts; a step in which no
@@ -237,6 +255,48 @@ class Scheduler:
             kind = "decode" if not prompt else "prefill" if prompt == tokens else "mixed"
             self._timing.append((kind, started, self._mark()))
         self._count_time()
+
+    def _alone(self, batch: Batch) -> bool:
+        """True when `batch` is all there is to run (no request waits or is being prefilled or given its first
+        token, and no other batch decodes) and its method's steps may be pipelined (`Engine.pipelines`)."""
+        return self.engine.pipelines(batch.method) and not (
+            self.waiting or self.prefilling or self.awaiting or self._choosing or self._ending) and all(
+            b is batch or not b.running for b in self.batches.values())
+
+    def _pipelined(self, started: Mark) -> bool:
+        """With a decode step pending (`pipeline`): launch the batch's next step, then end the pending one, when the
+        batch is still alone and the pending step prepared the next one's inputs (True: that was the whole step);
+        else only end the pending one (False: the step goes on as usual). A request that the pending step finished is
+        in the next one too: that step is then ended at once, its tokens past the request's end dropped."""
+        batch, step = self._pending
+        self._pending = None
+        if not (self._alone(batch) and self.engine.ready_ahead(batch.running)):
+            self._complete(batch, step)
+            return False
+        try:
+            after = self.engine.launch_step(list(batch.running), batch.method, batch.graphs, early=True, behind=1)
+        except Exception as error:  # noqa: BLE001 - contained or re-raised by _fail
+            self._complete(batch, step)
+            self._fail([s for s in batch.running if not s.finished], error)
+            return True
+        self._complete(batch, step)
+        if any(s.finished for s in after.running) or not self.engine.ready_ahead(batch.running):
+            self._complete(batch, after)
+        else:
+            self._pending = (batch, after)
+        self.counters.steps += 1
+        self.counters.step_tokens = len(after.running)
+        self._timing.append(("decode", started, self._mark()))
+        self._count_time()
+        return True
+
+    def _settle(self) -> None:
+        """End the pending decode step, if any (`pipeline`): before anything that changes the running requests from
+        outside a step (a cancel)."""
+        if self._pending is not None:
+            batch, step = self._pending
+            self._pending = None
+            self._complete(batch, step)
 
     def _complete(self, batch: Batch, step) -> None:
         """End a batch's launched decode step (`Engine.complete_step`); its finished requests are released."""
