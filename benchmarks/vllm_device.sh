@@ -25,7 +25,8 @@
 # benchmarks/results, carried: followup_steps.py's follow-ups on 8 cached documents, admitted one at a time
 # (--stagger 16) and eight at a time, and first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a
 # time, and 32 x 32,000 with 512 new tokens 16 at a time (the decode steps); this tree's scripts over each tree's
-# semkv, each in its own process, old then new, on the model; a run done while the machine is warm is kept), steps
+# semkv, each in its own process, old then new, on the model; a run done while the machine is warm is kept; ARGS:
+# the runs to make, e.g. decode_steps, default all), steps
 # (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of 2,048 and 4,096 tokens,
 # --max-num-batched-tokens: ITL p99 / p50 against the prompt rate). SECONDS (default 540): the stage's time, so
 # the archive of its results is written inside the call's 10 minutes; ARGS go to the stage's script (e.g. --runs
@@ -181,6 +182,7 @@ ab)  # the scheduler of this tree against another's: prompt rate and follow-ups,
              "decode_steps first_steps.py --context 32000 --requests 32 --new-tokens 512 --max-num-seqs 16 --runs 2"; do
     for tree in old new; do
       read -ra words <<< "$run"
+      [ $# -gt 0 ] && [[ " $* " != *" ${words[0]} "* ]] && continue
       root=$PWD; [ $tree = old ] && root=$PWD/.carry/old/semkv
       log=$W/ab/${words[0]}_$tree.log
       [ -f $log ] && continue
