@@ -72,7 +72,7 @@ steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c
       --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget \
       --deadline $(( seconds - 15 - ($(date +%s) - start) )) "$@"
   done
-  tar czf $out/steps.tgz -C $W steps device.txt
+  tar czf $out/steps.tgz -C $W --exclude=prompts --exclude=prompts.json.gz steps device.txt
   for budget in 2048 4096; do
     echo "== $budget"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget | grep -A12 '^\*\*c64'
   done ;;
