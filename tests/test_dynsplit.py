@@ -150,6 +150,56 @@ def test_incremental_split_equals_one_shot():
                                                                  right=True))
 
 
+def host_split(method: DynSplitKV, ids: list[int], weights: dict[int, float] | None = None) -> DynSplitState:
+    """`ids` split on the host (`split.dd_select` as tokens arrive), with the method's weights or `weights`."""
+    state = DynSplitState(1, method.token_weights if weights is None else weights, torch.device("cpu"))
+    method._extend(state, ids)
+    return state
+
+
+@pytest.mark.parametrize("params", [dict(), dict(chunk_size=4, max_deviation=3, alpha=0.9), dict(max_deviation=0),
+                                    dict(split="fixed", chunk_size=5), dict(score="tokens", n_sink=2),
+                                    dict(document_tokens=200)])
+@pytest.mark.parametrize("graphed", [False, True])
+def test_decoding_splits_on_the_device_as_the_host_does(llm, params, graphed):
+    """DD-Select on the device (a decode step's layer 0, every row at once) closes after every step the chunks
+    `split.dd_select` closes over the same tokens with the row's weights (per-document ones too), in eager steps and
+    through the static buffers of a graphed step (padding rows beside them); the chunk counts the host learns from
+    its copies are the split's at the tokens they were counted at."""
+    from semkv.engine.cuda_graph import GraphRunner
+
+    engine = llm.engine
+    method = DynSplitKV(budget=40, **params)
+    method.bind(llm.config, llm.tokenizer, engine.pool.page_size)
+    ids = llm.encode(TEXT, chat=False)[0]
+    seqs = []
+    for prompt in (ids[:230], ids[40:301], ids[:217]):
+        seq = Sequence(len(seqs), prompt, SamplingParams(), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
+        method.admit(seq)
+        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+        seqs.append(seq)
+    runner = GraphRunner(engine, method, max_pages=40) if graphed else None
+    closed = 0
+    for _ in range(45):
+        logits = runner.decode_step(seqs) if graphed else engine.decode_step(seqs, method)
+        rows = method._rows
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            state = seq.method_state
+            fed = seq.prompt_ids + seq.output_ids
+            ends = host_split(method, fed, state.token_weights).ends
+            assert rows.start[state.row, : len(ends) + 1].tolist() == [0, *ends]
+            assert int(rows.open[state.row]) == len(ends)
+            known, at = state.split_at
+            assert known == len(host_split(method, fed[:at], state.token_weights).ends)
+            closed = max(closed, len(ends) - len(host_split(method, seq.prompt_ids, state.token_weights).ends))
+            seq.output_ids.append(token)
+    assert closed >= 2 and all(s.method_state.split_at[1] > len(s.prompt_ids) for s in seqs)
+    for seq in seqs:
+        engine.release(seq)
+    assert engine.memory().held == (0, 0, 0, 0)
+
+
 # -- V2F --------------------------------------------------------------------------------------------------------------
 
 def random_chunks(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -236,8 +286,10 @@ def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, s
     seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
     for _ in range(3):  # the last step is checked
         seq.output_ids.append(int(engine.decode_step([seq], method).argmax()))
-    n, k = len(state.ids), method._k(seq)
-    labels = state.labels[:n].clone()[None]  # [1, n]
+    fed = seq.prompt_ids + seq.output_ids[:-1]  # the last step's token is the one before its output
+    split = host_split(method, fed)
+    n, k = len(fed), min(method.budget, len(fed))
+    labels = split.labels[:n].clone()[None]  # [1, n]
     forced = torch.zeros(1, n, dtype=torch.bool)
     forced[0, :2], forced[0, n - method.n_recent:] = True, True
     kv_heads = llm.config.num_kv_heads
@@ -367,7 +419,7 @@ def test_device_rows_are_taken_at_admission_and_cost_what_was_announced(llm):
         return held_bytes([method._rows], llm.engine.device)[0]
 
     before, growth = held(), method.admission_bytes(seqs[0])
-    assert seqs[0].method_state.row == 0 and before < growth // 100
+    assert seqs[0].method_state.row == 0 and before < growth // 20  # the padding row (its delimiter weights)
     method.admit(seqs[0])
     pool = llm.engine.pool
     stamps = pool.coverage * pool.page_size * pool.num_kv_heads * 4  # the page ids handed out, not the pool

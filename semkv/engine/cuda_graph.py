@@ -46,7 +46,7 @@ class GraphedStep:
         self.plan = method.plan_buffers(size, max_slots, device)
         self.last_plan, self.plan_rows = None, 0  # the plan the buffers hold, for how many rows
         self.batch = DecodeBatch([], self.positions, self.num_slots, engine.config, self.tables, max_slots,
-                                 self.plan, engine.pool, graphed=True)
+                                 self.plan, engine.pool, graphed=True, tokens=self.tokens)
         self.graph = None
         if capture:
             self._capture()

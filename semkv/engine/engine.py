@@ -609,7 +609,7 @@ class Engine:
         """The batch of a prepared eager step as `select` sees it (page tables stacked, shapes from the lengths)."""
         tables = stack_tables([s.kv.table for s in seqs])
         return DecodeBatch(seqs, inputs.positions, inputs.num_slots, self.config, tables,
-                           max(max(s.kv.num_slots) for s in seqs), plan, self.pool)
+                           max(max(s.kv.num_slots) for s in seqs), plan, self.pool, tokens=inputs.tokens)
 
     def finish_step(self, seqs: list[Sequence], step: DecodeStep,
                     tokens: torch.Tensor | None = None) -> list[int] | None:

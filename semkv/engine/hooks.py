@@ -146,6 +146,7 @@ class DecodeBatch:
     step_plan: StepPlan | None = None  # from `BatchedHooks.step_plan`
     pool: "KVPool | None" = None  # the paged K/V storage the tables point into
     graphed: bool = False
+    tokens: torch.Tensor | None = None  # [B] the current token ids (the forward's input; on the device)
 
     @property
     def size(self) -> int:

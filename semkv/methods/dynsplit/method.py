@@ -12,8 +12,10 @@ The method class is `DynSplitKV`; its helpers beside it are `split.py` (delimite
 (Triton kernels, torch references in `reference.py`).
 
 With K/V resident and min/max pooling, decoding is batched and captured in CUDA graphs: every sequence's chunk
-summaries and chunk starts live in device rows (`DynSplitRows`); DD-Select runs on the host in `begin_step` and the
-start of a chunk it closed reaches the device in the step plan; each layer refreshes the summaries of the chunks the
+summaries and chunk starts live in device rows (`DynSplitRows`); the prompt is split on the host at the end of
+prefill, and each decode step goes on with DD-Select on the device for every row at once, at layer 0 inside the step
+(`_split_step`: the new token's delimiter weight, and the chunk it closes once its search range is complete, as
+`split.dd_select` closes it); each layer refreshes the summaries of the chunks the
 new token touched (`kernels.chunk_refresh`, from the last chunk_size + max_deviation + 1 keys), bounds every chunk
 with `kernels.page_bound` (a chunk read as a page of one slot), finds what the budget takes of the ranked chunks
 (`kernels.bucket_take`, without sorting them) and writes the slot lists with `kernels.chunk_slots` (each chunk's
@@ -68,25 +70,32 @@ CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "u
 
 @dataclass
 class ChunkPlan(StepPlan):
-    """DynSplit-KV's step plan (batched path), [B] a value a row unless noted: its state row, the tokens it attends
-    (k), sinks, recent tokens and open chunk; the chunk the token joined (open before it: its start, and the start of
-    the chunk after it or the token count); the summary rows `targets` [B, 2] of that chunk and of the chunk the token
-    opened (also its place in the flattened starts; 0: none); this step's stamp; 1 at the row's first decode step
-    (no reuse yet); with offload on, its sinks on the device, offloaded tokens and working-set slots (else 0s)."""
+    """DynSplit-KV's step plan (batched path, packed), [B] a value a row: its state row, the tokens it attends (k),
+    sinks and recent tokens; with `count_reuse` (K/V resident) this step's stamp and 1 at the row's first decode step
+    (no reuse yet), else 0s; with offload on, its sinks on the device, offloaded tokens and working-set slots (else
+    0s). The split's part of the step is made on the device (`SplitStep`)."""
 
     row: torch.Tensor
     k: torch.Tensor
     n_sink: torch.Tensor
     n_recent: torch.Tensor
-    open_chunk: torch.Tensor
-    dirty_start: torch.Tensor
-    following: torch.Tensor
-    targets: torch.Tensor  # [B, 2]
     step: torch.Tensor
     first_step: torch.Tensor
     sinks: torch.Tensor
     offloaded: torch.Tensor
     cache: torch.Tensor
+
+
+@dataclass
+class SplitStep:
+    """What DD-Select on the device made of a step's token, [B] a value a row (`DynSplitKV._split_step`): the open
+    chunk after it; the chunk the token joined (open before it: its start, and the start of the chunk after it or the
+    token count); the summary rows `targets` [B, 2] of that chunk and of the chunk the token opened (0: none)."""
+
+    open_chunk: torch.Tensor
+    dirty_start: torch.Tensor
+    following: torch.Tensor
+    targets: torch.Tensor
 
 
 @dataclass
@@ -231,6 +240,11 @@ class DynSplitKV(RowHolder, KVMethod):
         super().reset()  # the device rows
         self._step = 0  # decode steps of this method: the stamps of attended slots
         self._ranges: tuple[torch.Tensor, ...] = ()  # the step's chunk ranges, made at layer 0 (`_chunk_ranges`)
+        self._split: SplitStep | None = None  # the step's split, made at layer 0 (`_split_step`)
+        self._plan: tuple[list[list[int]], ChunkPlan] | None = None  # the last plan's rows and plan
+        self._delimiters: torch.Tensor | None = None  # [vocab] each token's column in `DynSplitRows.weights`
+        # a copy of the rows' open chunks on its way to the host (`_count_chunks`): the host tensor and its event
+        self._counting: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._chosen: torch.Tensor | None = None  # score_keys="channels": the rows' key channels [B, L, H, channels]
 
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
@@ -242,6 +256,8 @@ class DynSplitKV(RowHolder, KVMethod):
             base.update({int(t): w for t, w in saved["weights"].items() if int(t) in self.candidates})
         self.base_weights = base
         self.token_weights = arrange_weights(base, self.weights)
+        self.vocab = max(model.vocab_size, max(self.candidates, default=0) + 1)
+        self.columns = sorted(self.candidates)  # the delimiter tokens' order in `DynSplitRows.weights` (from 1)
         if self.score_keys == "channels" and self.channels > model.head_dim:
             raise SemkvError(f"channels={self.channels} must be at most the model's head_dim ({model.head_dim})")
 
@@ -252,7 +268,11 @@ class DynSplitKV(RowHolder, KVMethod):
         if self.batched and self._rows is None:
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
                                       stamped=self._stamped, summarised=self.score == "bound",
-                                      channels=self.channels if self.score_keys == "channels" else 0)
+                                      channels=self.channels if self.score_keys == "channels" else 0,
+                                      ring=self.chunk_size + self.max_deviation, delimiters=len(self.columns))
+            column = torch.zeros(self.vocab, dtype=torch.long)
+            column[self.columns] = torch.arange(1, len(self.columns) + 1)
+            self._delimiters = column.to(pool.device)
         state = DynSplitState(pool.num_layers, self.token_weights, pool.device)
         if self.offload:
             state.sinks, state.cache = self._device_layout(len(seq.prompt_ids), seq.params.max_new_tokens,
@@ -303,8 +323,12 @@ class DynSplitKV(RowHolder, KVMethod):
 
     def row_needs(self, seq: Sequence, row: int) -> tuple[int, int]:
         """(rows, chunks) the device rows need for `seq` in `row`: its whole generation, in about as many chunks as
-        chunk_size gives."""
+        chunk_size gives (`step_plan` grows them past that when a row's split may need more)."""
         return row + 1, (len(seq.prompt_ids) + seq.params.max_new_tokens) // self.chunk_size + 2
+
+    def _shortest(self) -> int:
+        """The fewest tokens of a chunk DD-Select closes (its end is at least C - Delta, and one, after its start)."""
+        return max(1, self.chunk_size - self.max_deviation)
 
     def own_prefill(self, has_question: bool) -> bool:
         return self.document_tokens > 0  # otherwise the prefill is plain Full KV and can be shared
@@ -386,11 +410,19 @@ class DynSplitKV(RowHolder, KVMethod):
         return max(len(state.ids) - state.sinks - self._tail(), 0)
 
     def _prefill_starts(self, seq: Sequence, state: DynSplitState) -> None:
-        """Room in the device rows for the prompt's chunks, and their starts."""
-        chunks = len(state.ends) + 1
+        """Room in the device rows for the prompt's chunks, their starts, and what DD-Select on the device goes on
+        from: the open chunk, the weights of its positions and the row's weight of every delimiter token."""
+        chunks, rows, device = len(state.ends) + 1, self._rows, self._rows.device
         self.ensure_rows((state.row + 1, chunks + 2), seq.kv.pool)
-        self._rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32,
-                                                            device=self._rows.device)
+        rows.start[state.row, :chunks] = torch.tensor([0] + state.ends, dtype=torch.int32, device=device)
+        ring = torch.full((rows.ring.shape[1],), -1.0, dtype=torch.float64)
+        for p in range(state.open_start, len(state.ids)):  # fewer than the ring's positions: the chunk is open
+            ring[p % ring.shape[0]] = state.position_weights[p]
+        rows.ring[state.row] = ring.to(device)
+        rows.open[state.row] = len(state.ends)
+        rows.weights[state.row] = torch.tensor([-1.0] + [state.token_weights.get(t, -1.0) for t in self.columns],
+                                               dtype=torch.float64, device=device)
+        state.split_at = (len(state.ends), len(seq.prompt_ids))  # (chunks closed, tokens) the host knows of
 
     def _prefill_layer(self, seq: Sequence, state: DynSplitState, layer: int) -> None:
         """One layer at the end of prefill: its chunk summaries (score="bound") into the device row; with offload,
@@ -428,48 +460,66 @@ class DynSplitKV(RowHolder, KVMethod):
     # -- decode ---------------------------------------------------------------------------------------------------
     def _k(self, seq: Sequence) -> int:
         """Tokens attended this step."""
-        return min(resolve_budget(self.budget, seq.num_computed + 1), len(seq.method_state.ids))
-
-    def begin_step(self, batch: DecodeBatch) -> None:
-        """Extend every split by the new token. Batched path: note the chunks the step must summarise again (the one
-        open before the token and the one open now) and where the token closed the first of them (the plan carries
-        it to the device: the host writes nothing there)."""
-        if self.batched:
-            rows = chunks = 1
-            for seq in batch.seqs:
-                state = seq.method_state
-                chunk, start = len(state.ends), state.open_start
-                self._extend(state, [seq.last_token])  # one token closes at most one chunk
-                rows, chunks = max(rows, state.row + 1), max(chunks, len(state.ends) + 2)
-                state.dirty = (chunk, start, state.ends[chunk] if len(state.ends) > chunk else 0)
-            self.ensure_rows((rows, chunks), batch.seqs[0].kv.pool)  # one check a step, not one a row
-            return None
-        for seq in batch.seqs:
-            self._extend(seq.method_state, [seq.last_token])
-        return None
+        n = seq.num_computed + 1  # the current token included
+        return min(resolve_budget(self.budget, n), n)
 
     def step_plan(self, batch: DecodeBatch) -> "ChunkPlan | None":
-        """Batched path: each row's `ChunkPlan`."""
+        """Batched path: room in the device rows for every row's split, and each row's `ChunkPlan` (the last plan
+        again while its values hold: with K/V resident and no `count_reuse` they change only when a row's budget
+        grows). Mean pooling: every split is extended by the step's token on the host (nothing to plan)."""
         if not self.batched:
+            for seq in batch.seqs:
+                self._extend(seq.method_state, [seq.last_token])
             return None
         self._step += 1
-        self.ensure_rows((1, 1), batch.pool)  # stamps for pages the pool gained
-        chunks, plan = self._rows.chunks, []
+        counted = self._counted()  # the rows' closed chunks some steps ago, when that copy is done
+        asking = self._count_chunks()  # a new copy, when none is under way
+        shortest, stamped, plan, need = self._shortest(), self._stamped, [], 1
         for seq in batch.seqs:
             state = seq.method_state
+            n = seq.num_computed + 1  # tokens, the current one included
+            if counted is not None and state.asked[0] is counted[0]:
+                state.split_at = (counted[1][state.row], state.asked[1] - 1)  # before the token of that step
+            if asking is not None:
+                state.asked = (asking, n)
+            closed, at = state.split_at
+            need = max(need, closed + (n - at) // shortest + 3)  # at most one chunk closes in `shortest` tokens
             k = self._k(seq)
             recent = min(k, self.n_recent)
-            dirty, start, closed_at = state.dirty
-            plan.append([state.row, k, min(k - recent, self.n_sink), recent, len(state.ends), start,
-                         closed_at or len(state.ids), state.row * chunks + dirty,
-                         state.row * chunks + dirty + 1 if closed_at else 0, self._step, int(len(seq.output_ids) == 1),
-                         state.sinks, state.offloaded, state.cache])
-        table = batch.pool.staging.send(plan)  # [B, 14]: one copy to the device that does not wait for it
-        return ChunkPlan(*table[:, :7].unbind(1), table[:, 7:9], table[:, 9], table[:, 10], table[:, 11],
-                         table[:, 12], table[:, 13])
+            plan.append([state.row, k, min(k - recent, self.n_sink), recent, self._step if stamped else 0,
+                         int(stamped and len(seq.output_ids) == 1), state.sinks, state.offloaded, state.cache])
+        self.ensure_rows((max(row[0] for row in plan) + 1, need), batch.pool)
+        if self._plan is None or self._plan[0] != plan:
+            self._plan = plan, ChunkPlan.send(batch.pool.staging, plan)  # one copy that does not wait
+        return self._plan[1]
+
+    def _count_chunks(self) -> "torch.Tensor | None":
+        """Copy every row's closed chunks (its open chunk) to the host without waiting for the device: what the steps
+        launched so far make of them (`_counted` reads it once the copy is done). The host tensor, or None while an
+        earlier copy is under way."""
+        if self._counting is not None:
+            return None
+        rows = self._rows.open
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+        host.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event() if rows.is_cuda else None
+        if event is not None:
+            event.record()
+        self._counting = host, event
+        return host
+
+    def _counted(self) -> "tuple[torch.Tensor, list[int]] | None":
+        """The copy `_count_chunks` made and its values by row, once it is done (then no copy is under way)."""
+        if self._counting is None:
+            return None
+        host, event = self._counting
+        if event is not None and not event.query():
+            return None
+        self._counting = None
+        return host, host.tolist()
 
     def plan_buffers(self, size: int, max_slots: int, device: torch.device) -> "ChunkPlan | None":
-        return ChunkPlan.static(size, device, {"targets": 2}) if self.batched else None
+        return ChunkPlan.static(size, device) if self.batched else None
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         if self.batched:
@@ -510,9 +560,10 @@ class DynSplitKV(RowHolder, KVMethod):
         state, pool = self._rows, batch.pool
         span = self.chunk_size + self.max_deviation + 1  # a chunk closes once that many slots follow its start
         if layer == 0:
-            state.start.view(-1)[plan.targets[:, 1]] = plan.following.int()  # a chunk the token opened
-            self._ranges = self._chunk_ranges(plan, n, self._token_width(batch) if self.score == "tokens" else 0)
-        table, lo, count, chunk_of = self._ranges
+            self._split = self._split_step(plan.row, n, batch.tokens)
+            self._ranges = self._chunk_ranges(plan, self._split.open_chunk, n,
+                                              self._token_width(batch) if self.score == "tokens" else 0)
+        split, (table, lo, count, chunk_of) = self._split, self._ranges
         if self.score == "tokens":  # the best token of each chunk between the forced ones
             keys = pool.k
             if self.score_keys == "channels":
@@ -522,9 +573,9 @@ class DynSplitKV(RowHolder, KVMethod):
         else:
             kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
             dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size,
-                                           plan.dirty_start - shift, plan.following - shift, stored, plan.targets,
-                                           span, kmin, kmax)  # in the tail
-            scores = kernels.page_bound(q, kmin, kmax, table, plan.open_chunk + 2, 1,
+                                           split.dirty_start - shift, split.following - shift, stored,
+                                           split.targets, span, kmin, kmax)  # in the tail
+            scores = kernels.page_bound(q, kmin, kmax, table, split.open_chunk + 2, 1,
                                         self.group_reduce)  # [B, kv_heads, chunks]
         sinks, recent = plan.n_sink, plan.n_recent
         capacity = plan.k - sinks - recent
@@ -561,11 +612,39 @@ class DynSplitKV(RowHolder, KVMethod):
         longest row), within the page table."""
         return min(batch.max_slots, batch.tables.shape[-1] * batch.pool.page_size)
 
-    def _chunk_ranges(self, plan: "ChunkPlan", n: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    def _split_step(self, row: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> SplitStep:
+        """DD-Select on the device for every row at once (layer 0 of a step, inside its graph): the token at position
+        n - 1 [B] (`tokens` [B]) gets its row's delimiter weight; a row whose open chunk now has its whole search
+        range closes it at the best end, as `split.dd_select` does (the same float64 scores; the first of equal
+        ones; s + C without a delimiter in range). Padding rows work on row 0."""
+        rows, size, dev = self._rows, self.chunk_size + self.max_deviation, self.max_deviation
+        rows.ring[row, (n - 1) % size] = rows.weights[row, self._delimiters[tokens]]
+        open_chunk = rows.open[row]  # [B]
+        start = rows.start[row, open_chunk].long()  # [B] the open chunk's start
+        ends = start[:, None] + torch.arange(1, size + 1, device=n.device)  # [B, C + Delta] its possible ends
+        target = start[:, None] + self.chunk_size
+        best = target[:, 0]
+        if self.split == "dynamic":
+            weight = rows.ring[row[:, None], (ends - 1) % size]  # [B, C + Delta] of each end's last token
+            closeness = 1.0 - (ends - target).abs().double() / dev if dev else torch.ones_like(weight)
+            valid = (ends >= target - dev) & (weight >= 0)
+            score = torch.where(valid, self.alpha * weight + (1.0 - self.alpha) * closeness, float("-inf"))
+            best = torch.where(valid.any(1), ends.gather(1, score.argmax(1, keepdim=True))[:, 0], best)
+        closes = n - start >= size  # [B]
+        following = torch.where(closes, best, n)
+        after = open_chunk + closes.long()
+        rows.start[row, after] = torch.where(closes, best, start).int()  # the chunk the token opened starts there
+        rows.open[row] = after
+        flat = row * rows.chunks + open_chunk
+        return SplitStep(after, start, following, torch.stack([flat, torch.where(closes, flat + 1, 0)], 1))
+
+    def _chunk_ranges(self, plan: "ChunkPlan", open_chunk: torch.Tensor, n: torch.Tensor,
+                      width: int) -> tuple[torch.Tensor, ...]:
         """What every layer of the step shares: each chunk's summary row (`table` [B, chunks], a chunk read as a
         page of one slot), its first slot between the forced ones and how many it has there (`lo`, `count`); with
-        width > 0 (score="tokens") the chunk of each of the first `width` slots ([B, width]; else None)."""
-        state, open_chunk = self._rows, plan.open_chunk[:, None]
+        width > 0 (score="tokens") the chunk of each of the first `width` slots ([B, width]; else None). open_chunk
+        [B]: each row's, after the step's token."""
+        state, open_chunk = self._rows, open_chunk[:, None]
         index = torch.arange(state.chunks, device=n.device)
         table = plan.row[:, None] * state.chunks + index
         start = state.start[plan.row].long()  # [B, chunks]

@@ -2,8 +2,9 @@
 one row each, the min / max key of every chunk per layer and KV head (none when chunks are scored by their tokens),
 each chunk's first position and the reuse counters; beside the KV pool, the step at which each slot was last attended
 (the reuse statistics) and, with score_keys="channels", the chosen channels of every key (`KeyChannels`) and each row's
-choice of them. The split itself (DD-Select) stays on the host and reaches these tensors between steps. Used
-by `semkv.methods.dynsplit.method`.
+choice of them. The split goes on here during decoding (DD-Select on the device, `DynSplitKV._split_step`): each row's
+open chunk, the delimiter weights of its last chunk_size + max_deviation positions (a ring by position) and its own
+weight of every delimiter token (per-document weights differ by row). Used by `semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class DynSplitRows(DeviceRows):
     layered = ("kmin", "kmax")
 
     def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device,
-                 stamped: bool = True, summarised: bool = True, channels: int = 0):
+                 stamped: bool = True, summarised: bool = True, channels: int = 0, ring: int = 1,
+                 delimiters: int = 0):
         super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
         self.summary_layers = layers if summarised else 0  # score="tokens" keeps no summaries
@@ -34,6 +36,12 @@ class DynSplitRows(DeviceRows):
         self.kmax = [torch.zeros_like(t) for t in self.kmin]
         self.start = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [rows, chunks] first position
         self.reuse = torch.zeros(1, 2, dtype=torch.long, device=device)  # [rows, 2] tokens reused / reloaded
+        # DD-Select: the open chunk [rows]; the weight of position p at [row, p % ring] for the open chunk's positions
+        # (ring = chunk_size + max_deviation; -1: not a delimiter); each delimiter token's weight [rows, delimiters + 1]
+        # (column 0: every other token, -1), float64 as the host's split computes
+        self.open = torch.zeros(1, dtype=torch.long, device=device)
+        self.ring = torch.full((1, ring), -1.0, dtype=torch.float64, device=device)
+        self.weights = torch.full((1, delimiters + 1), -1.0, dtype=torch.float64, device=device)
         # step (of this method) at which each slot and KV head was last attended: [pages, page_size, kv_heads]
         # (not with offload: the working sets count reuse)
         self.stamps = PageStorage(lambda pool: (pool.page_size, pool.num_kv_heads), dtype=torch.int32) if stamped \
@@ -53,7 +61,8 @@ class DynSplitRows(DeviceRows):
     def shapes(self, rows: int, chunks: int) -> dict[str, tuple[int, ...]]:
         summary = (self.summary_layers, rows, chunks, self.kv_heads, self.dim)
         return dict(kmin=summary, kmax=summary, start=(rows, chunks), reuse=(rows, 2),
-                    channels=(rows, *self.channels.shape[1:]))
+                    channels=(rows, *self.channels.shape[1:]), open=(rows,), ring=(rows, self.ring.shape[1]),
+                    weights=(rows, self.weights.shape[1]))
 
     def ensure(self, needs: tuple[int, int], pool: KVPool) -> bool:
         """Room for needs = (rows, chunks per row), and stamps and key channels for every page of the pool; True
@@ -68,5 +77,6 @@ class DynSplitRows(DeviceRows):
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""
-        for t in (*self.kmin, *self.kmax, self.start, self.reuse, self.channels):
+        for t in (*self.kmin, *self.kmax, self.start, self.reuse, self.channels, self.open):
             t[row].zero_()  # a kernel: writing a Python number would wait for the device, twice a layer
+        self.ring[row].fill_(-1.0)  # (its weights are written at the end of its prefill)

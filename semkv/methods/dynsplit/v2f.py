@@ -72,8 +72,11 @@ class DynSplitState:
         self.cache = 0  # offload: working-set slots per layer and KV head
         self.dependency = None  # AttentionDependency while per-document weights are estimated
         self.row = 0  # batched path: the sequence's row in `DynSplitRows` (0 until it is admitted)
-        # batched path: the chunk open before this step's token, its start, and its end if the token closed it (else 0)
-        self.dirty = (0, 0, 0)
+        # batched path, where decoding splits on the device: the chunks closed after how many tokens, as the host
+        # last learnt it (at the end of prefill, then from `DynSplitKV._count_chunks`'s copies), and the copy that
+        # was asked to count them with the tokens at that step
+        self.split_at = (0, 0)
+        self.asked: tuple[torch.Tensor | None, int] = (None, 0)
 
     @property
     def open_start(self) -> int:
