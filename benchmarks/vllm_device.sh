@@ -24,7 +24,8 @@
 # scheduler against another's, `git archive REV semkv benchmarks | tar -x -C .carry/old/semkv` less
 # benchmarks/results, carried: followup_steps.py's follow-ups on 8 cached documents, admitted one at a time
 # (--stagger 16) and eight at a time, and first_steps.py's prompt rate, 64 x 32,000 tokens with 1 new token 64 at a
-# time, and 32 x 32,000 with 512 new tokens 16 at a time (the decode steps); this tree's scripts over each tree's
+# time, and 32 x 32,000 with 512 new tokens 16 at a time (the decode steps; dynsplit_steps: the same under DynSplit-KV
+# score="tokens" at 10%); this tree's scripts over each tree's
 # semkv, each in its own process, old then new, on the model; a run done while the machine is warm is kept; ARGS:
 # the runs to make, e.g. decode_steps, default all), steps
 # (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of 2,048 and 4,096 tokens,
@@ -179,7 +180,9 @@ ab)  # the scheduler of this tree against another's: prompt rate and follow-ups,
   followups="followup_steps.py --documents 8 --questions 7 --concurrency 8 --new-tokens 128"
   for run in "followup_stagger $followups --stagger 16" "followup_steps $followups" \
              "first_steps first_steps.py --context 32000 --requests 64 --new-tokens 1 --max-num-seqs 64 --runs 2" \
-             "decode_steps first_steps.py --context 32000 --requests 32 --new-tokens 512 --max-num-seqs 16 --runs 2"; do
+             "decode_steps first_steps.py --context 32000 --requests 32 --new-tokens 512 --max-num-seqs 16 --runs 2" \
+             "dynsplit_steps first_steps.py --context 32000 --requests 32 --new-tokens 512 --max-num-seqs 16 --runs 2 \
+              --method dynsplit --param score=tokens"; do
     for tree in old new; do
       read -ra words <<< "$run"
       [ $# -gt 0 ] && [[ " $* " != *" ${words[0]} "* ]] && continue
