@@ -110,16 +110,20 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
     assert (llm.engine.pool.cached_pages > 0) == shares
 
 
-PIPELINED = [("full", 0, {})] + [c for c in CASES if c[1] == 0]
+# DynSplit-KV's token scores too, at a share of the context: its budget and split are made on the device
+# (`plans_ahead`), its budget growing every few tokens
+PIPELINED = [("full", 0, {})] + [c for c in CASES if c[1] == 0] + [("dynsplit", 0, {"score": "tokens", "budget": 0.3})]
 
 
-@pytest.mark.parametrize("name, i, params", PIPELINED, ids=["full"] + [i for c, i in zip(CASES, IDS) if c[1] == 0])
+@pytest.mark.parametrize("name, i, params", PIPELINED,
+                         ids=["full"] + [i for c, i in zip(CASES, IDS) if c[1] == 0] + ["dynsplit-tokens"])
 def test_a_pipelined_decode_gives_the_tokens_of_steps_ended_one_by_one(llm, name, i, params, monkeypatch):
     """A batch decoding alone launches its next step before it ends the last one (`Scheduler.pipeline`, on CUDA:
     switched on here): every method gives the tokens of steps ended one at a time, requests that end at different
     steps (in the step launched after the one that ended them: its tokens past their end are dropped) and one
     cancelled while a step is pending included; every page and byte of state is free again after."""
-    method = get_method(name, None if name == "full" else SMALL, **params)
+    params = dict(params)
+    method = get_method(name, params.pop("budget", None if name == "full" else SMALL), **params)
     lengths = [NEW, NEW - 5, NEW + 3, 2]
     ids = [encode(llm, p) for p in (PROMPTS * 2)[: len(lengths)]]
 

@@ -203,6 +203,13 @@ class BatchedHooks:
         then prepares no step ahead, since the slots it would name could move."""
         return True
 
+    @property
+    def plans_ahead(self) -> bool:
+        """True when its `step_plan` may run before the last step is ended (nothing in it depends on that step's
+        tokens or on a host count of them) and its `end_step` has nothing to do: its decode steps may then be
+        pipelined (`Engine.pipelines`), as those of a method without either hook."""
+        return False
+
     def admit(self, seq: "Sequence") -> None:
         """Take the device memory the request's state needs beside the KV pool (rows of batched tensors); called by
         the engine when the request is admitted, before its prefill."""

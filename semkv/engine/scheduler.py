@@ -26,10 +26,10 @@ method's work on the documents, its own or that of the follow-ups admitted a ste
 alone (nothing waiting, no prompt to run) pipelines its steps on CUDA (`pipeline`): its next decode step, whose
 inputs the last one prepared on the device (`Engine.ready_ahead`), is launched before the last one is ended, so the
 device runs a step while the host ends the one before and a server sends its tokens; only for methods whose steps
-read nothing the last step's end leaves on the host (`Engine.pipelines`), so the tokens are those of steps run one
-after another (a request that a step ended gets no token from the step already launched). Without a budget
-(`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get their first tokens at
-once.
+read nothing the last step's end leaves on the host (`Engine.pipelines`, `KVMethod.plans_ahead`), so the tokens are
+those of steps run one after another (a request that a step ended gets no token from the step already launched).
+Without a budget (`Engine.run`), waiting requests are admitted and prefilled whole before the decode steps, and get
+their first tokens at once.
 
 Admission takes the oldest waiting request that the pool and the device can hold now (`Engine.blocked`): its
 prefill's pages beside those promised to prompts being prefilled and a watermark (`WATERMARK`), its method state.

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from semkv import kernels
-from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, resolve_budget
+from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.errors import SemkvError, check_choice, check_range
@@ -70,15 +70,13 @@ CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "u
 
 @dataclass
 class ChunkPlan(StepPlan):
-    """DynSplit-KV's step plan (batched path, packed), [B] a value a row: its state row, the tokens it attends (k),
-    sinks and recent tokens; with `count_reuse` (K/V resident) this step's stamp and 1 at the row's first decode step
-    (no reuse yet), else 0s; with offload on, its sinks on the device, offloaded tokens and working-set slots (else
-    0s). The split's part of the step is made on the device (`SplitStep`)."""
+    """DynSplit-KV's step plan (batched path, packed), [B] a value a row: its state row; with `count_reuse` (K/V
+    resident) this step's stamp and 1 at the row's first decode step (no reuse yet), else 0s; with offload on, its
+    sinks on the device, offloaded tokens and working-set slots (else 0s). What depends on the step's token count (the
+    budget, the split) is made on the device (`SplitStep`): with K/V resident and no `count_reuse` the plan holds while
+    the batch does, and the steps may be pipelined (`plans_ahead`)."""
 
     row: torch.Tensor
-    k: torch.Tensor
-    n_sink: torch.Tensor
-    n_recent: torch.Tensor
     step: torch.Tensor
     first_step: torch.Tensor
     sinks: torch.Tensor
@@ -88,10 +86,14 @@ class ChunkPlan(StepPlan):
 
 @dataclass
 class SplitStep:
-    """What DD-Select on the device made of a step's token, [B] a value a row (`DynSplitKV._split_step`): the open
-    chunk after it; the chunk the token joined (open before it: its start, and the start of the chunk after it or the
-    token count); the summary rows `targets` [B, 2] of that chunk and of the chunk the token opened (0: none)."""
+    """What a step's token count makes on the device, [B] a value a row (`DynSplitKV._split_step`): the tokens each
+    row attends (k), of which its sinks and recent tokens; what DD-Select made of the token: the open chunk after it,
+    the chunk the token joined (open before it: its start, and the start of the chunk after it or the token count),
+    the summary rows `targets` [B, 2] of that chunk and of the chunk the token opened (0: none)."""
 
+    k: torch.Tensor
+    n_sink: torch.Tensor
+    n_recent: torch.Tensor
     open_chunk: torch.Tensor
     dirty_start: torch.Tensor
     following: torch.Tensor
@@ -234,6 +236,11 @@ class DynSplitKV(RowHolder, KVMethod):
     def steady_slots(self) -> bool:
         """With offload on, `end_step` moves the tail back over the tokens it offloads."""
         return not self.offload
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Batched with K/V resident and no `count_reuse`: the plan is the rows alone and `end_step` does nothing."""
+        return self.batched and not self.offload and not self.count_reuse
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -465,8 +472,8 @@ class DynSplitKV(RowHolder, KVMethod):
 
     def step_plan(self, batch: DecodeBatch) -> "ChunkPlan | None":
         """Batched path: room in the device rows for every row's split, and each row's `ChunkPlan` (the last plan
-        again while its values hold: with K/V resident and no `count_reuse` they change only when a row's budget
-        grows). Mean pooling: every split is extended by the step's token on the host (nothing to plan)."""
+        again while its values hold: with K/V resident and no `count_reuse`, while the batch holds). Mean pooling:
+        every split is extended by the step's token on the host (nothing to plan)."""
         if not self.batched:
             for seq in batch.seqs:
                 self._extend(seq.method_state, [seq.last_token])
@@ -483,11 +490,11 @@ class DynSplitKV(RowHolder, KVMethod):
             if asking is not None:
                 state.asked = (asking, n)
             closed, at = state.split_at
-            need = max(need, closed + (n - at) // shortest + 3)  # at most one chunk closes in `shortest` tokens
-            k = self._k(seq)
-            recent = min(k, self.n_recent)
-            plan.append([state.row, k, min(k - recent, self.n_sink), recent, self._step if stamped else 0,
-                         int(stamped and len(seq.output_ids) == 1), state.sinks, state.offloaded, state.cache])
+            # at most one chunk closes in `shortest` tokens; one token more for a step launched before the last one
+            # ended (`plans_ahead`: the host's count is a step behind)
+            need = max(need, closed + (n + 1 - at) // shortest + 3)
+            plan.append([state.row, self._step if stamped else 0, int(stamped and len(seq.output_ids) == 1),
+                         state.sinks, state.offloaded, state.cache])
         self.ensure_rows((max(row[0] for row in plan) + 1, need), batch.pool)
         if self._plan is None or self._plan[0] != plan:
             self._plan = plan, ChunkPlan.send(batch.pool.staging, plan)  # one copy that does not wait
@@ -555,21 +562,21 @@ class DynSplitKV(RowHolder, KVMethod):
         n = stored + shift  # [B] virtual slots: every token
         if batch.graphed:  # the widest any row may attend
             width = min(resolve_budget(self.budget, batch.max_slots), batch.max_slots)
-        else:
-            width = max(self._k(s) for s in batch.seqs)
+        else:  # one token more than the host counts: a pipelined step is launched before it counts the last one
+            width = max(min(resolve_budget(self.budget, s.num_computed + 2), s.num_computed + 2) for s in batch.seqs)
         state, pool = self._rows, batch.pool
         span = self.chunk_size + self.max_deviation + 1  # a chunk closes once that many slots follow its start
         if layer == 0:
             self._split = self._split_step(plan.row, n, batch.tokens)
-            self._ranges = self._chunk_ranges(plan, self._split.open_chunk, n,
+            self._ranges = self._chunk_ranges(plan, self._split, n,
                                               self._token_width(batch) if self.score == "tokens" else 0)
         split, (table, lo, count, chunk_of) = self._split, self._ranges
         if self.score == "tokens":  # the best token of each chunk between the forced ones
             keys = pool.k
             if self.score_keys == "channels":
                 keys, q = state.key_channels.data, self._channel_queries(layer, batch, q)
-            scores = dynsplit_kernels.chunk_best(q, keys, batch.tables[:, layer], chunk_of, plan.n_sink,
-                                                 n - plan.n_recent, state.chunks, self.group_reduce)
+            scores = dynsplit_kernels.chunk_best(q, keys, batch.tables[:, layer], chunk_of, split.n_sink,
+                                                 n - split.n_recent, state.chunks, self.group_reduce)
         else:
             kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
             dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size,
@@ -577,8 +584,8 @@ class DynSplitKV(RowHolder, KVMethod):
                                            split.targets, span, kmin, kmax)  # in the tail
             scores = kernels.page_bound(q, kmin, kmax, table, split.open_chunk + 2, 1,
                                         self.group_reduce)  # [B, kv_heads, chunks]
-        sinks, recent = plan.n_sink, plan.n_recent
-        capacity = plan.k - sinks - recent
+        sinks, recent = split.n_sink, split.n_recent
+        capacity = split.k - sinks - recent
         before, _, place = kernels.bucket_take(scores, count[:, None].expand_as(scores), capacity)
         slots, lengths = dynsplit_kernels.chunk_slots(lo, count, before, place, n, sinks, capacity,
                                                       torch.minimum(recent, n - sinks).clamp(min=1), self.n_sink,
@@ -616,7 +623,11 @@ class DynSplitKV(RowHolder, KVMethod):
         """DD-Select on the device for every row at once (layer 0 of a step, inside its graph): the token at position
         n - 1 [B] (`tokens` [B]) gets its row's delimiter weight; a row whose open chunk now has its whole search
         range closes it at the best end, as `split.dd_select` does (the same float64 scores; the first of equal
-        ones; s + C without a delimiter in range). Padding rows work on row 0."""
+        ones; s + C without a delimiter in range). Also the tokens each row attends from n, as `_k` counts them on the
+        host. Padding rows work on row 0."""
+        k = torch.minimum(budget_tokens(self.budget, n), n)
+        n_recent = k.clamp(max=self.n_recent)
+        n_sink = (k - n_recent).clamp(max=self.n_sink)
         rows, size, dev = self._rows, self.chunk_size + self.max_deviation, self.max_deviation
         rows.ring[row, (n - 1) % size] = rows.weights[row, self._delimiters[tokens]]
         open_chunk = rows.open[row]  # [B]
@@ -636,20 +647,20 @@ class DynSplitKV(RowHolder, KVMethod):
         rows.start[row, after] = torch.where(closes, best, start).int()  # the chunk the token opened starts there
         rows.open[row] = after
         flat = row * rows.chunks + open_chunk
-        return SplitStep(after, start, following, torch.stack([flat, torch.where(closes, flat + 1, 0)], 1))
+        return SplitStep(k, n_sink, n_recent, after, start, following,
+                         torch.stack([flat, torch.where(closes, flat + 1, 0)], 1))
 
-    def _chunk_ranges(self, plan: "ChunkPlan", open_chunk: torch.Tensor, n: torch.Tensor,
+    def _chunk_ranges(self, plan: "ChunkPlan", split: SplitStep, n: torch.Tensor,
                       width: int) -> tuple[torch.Tensor, ...]:
         """What every layer of the step shares: each chunk's summary row (`table` [B, chunks], a chunk read as a
         page of one slot), its first slot between the forced ones and how many it has there (`lo`, `count`); with
-        width > 0 (score="tokens") the chunk of each of the first `width` slots ([B, width]; else None). open_chunk
-        [B]: each row's, after the step's token."""
-        state, open_chunk = self._rows, open_chunk[:, None]
+        width > 0 (score="tokens") the chunk of each of the first `width` slots ([B, width]; else None)."""
+        state, open_chunk = self._rows, split.open_chunk[:, None]
         index = torch.arange(state.chunks, device=n.device)
         table = plan.row[:, None] * state.chunks + index
         start = state.start[plan.row].long()  # [B, chunks]
         end = torch.where(index < open_chunk, start.roll(-1, dims=1), n[:, None])
-        lo, hi = torch.maximum(start, plan.n_sink[:, None]), torch.minimum(end, (n - plan.n_recent)[:, None])
+        lo, hi = torch.maximum(start, split.n_sink[:, None]), torch.minimum(end, (n - split.n_recent)[:, None])
         count = torch.where(index <= open_chunk, (hi - lo).clamp(min=0), 0)
         if not width:
             return table, lo, count, None
