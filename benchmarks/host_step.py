@@ -1,6 +1,7 @@
 """Host time of a decode step's preparation (`Engine.prepare_step`: the step inputs, the method's `begin_step` where it
-has one, its `step_plan`), eager steps of the embedded model on the CPU: what a method's own per-step host work costs
-beside Full KV's, one process a method (or a tree: put another tree's semkv first on PYTHONPATH).
+has one, its `step_plan`) and of its end (the method's `end_step`), eager steps of the embedded model on the CPU: what
+a method's own per-step host work costs beside Full KV's, one process a method (or a tree: put another tree's semkv
+first on PYTHONPATH).
 
     python benchmarks/host_step.py --method dynsplit --param score=tokens --rows 64
 """
@@ -46,22 +47,26 @@ def main() -> None:
         method.admit(seq)
         seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
         seqs.append(seq)
-    times = []
+    times, ends = [], []
     for _ in range(args.steps):
         started = time.perf_counter()
         inputs, plan = engine.prepare_step(seqs, method)
         times.append(time.perf_counter() - started)
         logits, step = engine.forward_step(seqs, method, inputs, plan)
         tokens = engine.finish_step(seqs, step, logits.argmax(-1))
+        started = time.perf_counter()
         method.end_step(seqs, logits, tokens)
+        ends.append(time.perf_counter() - started)
         for seq, token in zip(seqs, tokens):
             seq.output_ids.append(token)
     for seq in seqs:
         engine.release(seq)
-    times = sorted(times[8:])
+    times, ends = sorted(times[8:]), sorted(ends[8:])
     print(json.dumps(dict(semkv=semkv.__file__, method=args.method, params=params, rows=args.rows,
                           prepare_ms_median=round(1e3 * times[len(times) // 2], 3),
-                          prepare_ms_mean=round(1e3 * sum(times) / len(times), 3))))
+                          prepare_ms_mean=round(1e3 * sum(times) / len(times), 3),
+                          end_ms_median=round(1e3 * ends[len(ends) // 2], 3),
+                          end_ms_mean=round(1e3 * sum(ends) / len(ends), 3))))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from semkv.bench.cli import parse_batches, parse_hf_points
-from semkv.bench.run import TextContexts, bench_decode, bound_method, largest_batch, prefilled_batch
+from semkv.bench.run import TextContexts, bench_decode, bound_method, largest_batch, prefilled_batch, served_rate
 from semkv.cli.main import main
 from semkv.engine.engine import Engine
 from semkv.errors import SemkvError
@@ -21,10 +21,12 @@ def test_largest_full_batch_fits_and_one_more_does_not(tiny_llm):
     engine = Engine(model, cfg, tiny_llm.engine.device, tiny_llm.engine.dtype, num_pages=400)
     context, steps = 100, 3
     batch = largest_batch(engine, bound_method(engine, "full", None), context, steps)
-    # per sequence: 3 layers x ceil((100 + 4 warm-up + 3 timed + 2 breakdown) / 16) = 21 pages; 399 free -> 19
-    assert batch == (engine.pool.num_pages - 1) // (cfg.num_layers * -(-(context + 4 + steps + 2) // 16))
+    # per sequence: 3 layers x ceil((100 + 4 warm-up + 3 timed + 3 served + 2 breakdown) / 16) = 21 pages; 399 free
+    # -> 19
+    assert batch == (engine.pool.num_pages - 1) // (cfg.num_layers * -(-(context + 4 + 2 * steps + 2) // 16))
     row = bench_decode(engine, "full", None, batch, context, steps=steps)
-    assert row.batch == batch and row.attended_per_layer == pytest.approx(context + (4 + steps + 2 + 1) / 2)  # 101..109
+    assert row.batch == batch and row.attended_per_layer == pytest.approx(context + (4 + 2 * steps + 2 + 1) / 2)
+    assert row.served_tokens_per_s > 0  # attended above: 101..112, the served steps too
     assert engine.pool.in_use == 0  # the run gave its pages back
     with pytest.raises(MemoryError):
         bench_decode(engine, "full", None, batch + 1, context, steps=steps)
@@ -315,6 +317,37 @@ def test_a_text_batch_is_prefilled_for_real(tiny_model_dir, tiny_llm, essay_text
     row = bench_decode(engine, "tokenselect", 64, 3, 150, steps=3, text=text)
     assert row.cache_hit_rate is not None and row.attended_per_layer <= 64
     assert engine.pool.in_use == 0
+
+
+@pytest.mark.parametrize("name, budget, params", [
+    ("full", None, {}), ("sentencekv", 48, dict(keep_factor=1.0, query="current", score="tokens", retain="sentences",
+                                                offload_chunk=4)), ("sentencekv", 48, {})])
+def test_served_steps_are_pipelined_where_the_method_allows_with_the_tokens_of_steps_one_by_one(
+        tiny_llm, essay_text, tmp_path, monkeypatch, name, budget, params):
+    """`served_rate` launches each step before it completes the last one where the method's steps may be pipelined
+    (Full KV, SentenceKV's retrieving mode; not its mean query, whose plan follows the last step's sentence end):
+    the tokens are those of the same steps run one after another."""
+    engine = Engine(tiny_llm.engine.model, tiny_llm.config, tiny_llm.engine.device, tiny_llm.engine.dtype)
+    method = bound_method(engine, name, budget, params, tiny_llm.tokenizer)
+    text = TextContexts.from_files([str(write_text(tmp_path, essay_text))], tiny_llm.tokenizer)
+    behind = []
+    launch = engine.launch_step
+    monkeypatch.setattr(engine, "launch_step", lambda *a, **k: behind.append(k.get("behind", 0)) or launch(*a, **k))
+
+    def served(pipelines: bool) -> list[list[int]]:
+        monkeypatch.setattr(Engine, "pipelines", staticmethod(lambda m: pipelines))
+        with torch.inference_mode():
+            seqs = prefilled_batch(engine, method, 3, 150, 24, text)
+            assert served_rate(engine, method, seqs, 20, None) > 0
+        tokens = [s.output_ids for s in seqs]
+        engine.end(seqs, method)
+        return tokens
+
+    pipelines = Engine.pipelines(method)
+    want = served(False)
+    assert sum(behind) == 0
+    assert served(pipelines) == want and (sum(behind) == 19) == pipelines == (name == "full" or bool(params))
+    assert engine.pool.in_use == 0 and engine.memory().held == (0, 0, 0, 0)
 
 
 def write_text(folder, text: str):

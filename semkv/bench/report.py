@@ -13,6 +13,7 @@ def share(value: float | None) -> str:
 def decode_line(row) -> str:
     return (f"{row.method:<12} B={row.batch:<3} ctx={row.context:<6} TPOT {row.tpot_ms:8.2f} ms "
             f"(mean {row.tpot_mean_ms:.2f}, forward {row.forward_ms:.2f})  {row.tokens_per_s:9.1f} tok/s  "
+            f"(served {row.served_tokens_per_s:.1f})  "
             f"selection {share(row.selection_share)}  peak {row.peak_memory_gib:6.1f} GiB  "
             f"attended {row.attended_per_layer:8.0f}"
             + ("" if row.cache_hit_rate is None else f"  cache hits {100 * row.cache_hit_rate:.1f}%")
@@ -45,15 +46,18 @@ def largest_batches(results: dict) -> list[str]:
             base = rows.get(("full", full_batch, int(context)))
             if row is None:
                 continue
-            vs = ("-", "-") if base is None else (f"{batch / full_batch:.2f}",
-                                                  f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}")
+            served = row.get("served_tokens_per_s", 0)
+            vs = ("-", "-", "-") if base is None else (
+                f"{batch / full_batch:.2f}", f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}",
+                f"{served / base['served_tokens_per_s']:.2f}" if served and base.get("served_tokens_per_s") else "-")
             lines.append(f"| {name} | {context} | {batch} | {vs[0]} | {row['tokens_per_s']:.1f} | {vs[1]} | "
-                         f"{row['tpot_ms']:.2f} | {row['peak_memory_gib']:.1f} | {row.get('host_gib', 0):.1f} |")
+                         f"{served:.1f} | {vs[2]} | {row['tpot_ms']:.2f} | {row['peak_memory_gib']:.1f} | "
+                         f"{row.get('host_gib', 0):.1f} |")
     if not lines:
         return []
     return ["", "## Each method at its largest batch", "",
-            "| method | context | batch | x Full KV's batch | tokens/s | x Full KV at its largest | TPOT ms | peak GiB | "
-            "host GiB |", "|---|---|---|---|---|---|---|---|---|", *lines]
+            "| method | context | batch | x Full KV's batch | tokens/s | x Full KV at its largest | served tokens/s | "
+            "x Full KV | TPOT ms | peak GiB | host GiB |", "|---|---|---|---|---|---|---|---|---|---|---|", *lines]
 
 
 def write(results: dict, out: Path) -> None:
@@ -65,21 +69,28 @@ def write(results: dict, out: Path) -> None:
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     full = {(r["batch"], r["context"]): r for r in results["decode"] if r["method"] == "full"}
     lines += ["", "## Decode", "",
-              "| method | batch | context | TPOT ms | tokens/s | x Full KV | floor ms | TPOT / floor | graph forward ms | "
-              "selection share | peak GiB | host GiB | from host MiB/step | attended / layer | cache hits | graphs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| method | batch | context | TPOT ms | tokens/s | x Full KV | served tokens/s | x Full KV | floor ms | "
+              "TPOT / floor | graph forward ms | selection share | peak GiB | host GiB | from host MiB/step | "
+              "attended / layer | cache hits | graphs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
         base = full.get((r["batch"], r["context"]))
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        served = r.get("served_tokens_per_s", 0)  # absent in runs before it was measured
+        served_speedup = f"{served / base['served_tokens_per_s']:.2f}" if served and base and base.get(
+            "served_tokens_per_s") else "-"
         floor = floor_ms(r, info, kv_token_bytes)
         ratio = f"{r['tpot_ms'] / floor:.2f}" if floor else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
-                     f"| {speedup} | {floor:.2f} | {ratio} | {r.get('forward_ms', 0):.2f} | "
-                     f"{share(r.get('selection_share', 0))} | {r['peak_memory_gib']:.1f} | "
-                     f"{r.get('host_gib', 0):.1f} | {r.get('h2d_mb_per_step', 0):.1f} | "
+                     f"| {speedup} | {served:.1f} | {served_speedup} | {floor:.2f} | {ratio} | "
+                     f"{r.get('forward_ms', 0):.2f} | {share(r.get('selection_share', 0))} | "
+                     f"{r['peak_memory_gib']:.1f} | {r.get('host_gib', 0):.1f} | {r.get('h2d_mb_per_step', 0):.1f} | "
                      f"{r['attended_per_layer']:.0f} | {hit_rate(r)} | {r['graphs']} |")
     lines += largest_batches(results)
-    lines += ["", "graph forward: median device time of the timed steps' graph replays. selection share '-': the "
+    lines += ["", "tokens/s: the batch over the mean of the timed steps, each waited for. served tokens/s: as many "
+              "steps again as a server's scheduler runs a batch decoding alone, each launched before the last one "
+              "ends where the method's steps may be pipelined (`Engine.pipelines`), no wait between steps.",
+              "", "graph forward: median device time of the timed steps' graph replays. selection share '-': the "
               "method selects inside each layer of the captured graph, which host timing cannot see; the eager step "
               "below times it.",
               "", "## Step breakdown (one eager step, ms)", "",

@@ -49,6 +49,7 @@ class DecodeResult:
     cache_hit_rate: float | None = None  # TokenSelect's Selection Cache over the timed steps (None: no such cache)
     host_gib: float = 0.0  # host memory the method's requests hold (offloaded K/V)
     h2d_mb_per_step: float = 0.0  # offloaded K/V read from host memory per timed step, all sequences (PCIe)
+    served_tokens_per_s: float = 0.0  # as a server's scheduler runs the batch alone (`served_rate`): no wait a step
 
 
 def random_layers(engine: Engine, seq: Sequence, context: int, seed: int = 0) -> Callable[[int], None]:
@@ -108,6 +109,12 @@ def synthetic_ids(engine: Engine, index: int, context: int) -> list[int]:
     return [1 + (index * 7919 + t) % (engine.config.vocab_size - 2) for t in range(context)]
 
 
+def bench_tokens(steps: int, warmup: int = WARMUP_STEPS) -> int:
+    """The generation a `bench_decode` run of `steps` timed steps allows: the warm-up, the timed and the served steps
+    (`served_rate`), the breakdown's and some room."""
+    return warmup + 2 * steps + 8
+
+
 def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
     """The largest batch of `context`-token sequences a `bench_decode` run of `steps` steps keeps: its KV pages in
     the engine's fixed pool (each sequence at the method's `device_tokens` bound, or every token: Full KV, while the
@@ -116,11 +123,11 @@ def largest_batch(engine: Engine, method: KVMethod, context: int, steps: int, wa
     before, and a decode step's logits), and its offloaded K/V in host memory."""
     if engine.pool.max_pages is None:
         raise SemkvError("--batches max needs a KV pool of fixed size (a CUDA device); give batch sizes")
-    new = warmup + steps + 8  # the generation `bench_decode` allows
+    new = bench_tokens(steps, warmup)
     layers, page = engine.config.num_layers, engine.pool.page_size
     seq = Sequence(0, synthetic_ids(engine, 0, context), SamplingParams(max_new_tokens=new), SeqKV(engine.pool))
-    if method.device_tokens(context, new, page) is None:  # Full KV: the warm-up, timed and 2 breakdown steps
-        prefill = per_seq = layers * -(-(context + warmup + steps + 2) // page)
+    if method.device_tokens(context, new, page) is None:  # Full KV: the warm-up, timed, served and 2 breakdown steps
+        prefill = per_seq = layers * -(-(context + warmup + 2 * steps + 2) // page)
     else:
         prefill, per_seq = engine.pages_needed(seq, method, prefill=True), engine.pages_needed(seq, method)
     pool = engine.pool
@@ -233,6 +240,28 @@ def time_steps(engine: Engine, method: KVMethod, seqs: list[Sequence], steps: in
     return times
 
 
+def served_rate(engine: Engine, method: KVMethod, seqs: list[Sequence], steps: int, graphs) -> float:
+    """Tokens/s of `steps` decode steps run as a server's scheduler runs a batch decoding alone: where the method's
+    steps may be pipelined (`Engine.pipelines`), each is launched before the last one is completed, from the inputs
+    that one prepared, so the host's work of a step overlaps the device's of the last; else one after another. The
+    host waits only to read each step's tokens, not for the device to go idle between steps."""
+    pipeline = engine.pipelines(method)
+    sync(engine.device)
+    started = time.perf_counter()
+    launched = engine.launch_step(seqs, method, graphs, early=True)
+    for _ in range(steps - 1):
+        if pipeline and engine.ready_ahead(seqs):
+            after = engine.launch_step(seqs, method, graphs, early=True, behind=1)
+            engine.complete_step(launched, never_stop)
+            launched = after
+        else:
+            engine.complete_step(launched, never_stop)
+            launched = engine.launch_step(seqs, method, graphs, early=True)
+    engine.complete_step(launched, never_stop)
+    sync(engine.device)
+    return len(seqs) * steps / (time.perf_counter() - started)
+
+
 def never_stop(seq: Sequence) -> None:
     return None
 
@@ -245,7 +274,7 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.pool.peak_in_use = engine.pool.in_use
-    seqs = prefilled_batch(engine, method, batch, context, warmup + steps + 8, text)
+    seqs = prefilled_batch(engine, method, batch, context, bench_tokens(steps, warmup), text)
     try:
         graphs = engine.graph_runner(method, seqs)
         time_steps(engine, method, seqs, warmup, graphs)
@@ -266,6 +295,7 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
         share = selection / (seqs[0].stats.decode_s - decode_before)
         if forward and type(method).select is not KVMethod.select:
             share = None
+        served = served_rate(engine, method, seqs, steps, graphs)
         breakdown = step_breakdown(engine, method, seqs)
         attended = sum(s.attended_total / max(s.num_computed - context, 1) for s in seqs) / batch
         peak = needed_memory_gib(engine)
@@ -273,7 +303,7 @@ def bench_decode(engine: Engine, name: str, budget, batch: int, context: int, st
         engine.end(seqs, method)
     return DecodeResult(name, budget, batch, context, 1e3 * tpot, batch / mean, peak, engine.pool.peak_in_use,
                         attended, graphs is not None, 1e3 * mean, 1e3 * forward, share, breakdown, hit_rate,
-                        host / 2**30, h2d / 2**20)
+                        host / 2**30, h2d / 2**20, served)
 
 
 def cache_counts(seqs: list[Sequence]) -> tuple[int, int] | None:

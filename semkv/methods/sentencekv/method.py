@@ -33,7 +33,9 @@ score="tokens", opt-in, the buckets are ranked by their best retained token inst
 retained keys read in place, a max per bucket). With offload on, those slot lists name virtual slots (the resident
 layout) and `WorkingSets.load` makes them device slots, reading the chosen tokens the working set does not hold from
 pinned host memory in the same kernel. Either way a step reads nothing back and is captured in a CUDA graph; tokens
-that leave the recent window join their buckets between steps (host-decided, every `offload_chunk` tokens).
+that leave the recent window join their buckets between steps (host-decided, every `offload_chunk` tokens: at the
+step's plan when K/V stay resident, so that with query="current" a step may be launched before the last one ends;
+at the step's end with offload, which moves their slots).
 
 Parameters
 ----------
@@ -170,6 +172,12 @@ class SentenceKV(RowHolder, KVMethod):
     def steady_slots(self) -> bool:
         """With offload on, `end_step` moves the recent window back over the tokens it offloads."""
         return self.offload is False
+
+    @property
+    def plans_ahead(self) -> bool:
+        """K/V resident and no mean query: the plan (rows, budget split, retained counts) is made from what the
+        host knows a step before, and `end_step` only follows the sentences; the steps may be pipelined."""
+        return self.offload is False and self.query != "mean"
 
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -313,10 +321,16 @@ class SentenceKV(RowHolder, KVMethod):
         everything reads as row 0 with an unbounded recent window. None when every row keeps everything
         (eager steps only: a graphed step always takes a plan). The last plan again while its values hold (without
         query="mean" they change only when tokens join the buckets, one step in `offload_chunk`): no copy to the
-        device, and none into a graph's buffers."""
+        device, and none into a graph's buffers. Resident rows' waiting tokens join their buckets here (offloading
+        rows' at `end_step`, which moves their slots), so the plan needs nothing of the last step's end
+        (`plans_ahead`)."""
         states: list[SentenceState] = [s.method_state for s in batch.seqs]
         if all(st.dense for st in states) and not self.graph_safe:
             return None
+        resident = [seq for seq, st in zip(batch.seqs, states) if not st.offload and not st.dense]
+        if resident:  # their waiting tokens join before the first step that could attend to them: the step's own
+            # slot is the only one not written, and the sentences of those tokens are known one step before
+            self._join_waiting(resident, [1] * len(resident))
         mean = self.query == "mean"  # q_count is read on the device only then
         rows = [[0, 0, 0, 0, 0, KEEP_ALL, 0, 0] if st.dense else
                 [st.row, st.q_count if mean else 0, st.n_sink, st.retained, st.capacity, st.n_recent,
@@ -374,11 +388,10 @@ class SentenceKV(RowHolder, KVMethod):
         return rows.rank_best(layer, plan.row, best, plan.capacity)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Start a new generated bucket after a sentence end (the mean query starts again); the tokens that left the
-        recent window join their buckets (and move to the host when offloading) once `offload_chunk` of them
-        wait, those of every row at once."""
+        """Start a new generated bucket after a sentence end (the mean query starts again); with offload, the tokens
+        that left the recent window join their buckets and move to the host once `offload_chunk` of them wait, those
+        of every row at once (resident, they join at the next step's plan: `step_plan`)."""
         self._ends = ()  # the step's tensors go with it (a graph keeps its own copy)
-        leaving = []  # (sequence, state, tokens that leave its recent window now)
         for seq, token in zip(seqs, tokens):
             st: SentenceState = seq.method_state
             if st.dense:
@@ -398,18 +411,28 @@ class SentenceKV(RowHolder, KVMethod):
                 st.q_count = 0
             else:
                 st.q_count += 1
-            waiting = seq.kv.num_slots[0] - seq.slot_ready - st.tail_start - st.n_recent
-            if waiting >= self.offload_chunk:
-                leaving.append((seq, st, waiting - waiting % self.offload_chunk))
-        pool = seqs[0].kv.pool
-        for m in sorted({m for _, _, m in leaving}):
-            self._join_buckets([(seq, st) for seq, st, size in leaving if size == m], m, pool)
         offloading = [seq for seq in seqs if seq.method_state.offload]
-        if offloading:  # their traffic, each step (the largest step's bytes are a statistic)
-            counts = self._sets.counts([seq.method_state.row for seq in offloading])
-            vector_bytes = self._rows.row_bytes()
+        if offloading:
+            self._join_waiting(offloading, [seq.slot_ready for seq in offloading])  # a slot prepared for the next
+            # step is not written yet
+            counts = self._sets.counts([seq.method_state.row for seq in offloading])  # their traffic, each step
+            vector_bytes = self._rows.row_bytes()  # (the largest step's bytes are a statistic)
             for seq, found_loaded in zip(offloading, counts):
                 self._record(seq, vector_bytes, found_loaded)
+
+    def _join_waiting(self, seqs: list[Sequence], unwritten: list[int]) -> None:
+        """Rows whose tokens past the recent window (between it and the retained ones: attended by no step) number
+        `offload_chunk` or more: the oldest of them, whole multiples of it, join their buckets. unwritten: each
+        sequence's slots not yet written (the step's own at its plan, a slot prepared ahead at its end). Rows that
+        keep some tokens only."""
+        leaving = []  # (sequence, state, tokens that leave its recent window now)
+        for seq, ahead in zip(seqs, unwritten):
+            st: SentenceState = seq.method_state
+            waiting = seq.kv.num_slots[0] - ahead - st.tail_start - st.n_recent
+            if waiting >= self.offload_chunk:
+                leaving.append((seq, st, waiting - waiting % self.offload_chunk))
+        for m in sorted({m for _, _, m in leaving}):
+            self._join_buckets([(seq, st) for seq, st, size in leaving if size == m], m, seqs[0].kv.pool)
 
     def _join_buckets(self, group: list[tuple[Sequence, SentenceState]], m: int, pool: KVPool) -> None:
         """The m oldest tokens of the recent window of each of these rows join their buckets, every layer at once
