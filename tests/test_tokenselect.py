@@ -437,10 +437,10 @@ def test_token_select_kernel_scores_an_int8_key_sketch_as_the_reference(interpre
 
 
 def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_do(tiny_llm):
-    """score_keys="int8": after prefill and every decode step the sketch holds the int8 form of every key the
-    sequences stored, in every layer (a slot prepared ahead for the next step is sketched at the end of that step);
-    the batched selection from it picks nearly the tokens the exact keys pick; a budget covering the context gives
-    Full KV's tokens; the sketch is counted per page beside the pool."""
+    """score_keys="int8": once a decode step is planned the sketch holds the int8 form of every key the sequences
+    stored before it, in every layer (the last step's slot is sketched at the next step's plan, before that step
+    runs: a pipelined step finds it there too); the batched selection from it picks nearly the tokens the exact keys
+    pick; a budget covering the context gives Full KV's tokens; the sketch is counted per page beside the pool."""
     from semkv.methods.state.key_sketch import quantize
 
     engine, cfg = tiny_llm.engine, tiny_llm.config
@@ -456,10 +456,11 @@ def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_d
     with torch.inference_mode():
         for _ in range(6):
             engine.step(seqs, method, None, lambda seq: "")
+        batch = engine.step_batch(seqs, *engine.prepare_step(seqs, method))  # the 7th step, planned
     pool, size = engine.pool, engine.pool.page_size
     for seq in seqs:
         for layer in range(cfg.num_layers):
-            n = seq.kv.num_slots[layer] - seq.slot_ready
+            n = seq.kv.num_slots[layer] - 1  # not the planned step's own slot
             rows = torch.tensor([seq.kv.pages[layer, t // size] * size + t % size for t in range(n)])
             keys, scales = quantize(pool.flat()[0][rows])
             assert torch.equal(method._sketch.keys.data.view(-1, cfg.num_kv_heads, cfg.head_dim)[rows], keys)
@@ -468,7 +469,6 @@ def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_d
     exact.bind(cfg, tiny_llm.tokenizer, size)
     same = total = 0
     with torch.inference_mode():
-        batch = engine.step_batch(seqs, *engine.prepare_step(seqs, method))
         exact._ensure_cache(3, 40, pool.k.device)
         q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
         for layer in range(cfg.num_layers):

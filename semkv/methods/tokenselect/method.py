@@ -132,6 +132,12 @@ class TokenSelect(KVMethod):
         Selection Cache included (`select_batched`), which CUDA graphs capture."""
         return not self.extrapolate
 
+    @property
+    def plans_ahead(self) -> bool:
+        """Batched (exact mode): the plan is the rows of the Selection Cache, the key sketch of the last step's slot
+        is made with it, and `end_step` only copies the cache's counts to the statistics without waiting."""
+        return self.graph_safe
+
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
         if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
@@ -146,8 +152,11 @@ class TokenSelect(KVMethod):
         self._plan: tuple[list[Sequence], CacheRows] | None = None
         self._parts: tuple[DecodeBatch, torch.Tensor] | None = None
         self._sketch = KeySketch() if self.score_keys == "int8" else None
+        # the Selection Cache's counts on their way to the host (`_count`): the sequences, the host copy, its event
+        self._counting: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
 
     def release(self, seq: Sequence) -> None:
+        self._count()  # its last counts, if copied already (the statistics may be a step or so behind on a GPU)
         self._rows.pop(id(seq), None)
         self._plan = self._parts = None
 
@@ -256,6 +265,12 @@ class TokenSelect(KVMethod):
         if not self.graph_safe:
             return None
         seqs, device = batch.seqs, batch.pool.k.device
+        if self._sketch is not None:  # the slot each layer stored at the last step (the one before this step's own):
+            # it leaves the recent window, attended exactly, before it is scored from the sketch
+            pool, size = batch.pool, batch.pool.page_size
+            newest = [seq.kv.num_slots[0] - 2 for seq in seqs]
+            self._sketch_rows(pool, pool.staging.send(np.concatenate([seq.kv.pages[:, t // size] * size + t % size
+                                                                      for seq, t in zip(seqs, newest)])))
         # the widest top-k these requests will take: a fractional budget's k grows with the context, and a cache
         # grown mid-run is a graph captured again (on an H200 a 182 ms step, three steps into a 16-row batch)
         last = max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
@@ -302,21 +317,32 @@ class TokenSelect(KVMethod):
         return CacheRows.static(size, device)
 
     def end_step(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """score_keys="int8": sketch the slot each layer stored this step (the recent window attends it exactly
-        now; it is scored from the sketch once it leaves). Hit counts of the device Selection Cache into each
-        sequence's statistics (one small read)."""
-        if self._sketch is not None:  # the flat row of each sequence's newest slot in each layer, from the host
-            pool = seqs[0].kv.pool
-            size = pool.page_size
-            newest = [seq.kv.num_slots[0] - 1 - seq.slot_ready for seq in seqs]  # not a slot prepared ahead
-            self._sketch_rows(pool, pool.staging.send(np.concatenate([seq.kv.pages[:, t // size] * size + t % size
-                                                                      for seq, t in zip(seqs, newest)])))
-        if self._plan is None or not self.graph_safe:
+        """Hit counts of the device Selection Cache into each sequence's statistics, without waiting for the device:
+        those of the last copy that is done (on a GPU a step or so behind), and a new copy."""
+        if self._cache is None or not self.graph_safe:
             return
-        counts = self._cache.counts[self._plan[1].cache_row].tolist()
-        for seq, (hits, lookups) in zip(seqs, counts):
-            seq.stats.extra.update(selection_cache_hits=hits, selection_cache_lookups=lookups,
-                                   selection_cache_hit_rate=hits / max(lookups, 1))
+        self._count()
+        if self._counting is None:  # else an earlier copy is under way
+            counts = self._cache.counts  # [rows, 2]
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
+            host.copy_(counts, non_blocking=True)
+            event = torch.cuda.Event() if counts.is_cuda else None
+            if event is not None:
+                event.record()
+            self._counting = list(seqs), host, event
+            self._count()  # off CUDA the copy is done
+
+    def _count(self) -> None:
+        """The copied counts into the statistics of the sequences still in the cache, once the copy is done."""
+        if self._counting is None or (self._counting[2] is not None and not self._counting[2].query()):
+            return
+        seqs, host, _ = self._counting
+        self._counting = None
+        for seq in seqs:
+            if id(seq) in self._rows:
+                hits, lookups = host[self._rows[id(seq)][1]].tolist()
+                seq.stats.extra.update(selection_cache_hits=hits, selection_cache_lookups=lookups,
+                                       selection_cache_hit_rate=hits / max(lookups, 1))
 
     def cached_top(self, layer: int, seq: Sequence, q: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
         """Algorithm 1: reuse the layer's last top-k while cos(q, cached q) >= theta, else select anew."""
