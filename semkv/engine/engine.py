@@ -735,8 +735,7 @@ class Engine:
         """True when a decode step of `method` may be launched before the one before it is completed: the step reads
         nothing that the last one's end leaves on the host (no step plan, `end_step` or `observe_logits` of its own,
         or a plan made without it: `plans_ahead`), so its tokens are those of steps run one after another."""
-        hooks = ("begin_step", "observe_logits") if method.plans_ahead else (
-            "begin_step", "step_plan", "end_step", "observe_logits")
+        hooks = ("begin_step",) if method.plans_ahead else ("begin_step", "step_plan", "end_step", "observe_logits")
         return all(getattr(type(method), hook) is getattr(KVMethod, hook) for hook in hooks)
 
     def ready_ahead(self, running: list[Sequence]) -> bool:

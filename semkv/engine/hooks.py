@@ -205,9 +205,10 @@ class BatchedHooks:
 
     @property
     def plans_ahead(self) -> bool:
-        """True when its `step_plan` may run before the last step is ended (nothing in it depends on that step's
-        tokens or on a host count of them) and its `end_step` has nothing to do: its decode steps may then be
-        pipelined (`Engine.pipelines`), as those of a method without either hook."""
+        """True when its `step_plan` may run before the last step is ended: nothing in it depends on that step's
+        tokens, a host count of them or what its `end_step` does (`observe_logits` runs as a step is launched, before
+        the next one's plan either way). Its decode steps may then be pipelined (`Engine.pipelines`), as those of a
+        method without these hooks."""
         return False
 
     def admit(self, seq: "Sequence") -> None:

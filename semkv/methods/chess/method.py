@@ -404,6 +404,12 @@ class Chess(KVMethod):
     def selection_width(self, max_slots: int) -> int:
         return min(resolve_budget(self.budget, max_slots), max_slots)
 
+    @property
+    def plans_ahead(self) -> bool:
+        """A re-selection is asked for by `observe_logits` (run as a step is launched) and made from the device's
+        keys and the host's slot counts: the plan needs nothing of the last step's end."""
+        return True
+
     def step_plan(self, batch: DecodeBatch) -> "PagePlan":
         """Re-select where pending; the plan is each sequence's kept pages, best first, and its window start."""
         states: list[ChessState] = [s.method_state for s in batch.seqs]
