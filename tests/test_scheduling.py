@@ -117,11 +117,12 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
 PIPELINED = [("full", 0, {})] + [c for c in CASES if c[1] == 0] + [("chess", 1, HARD["chess"][0] | {"budget": 96}),
     ("dynsplit", 0, {"score": "tokens", "budget": 0.3}),
     ("sentencekv", 0, dict(keep_factor=1.0, query="current", score="tokens", retain="sentences", offload_chunk=4)),
-    ("tokenselect", 0, dict(score_keys="int8", prefill="full"))]
+    ("tokenselect", 0, dict(score_keys="int8", prefill="full")), ("infllm", 0, {"budget": 0.3})]
 
 
 @pytest.mark.parametrize("name, i, params", PIPELINED, ids=["full"] + [i for c, i in zip(CASES, IDS) if c[1] == 0] + [
-                         "chess-always", "dynsplit-tokens", "sentencekv-retrieving", "tokenselect-int8"])
+                         "chess-always", "dynsplit-tokens", "sentencekv-retrieving", "tokenselect-int8",
+                         "infllm-share"])
 def test_a_pipelined_decode_gives_the_tokens_of_steps_ended_one_by_one(llm, name, i, params, monkeypatch):
     """A batch decoding alone launches its next step before it ends the last one (`Scheduler.pipeline`, on CUDA:
     switched on here): every method gives the tokens of steps ended one at a time, requests that end at different
@@ -152,7 +153,7 @@ def test_a_pipelined_decode_gives_the_tokens_of_steps_ended_one_by_one(llm, name
     got, pipelined = run(True)
     assert got == want and none == 0
     assert [len(t) for t in got] == lengths
-    assert (pipelined > 0) == llm.engine.pipelines(method)  # not H2O, StreamingLLM, InfLLM, SentenceKV (mean query)
+    assert (pipelined > 0) == llm.engine.pipelines(method)  # not H2O, StreamingLLM, SentenceKV (mean query)
 
 
 def test_a_follow_ups_chunk_takes_every_layers_pages_at_once(llm):

@@ -224,6 +224,11 @@ class InfLLM(KVMethod):
         block_keys[first, slots[..., 0] % size // bs] = keys.float().mean(2).to(block_keys.dtype)
 
     # -- decode -----------------------------------------------------------------------------------------------------
+    @property
+    def plans_ahead(self) -> bool:
+        """The plan is each request's window, fixed when it is made: nothing of the last step's end."""
+        return True
+
     def step_plan(self, batch: DecodeBatch) -> "WindowPlan | None":
         """Each sequence's W ([B], the same object while the batch is the same sequences) when the budget is a
         fraction; an int budget has one W for every sequence."""
