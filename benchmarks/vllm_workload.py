@@ -104,7 +104,7 @@ def smoke_model(p, args) -> None:
 def method_entry(entry: str, budget: float | int | None) -> tuple[str, dict[str, Any], Any, str]:
     """'chess[anchor=queries]' -> ('chess', {'anchor': 'queries'}, budget, 'chess[anchor=queries]@0.1'): a
     `semkv eval --methods` entry; Full KV takes no budget."""
-    from semkv.eval.runner import split_variant
+    from semkv.cli.args import split_variant
 
     name, params = split_variant(entry)
     budget = None if name == "full" else budget

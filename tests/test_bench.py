@@ -239,20 +239,24 @@ def test_the_largest_batch_holds_the_state_kept_by_page_while_it_grows(tiny_llm,
 
 
 def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path, capsys):
+    """Each method and variant (a method with its own parameters, its rows named by the entry) at each batch; bad
+    method names, in an entry or a --param, fail with exit code 2 before the model loads."""
     out = tmp_path / "bench"
-    args = ["bench", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--methods", "full,chess",
-            "--budget", "48", "--param", "chess.block_size=16", "--batches", "1,2", "--contexts", "160",
-            "--steps", "2", "--out", str(out)]
+    args = ["bench", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--methods",
+            "full,chess,chess[budget=36]", "--budget", "48", "--param", "chess.block_size=16", "--batches", "1,2",
+            "--contexts", "160", "--steps", "2", "--out", str(out)]
     assert main(args) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["info"]["params"] == {"chess": {"block_size": 16}}
     rows = {(r["method"], r["batch"]): r for r in results["decode"]}
-    assert set(rows) == {("full", 1), ("full", 2), ("chess", 1), ("chess", 2)}
+    assert set(rows) == {(m, b) for m in ("full", "chess", "chess[budget=36]") for b in (1, 2)}
     for (method, batch), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["tpot_ms"] > 0 and not row["graphs"]
-        # Full KV attends to the whole context; CHESS to its budget of 48 tokens
-        assert row["attended_per_layer"] > 160 if method == "full" else row["attended_per_layer"] <= 48
+        # Full KV attends to the whole context; CHESS to its budget of 48 tokens, the variant to 36
+        assert row["attended_per_layer"] > 160 if method == "full" else row["attended_per_layer"] <= (
+            36 if "[" in method else 48)
         assert row["breakdown_ms"]["step"] > 0
+    assert rows[("chess[budget=36]", 1)]["attended_per_layer"] < rows[("chess", 1)]["attended_per_layer"]
     assert rows[("chess", 2)]["breakdown_ms"]["selection"] > 0
     table = (out / "results.md").read_text()
     assert "| chess | 2 | 160 |" in table and "x Full KV" in table
@@ -260,6 +264,11 @@ def test_bench_runs_a_grid_and_writes_tables_and_plots(tiny_model_dir, tmp_path,
     for largest in ("max", "fullmax"):
         assert main(args[:-10] + ["--batches", largest, "--contexts", "160", "--out", str(out)]) == 2
         assert "needs a KV pool of fixed size" in capsys.readouterr().err
+    for methods, params, error in (("full,nosuch[x=1]", [], "unknown method 'nosuch'"),
+                                   ("chess[block_size]", [], "must look like name=value"),
+                                   ("full", ["--param", "nosuch.x=1"], "unknown method 'nosuch'")):
+        assert main(["bench", "--device", "cpu", "--methods", methods, *params, "--out", str(out)]) == 2
+        assert error in capsys.readouterr().err
 
 
 def test_batch_and_hf_point_arguments():

@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 import semkv
 from semkv.eval import report, runner
-from semkv.eval.cli import parse_budgets, parse_names
+from semkv.cli.args import parse_names
+from semkv.eval.cli import parse_budgets
 from semkv.eval.store import ResultsDir, row_key
 from semkv.methods import METHODS
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import semkv
 from semkv.eval import diagnostics, runner
-from semkv.eval.cli import parse_names
+from semkv.cli.args import parse_names
 from semkv.methods import get_method
 
 # name -> (method, budget (None: the study's --budget), parameters)

@@ -5,10 +5,10 @@ import argparse
 import itertools
 import json
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from semkv.cli.args import HF_ATTENTIONS, parse_budget, parse_params
+from semkv.cli.args import HF_ATTENTIONS, known_method, parse_budget, parse_names, parse_params, split_variant
 from semkv.errors import SemkvError
 
 
@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), bfloat16, float16, "
                                                    "float32")
-    p.add_argument("--methods", default="full", help="comma-separated method names")
+    p.add_argument("--methods", default="full",
+                   help="comma-separated method names; a variant with its own parameters is name[param=value,...], "
+                        "e.g. full,tokenselect,tokenselect[score_keys=int8] (rows named by the entry)")
     p.add_argument("--budget", default="0.01", help="budget of the non-full methods (tokens or fraction)")
     p.add_argument("--param", action="append", metavar="METHOD.NAME=VALUE", help="method parameter (repeatable)")
     p.add_argument("--batches", default="1",
@@ -100,13 +102,13 @@ def run(args: argparse.Namespace) -> int:
 
     from semkv.bench import report
     from semkv.launch import check_size, run_ranks
-    from semkv.methods import METHODS
     from semkv.models.loader import resolve_device
 
-    methods = [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SemkvError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
+    methods = parse_names(args.methods)
+    for entry in methods:
+        split_variant(entry)  # an unknown method or a malformed entry fails here, before the model loads
+    for name in method_params(args.param):
+        known_method(name)
     grid = Grid(methods, parse_batches(args.batches), parse_sizes(args.contexts, "contexts"),
                 parse_budget(args.budget), method_params(args.param))
     hf_points = parse_hf_points(args.hf)
@@ -189,14 +191,16 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     engine, label, model_tokenizer = build_engine(args, device, tp)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer
 
-    def resolved(batch: int | str, context: int, name: str = "full", budget=None) -> int:
+    def resolved(batch: int | str, context: int, entry: str = "full", budget=None, given: dict | None = None) -> int:
+        """A batch size of the grid for `entry` (its method's parameters `given`): 'max' its largest, 'fullmax' Full
+        KV's."""
         if batch == "fullmax":
-            batch, name, budget = "max", "full", None
+            batch, entry, budget, given = "max", "full", None, {}
         if batch != "max":
             return batch
-        size = largest_batch(engine, bound_method(engine, name, budget, dict(params.get(name, {})), tokenizer),
-                             context, args.steps)
-        results["method_max_batch"].setdefault(name, {})[str(context)] = size
+        size = largest_batch(engine, bound_method(engine, split_variant(entry)[0], budget, dict(given or {}),
+                                                  tokenizer), context, args.steps)
+        results["method_max_batch"].setdefault(entry, {})[str(context)] = size
         return size
 
     text = TextContexts.from_files(args.text_file, tokenizer) if args.text_file else None
@@ -214,34 +218,36 @@ def measure(tp, device, args: argparse.Namespace, grid: Grid) -> dict:
     results["info"]["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     results["info"]["kv_token_bytes"] = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
     results["info"]["params"] = {name: dict(given) for name, given in params.items()}  # every --param, as given
-    for name in methods:
-        b = None if name == "full" else params.get(name, {}).pop("budget", budget)  # `--param M.budget=` wins
+    for entry in methods:  # a method, or a variant of it: its rows are named by the entry
+        name, variant = split_variant(entry)
+        given = dict(params.get(name, {})) | variant
+        b = None if name == "full" else given.pop("budget", budget)  # `--param M.budget=` or the variant's wins
         for context in contexts:
-            for batch in (resolved(size, context, name, b) for size in batches):
+            for batch in (resolved(size, context, entry, b, given) for size in batches):
                 try:
-                    row = bench_decode(engine, name, b, batch, context, steps=args.steps, params=params.get(name),
-                                       tokenizer=tokenizer, text=text)
+                    row = replace(bench_decode(engine, name, b, batch, context, steps=args.steps, params=dict(given),
+                                               tokenizer=tokenizer, text=text), method=entry)
                 except (MemoryError, torch.OutOfMemoryError) as exc:  # the pool's pages, or the device itself
                     frames = traceback.extract_tb(exc.__traceback__)[-4:]  # where it ran out, innermost first
                     where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
-                    say(f"{name} B={batch} ctx={context}: skipped ({str(exc).splitlines()[0]}; at {where})")
+                    say(f"{entry} B={batch} ctx={context}: skipped ({str(exc).splitlines()[0]}; at {where})")
                     continue
                 results["decode"].append(asdict(row))
                 say(report.decode_line(row))
         if args.ttft:
             for context in contexts:
-                times = bench_ttft(engine, name, b, context, params=params.get(name), tokenizer=tokenizer, text=text)
+                times = bench_ttft(engine, name, b, context, params=dict(given), tokenizer=tokenizer, text=text)
                 flops = prefill_flops(engine.config, context) / 1e12
                 floor = flops / (info.get("gemm_tflops") or float("nan"))
                 held = flops / (info.get("gemm_tflops_sustained") or float("nan"))
-                results["ttft"].append(dict(method=name, context=context, first_s=times[0], ttft_s=times[-1],
+                results["ttft"].append(dict(method=entry, context=context, first_s=times[0], ttft_s=times[-1],
                                             floor_s=floor, floor_sustained_s=held))
-                say(f"{name:<12} ctx={context:<6} TTFT {times[-1]:.3f} s (first request {times[0]:.3f} s, "
+                say(f"{entry:<12} ctx={context:<6} TTFT {times[-1]:.3f} s (first request {times[0]:.3f} s, "
                     f"FLOP floor {floor:.3f} s, at the sustained GEMM rate {held:.3f} s)")
         if args.long_gen:
-            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=params.get(name),
+            curve = bench_long_generation(engine, name, b, max(contexts), args.long_gen, params=dict(given),
                                           tokenizer=tokenizer, text=text)
-            results["long_generation"][name] = curve
+            results["long_generation"][entry] = curve
     return results
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from typing import Any
 
 from semkv.errors import SemkvError
@@ -40,6 +41,31 @@ def parse_params(items: list[str] | None, source: str = "--param") -> dict[str, 
 # 40-47 ms a decode step); "sdpa-flash", the same SDPA without cuDNN's kernel (flash, else memory-efficient), the
 # fastest HF decode a user can pick; "eager", HF's matmuls (`semkv.bench.hf_baseline.attention_kernels`)
 HF_ATTENTIONS = ("sdpa", "sdpa-flash", "eager")
+
+
+def parse_names(text: str) -> list[str]:
+    """'a, b[x=1,y=2]' -> ['a', 'b[x=1,y=2]']: commas inside brackets (a method variant's parameters) do not split."""
+    return [name.strip() for name in re.split(r",(?![^\[]*\])", text) if name.strip()]
+
+
+def split_variant(entry: str) -> tuple[str, dict[str, Any]]:
+    """A `methods` entry: a method's name, or a variant of it with its own parameters, "name[param=value,...]" (as
+    `--param` writes values; e.g. "chunkkv[neighbours=2]"), so that one run holds several settings of a method ->
+    (the method's name, the variant's parameters)."""
+    match = re.fullmatch(r"([\w-]+)(?:\[(.*)\])?", entry)
+    if not match or match.group(2) == "":
+        raise SemkvError(f"method {entry!r} must be a method's name or a variant such as chunkkv[neighbours=2]")
+    name, inner = match.groups()
+    return known_method(name), parse_params(inner.split(",") if inner else [], f"method {entry!r}:")
+
+
+def known_method(name: str) -> str:
+    """`name`, if it is a method of `semkv methods` (the registry imported here: these arguments load without torch)."""
+    from semkv.methods import METHODS
+
+    if name not in METHODS:
+        raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return name
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

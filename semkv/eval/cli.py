@@ -8,15 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from semkv.cli.args import HF_ATTENTIONS, add_model_args, parse_budget, parse_params
+from semkv.cli.args import HF_ATTENTIONS, add_model_args, parse_budget, parse_names, parse_params
 from semkv.errors import SemkvError, check_range
 
 DEFAULTS = dict(lengths="2k", budgets="128,512", samples=4)
-
-
-def parse_names(text: str) -> list[str]:
-    """'a, b[x=1,y=2]' -> ['a', 'b[x=1,y=2]']: commas inside brackets (a method variant's parameters) do not split."""
-    return [name.strip() for name in re.split(r",(?![^\[]*\])", text) if name.strip()]
 
 
 def parse_lengths(text: str) -> list[int]:

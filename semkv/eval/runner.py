@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.bench.hf_baseline import hf_generate, hf_model, hf_warm_up
-from semkv.cli.args import parse_budget, parse_params
+from semkv.cli.args import known_method, parse_budget, split_variant
 from semkv.engine.hooks import validate_budget
 from semkv.engine.sequence import GenerationStats
 from semkv.errors import SemkvError
@@ -62,17 +61,6 @@ class Arm:
         return get_method(split_variant(self.method)[0], self.budget, **self.params)
 
 
-def split_variant(entry: str) -> tuple[str, dict[str, Any]]:
-    """A `methods` entry: a method's name, or a variant of it with its own parameters, "name[param=value,...]" (as
-    `--param` writes values; e.g. "chunkkv[neighbours=2]"), so that one run holds several settings of a method ->
-    (the method's name, the variant's parameters)."""
-    match = re.fullmatch(r"([\w-]+)(?:\[(.*)\])?", entry)
-    if not match or match.group(2) == "":
-        raise SemkvError(f"method {entry!r} must be a method's name or a variant such as chunkkv[neighbours=2]")
-    name, inner = match.groups()
-    return known_method(name), parse_params(inner.split(",") if inner else [], f"method {entry!r}:")
-
-
 def split_budget(entry: str) -> tuple[str, int | float | None]:
     """A `methods` entry that names its own budget, "name[...]@BUDGET" (e.g. "chess[preset=moderate]@0.392": a
     method's recommended setting beside the run's budgets), runs at that budget only -> (the entry without it, that
@@ -86,13 +74,6 @@ def split_budget(entry: str) -> tuple[str, int | float | None]:
     except SemkvError as exc:
         raise SemkvError(f"method {entry!r}: {exc}") from None
     return head, budget
-
-
-def known_method(name: str) -> str:
-    """`name`, if it is a method of `semkv methods`."""
-    if name not in METHODS:
-        raise SemkvError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
-    return name
 
 
 HF = Arm("hf", None, {})  # HF transformers' `generate` (`run_hf`): the rows' method "hf", never built
