@@ -20,6 +20,12 @@ def decode_line(row) -> str:
             + (f"  host {row.host_gib:.1f} GiB, {row.h2d_mb_per_step:.1f} MiB/step from host" if row.host_gib else ""))
 
 
+def served_ratio(row: dict, base: dict | None) -> str:
+    """A row's served tokens/s against Full KV's row; '-' where either was not measured (runs before it was)."""
+    served, full = row.get("served_tokens_per_s", 0), (base or {}).get("served_tokens_per_s", 0)
+    return f"{served / full:.2f}" if served and full else "-"
+
+
 def floor_ms(row: dict, info: dict, kv_token_bytes: int) -> float:
     """Bytes a step must move (weights + the K/V it attends to) over the measured bandwidth."""
     bandwidth = info.get("hbm_bandwidth_gbs") or 0
@@ -46,13 +52,11 @@ def largest_batches(results: dict) -> list[str]:
             base = rows.get(("full", full_batch, int(context)))
             if row is None:
                 continue
-            served = row.get("served_tokens_per_s", 0)
-            vs = ("-", "-", "-") if base is None else (
-                f"{batch / full_batch:.2f}", f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}",
-                f"{served / base['served_tokens_per_s']:.2f}" if served and base.get("served_tokens_per_s") else "-")
+            vs = ("-", "-") if base is None else (f"{batch / full_batch:.2f}",
+                                                  f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}")
             lines.append(f"| {name} | {context} | {batch} | {vs[0]} | {row['tokens_per_s']:.1f} | {vs[1]} | "
-                         f"{served:.1f} | {vs[2]} | {row['tpot_ms']:.2f} | {row['peak_memory_gib']:.1f} | "
-                         f"{row.get('host_gib', 0):.1f} |")
+                         f"{row.get('served_tokens_per_s', 0):.1f} | {served_ratio(row, base)} | "
+                         f"{row['tpot_ms']:.2f} | {row['peak_memory_gib']:.1f} | {row.get('host_gib', 0):.1f} |")
     if not lines:
         return []
     return ["", "## Each method at its largest batch", "",
@@ -76,14 +80,11 @@ def write(results: dict, out: Path) -> None:
     for r in results["decode"]:
         base = full.get((r["batch"], r["context"]))
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-        served = r.get("served_tokens_per_s", 0)  # absent in runs before it was measured
-        served_speedup = f"{served / base['served_tokens_per_s']:.2f}" if served and base and base.get(
-            "served_tokens_per_s") else "-"
         floor = floor_ms(r, info, kv_token_bytes)
         ratio = f"{r['tpot_ms'] / floor:.2f}" if floor else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['context']} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} "
-                     f"| {speedup} | {served:.1f} | {served_speedup} | {floor:.2f} | {ratio} | "
-                     f"{r.get('forward_ms', 0):.2f} | {share(r.get('selection_share', 0))} | "
+                     f"| {speedup} | {r.get('served_tokens_per_s', 0):.1f} | {served_ratio(r, base)} | {floor:.2f} | "
+                     f"{ratio} | {r.get('forward_ms', 0):.2f} | {share(r.get('selection_share', 0))} | "
                      f"{r['peak_memory_gib']:.1f} | {r.get('host_gib', 0):.1f} | {r.get('h2d_mb_per_step', 0):.1f} | "
                      f"{r['attended_per_layer']:.0f} | {hit_rate(r)} | {r['graphs']} |")
     lines += largest_batches(results)

@@ -48,6 +48,7 @@ from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.sequence import SamplingParams, Sequence
+from semkv.engine.staging import copy_early
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels import use_triton
 from semkv.kernels.reference import physical_rows
@@ -507,13 +508,8 @@ class DynSplitKV(RowHolder, KVMethod):
         if self._counting is not None:
             return None
         rows = self._rows.open
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
-        host.copy_(rows, non_blocking=True)
-        event = torch.cuda.Event() if rows.is_cuda else None
-        if event is not None:
-            event.record()
-        self._counting = host, event
-        return host
+        self._counting = copy_early(rows if rows.is_cuda else rows.clone())  # off CUDA a copy too: read a step later
+        return self._counting[0]
 
     def _counted(self) -> "tuple[torch.Tensor, list[int]] | None":
         """The copy `_count_chunks` made and its values by row, once it is done (then no copy is under way)."""

@@ -62,6 +62,7 @@ import torch
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
+from semkv.engine.staging import copy_early
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels.reference import physical_rows
 from semkv.methods.state.key_sketch import KeySketch
@@ -323,14 +324,8 @@ class TokenSelect(KVMethod):
             return
         self._count()
         if self._counting is None:  # else an earlier copy is under way
-            counts = self._cache.counts  # [rows, 2]
-            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
-            host.copy_(counts, non_blocking=True)
-            event = torch.cuda.Event() if counts.is_cuda else None
-            if event is not None:
-                event.record()
-            self._counting = list(seqs), host, event
-            self._count()  # off CUDA the copy is done
+            self._counting = list(seqs), *copy_early(self._cache.counts)  # [rows, 2]
+            self._count()  # off CUDA: the counts themselves, read now
 
     def _count(self) -> None:
         """The copied counts into the statistics of the sequences still in the cache, once the copy is done."""
