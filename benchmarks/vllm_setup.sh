@@ -6,6 +6,8 @@
 # resolution: the machine's torch 2.11, transformers, numpy... stay), joins the GGUF and converts it once into semkv's
 # HF folder, /tmp/qwen-hf (the folder both vLLM and semkv load: the same weights), and prints vLLM's version and the
 # FlashAttention version it picks on this GPU. A machine that has done it skips to the exports (about a second).
+# semkv's stages alone (modes_bench, ab, ruler, kernels...) need no vLLM: without .carry/vllm, and with gguf's wheel
+# in .carry/gguf (`pip download --no-deps gguf==0.19.0 -d .carry/gguf`), only that wheel and the model are set up.
 # Exports: PYTHONPATH, PATH, CUDA_HOME (FlashInfer compiles with its nvcc), QWEN (the HF folder), DATA (.carry/data:
 # the essays, RULER's word lists, a tokenizer for the random 8B shape), SEMKV_CACHE_DIR and offline switches.
 
@@ -48,8 +50,13 @@ export SEMKV_CACHE_DIR=$T/semkv-cache QWEN=$T/qwen-hf DATA=$PWD/.carry/data
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # kept off, as the machines ask
 
 _vllm_setup() {
-  local t0=$SECONDS state
-  if [ ! -f $T/site/vllm/__init__.py ]; then
+  local t0=$SECONDS state semkv_only=""
+  # semkv's stages alone (the header): gguf's carried wheel is all that is installed, and the vLLM checks are skipped
+  if [ ! -f .carry/vllm/SHA256SUMS ] && ls .carry/gguf/gguf-*.whl > /dev/null 2>&1; then
+    semkv_only=1
+    [ -d $T/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $T/site \
+      .carry/gguf/*.whl || { echo "vllm_setup: pip install of .carry/gguf failed" >&2; return 1; }
+  elif [ ! -f $T/site/vllm/__init__.py ]; then
     state=$(_vllm_parts .carry/vllm); [ "$state" = ok ] || { echo "vllm_setup: .carry/vllm: $state" >&2; return 1; }
     _vllm_join .carry/vllm $T/wheels.tar || return 1
     mkdir -p $T/wheels && tar -xf $T/wheels.tar -C $T/wheels && rm $T/wheels.tar
@@ -76,6 +83,9 @@ _vllm_setup() {
              2>$T/qwen-convert.log) || { tail -5 $T/qwen-convert.log >&2; return 1; }
     ln -sfn "$folder" $T/qwen-hf
     echo "vllm_setup: $T/qwen.gguf converted to $folder ($((SECONDS - t0)) s)"
+  fi
+  if [ -n "$semkv_only" ]; then
+    echo "vllm_setup: semkv alone (no .carry/vllm), ready in $((SECONDS - t0)) s"; return 0
   fi
   if [ -f $T/site/.checked ]; then cat $T/site/.checked; return 0; fi
   python3 - <<'EOF' > $T/site/.checking || { echo "vllm_setup: vLLM does not import" >&2; return 1; }

@@ -436,14 +436,17 @@ def test_token_select_kernel_scores_an_int8_key_sketch_as_the_reference(interpre
         assert torch.equal(got[b, :, :n], want[b, :, :n]) and torch.equal(want[b, :, :n], dequantized[b, :, :n])
 
 
-def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_do(tiny_llm):
+def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_do(tiny_llm, monkeypatch):
     """score_keys="int8": once a decode step is planned the sketch holds the int8 form of every key the sequences
     stored before it, in every layer (the last step's slot is sketched at the next step's plan, before that step
-    runs: a pipelined step finds it there too); the batched selection from it picks nearly the tokens the exact keys
-    pick; a budget covering the context gives Full KV's tokens; the sketch is counted per page beside the pool."""
+    runs: a pipelined step finds it there too; a prompt's keys are written 7 rows at a time, as a long prompt's are
+    written in parts); the batched selection from it picks nearly the tokens the exact keys pick; a budget covering
+    the context gives Full KV's tokens; the sketch is counted per page beside the pool."""
+    from semkv.methods.state import key_sketch
     from semkv.methods.state.key_sketch import quantize
 
     engine, cfg = tiny_llm.engine, tiny_llm.config
+    monkeypatch.setattr(key_sketch, "WRITE_BYTES", 7 * cfg.num_kv_heads * cfg.head_dim * 4)
     method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, score_keys="int8", prefill="full")
     method.bind(cfg, tiny_llm.tokenizer, engine.pool.page_size)  # once: a bind starts the method afresh
     seqs = []

@@ -14,13 +14,18 @@ from semkv.engine.kv_cache import KVPool
 from semkv.methods.state.page_storage import PageStorage
 
 LEVELS = 127  # int8 steps on either side of 0
+# float32 bytes of the keys quantized at once by `KeySketch.write`: a prompt's sketch is written in parts, so its
+# float32 copy is not a whole prompt's (all layers of 11 x 32k rows at the Llama-3.1-8B shape asked 3.9 GiB at once
+# beside a full pool and ran out of memory)
+WRITE_BYTES = 64 << 20
 
 
 def quantize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [..., D] -> (int8 [..., D], float32 scales [...]): round(k / s), s = max|k| / 127 (1 for a zero key)."""
-    scale = keys.float().abs().amax(-1) / LEVELS
+    keys = keys.float()
+    scale = keys.abs().amax(-1) / LEVELS
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (keys.float() / scale[..., None]).round().clamp(-LEVELS, LEVELS).to(torch.int8), scale
+    return (keys / scale[..., None]).round_().clamp_(-LEVELS, LEVELS).to(torch.int8), scale
 
 
 class KeySketch:
@@ -44,7 +49,11 @@ class KeySketch:
 
     def write(self, pool: KVPool, rows: torch.Tensor) -> None:
         """Sketch the keys at flat pool rows `rows` [n] (page * page_size + offset; every KV head), covered by an
-        `ensure` first (whose move the caller answers)."""
-        keys, scales = quantize(pool.flat()[0][rows])  # [n, kv_heads, D], [n, kv_heads]
-        self.keys.data.view(-1, pool.num_kv_heads, pool.head_dim)[rows] = keys
-        self.scales.data.view(-1, pool.num_kv_heads)[rows] = scales
+        `ensure` first (whose move the caller answers); `WRITE_BYTES` of float32 keys at a time."""
+        stored = pool.flat()[0]
+        sketch_keys = self.keys.data.view(-1, pool.num_kv_heads, pool.head_dim)
+        sketch_scales = self.scales.data.view(-1, pool.num_kv_heads)
+        step = max(1, WRITE_BYTES // (pool.num_kv_heads * pool.head_dim * 4))
+        for part in rows.split(step):
+            keys, scales = quantize(stored[part])  # [n, kv_heads, D], [n, kv_heads]
+            sketch_keys[part], sketch_scales[part] = keys, scales
