@@ -1,7 +1,8 @@
 """Launch settings of the decode kernels that read the paged cache, swept against their byte floors on random paged
 caches of two real shapes: decode attention (`kernels.triton_decode._partial`, over per-head slot lists and over
-every slot) and TokenSelect's scoring of every candidate key on a Selection Cache miss
-(`methods/tokenselect/triton_token_select._vote_scores`).
+every slot), TokenSelect's scoring of every candidate key on a Selection Cache miss
+(`methods/tokenselect/triton_token_select._vote_scores`, from the exact keys and from the int8 key sketch) and
+DynSplit-KV's best token of each chunk (`methods/dynsplit/triton_chunk_best`).
 
 TokenSelect's decode step attends to ~2688 tokens per KV head scattered over a 32k context, so the kernel gathers one
 K row and one V row (head_dim x 2 bytes each) per selected token. This script times, per case and setting (splits,
@@ -13,7 +14,7 @@ and the fastest settings.
 
     python benchmarks/decode_kernel_sweep.py                          # CUDA, every case (~4 minutes on an H200)
     python benchmarks/decode_kernel_sweep.py --only full --best 200   # cases whose name has "full", every row
-    python benchmarks/decode_kernel_sweep.py --only scoring           # TokenSelect's scoring kernel alone
+    python benchmarks/decode_kernel_sweep.py --only scoring           # the scoring kernels alone
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import triton.testing
 
 from semkv.bench.device import measured_bandwidth
 from semkv.kernels import reference, triton_decode
+from semkv.methods.dynsplit.triton_chunk_best import chunk_best
 from semkv.methods.tokenselect import triton_token_select
 
 CASES = {  # name: batch, query heads, KV heads, head_dim, context, selected tokens per KV head (0: every slot)
@@ -100,42 +102,88 @@ def print_rows(title, timed, floor_us, named, best=8):
                   f"{key[3]:>7}  {label}")
 
 
-def sweep_scoring(bandwidth, sink=128, recent=512):
-    """`_vote_scores` with every row refreshing (a Selection Cache miss): keys of every candidate slot, logits out."""
-    for name, (batch, heads, kv_heads, dim, context, _) in CASES.items():
-        if "selected" not in name or "328" in name:
-            continue
-        q, k, _, tables, _, _ = random_case(batch, heads, kv_heads, dim, context, 0)
+SCORING = {  # name: batch, query heads, KV heads, head_dim, context (the retrieving modes' 31,744 and the batches of
+    # issue 55's targets: 16 rows and Full KV's largest on an H200 for the 0.5B model, 11 rows for the 8B shape)
+    "qwen2.5-0.5b 16x32k": (16, 14, 2, 64, 31744),
+    "qwen2.5-0.5b 334x32k": (334, 14, 2, 64, 31744),
+    "llama3-8b 11x32k": (11, 32, 8, 128, 31744),
+}
+
+
+def scoring_case(batch, heads, kv_heads, dim, context, page=16, seed=0):
+    """A shuffled paged pool of `context` tokens a row, its int8 key sketch (`key_sketch.quantize`) and queries."""
+    from semkv.methods.state.key_sketch import quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-context // page)
+    k = torch.randn(batch * pages, page, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    sketch, scales = quantize(k)
+    tables = torch.randperm(batch * pages, generator=gen, device="cuda").view(batch, pages).to(torch.int32)
+    q = torch.randn(batch, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q, k, sketch, scales.view(-1, kv_heads), tables
+
+
+def sweep_scoring(bandwidth, best, sink=128, recent=512):
+    """TokenSelect's `_vote_scores` with every row refreshing (a Selection Cache miss: keys of every candidate slot
+    in, a float32 logit of every head out), from the exact keys and from the int8 sketch (D + 4 bytes a key), and
+    DynSplit-KV's `_chunk_best` (group mean, chunks of 16 slots: the keys in, a float32 best a chunk out), each against
+    its byte floor, over splits / keys a block / warps / stages."""
+    for name, (batch, heads, kv_heads, dim, context) in SCORING.items():
+        q, k, sketch, scales, tables = scoring_case(batch, heads, kv_heads, dim, context)
         n = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        parts = torch.tensor([sink, 0, recent], device="cuda", dtype=torch.int32).repeat(batch, 1)
         refresh = torch.ones(batch, dtype=torch.int8, device="cuda")
         group = heads // kv_heads
         candidates = context - sink - recent
-        moved = batch * candidates * (kv_heads * dim * 2 + heads * 4)  # keys in, float32 logits out
-        floor_us = 1e6 * moved / bandwidth
         scores = torch.empty(batch, heads, context, device="cuda", dtype=torch.float32)
-        expected, timed = None, {}
-        for splits, block_n, warps, stages in itertools.product((32, 64), (64, 128), (2, 4), (2, 3)):
-            smax = torch.empty(batch, heads, splits, device="cuda", dtype=torch.float32)
-            ssum = torch.empty_like(smax)
+        for keys, key_bytes in (("exact", dim * 2), ("int8", dim + 4)):
+            moved = batch * candidates * (kv_heads * key_bytes + heads * 4)
+            floor_us = 1e6 * moved / bandwidth
+            expected, timed = None, {}
+            for splits, block_n, warps, stages in itertools.product((32,), (128, 256, 512), (4, 8), (2, 3)):
+                smax = torch.empty(batch, heads, splits, device="cuda", dtype=torch.float32)
+                ssum = torch.empty_like(smax)
+                pool, scale = (k, k) if keys == "exact" else (sketch, scales)
 
+                def run():
+                    triton_token_select._vote_scores[(kv_heads, splits, batch)](
+                        q, pool, scale, tables, n, parts, refresh, scores, smax, ssum, context, tables.stride(0),
+                        n.stride(0), PAGE_SIZE=k.shape[1], KV_HEADS=kv_heads, GROUP=group, DIM=dim,
+                        GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+                        BLOCK_N=block_n, SPLITS=splits, SOFT=True, IEEE=False, SKETCH=keys == "int8",
+                        num_warps=warps, num_stages=stages)
+                try:
+                    run()
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                if expected is None:
+                    expected = scores[:, :, sink:context - recent].clone()
+                torch.testing.assert_close(scores[:, :, sink:context - recent], expected)
+                timed[splits, block_n, warps, stages] = time_us(run)
+            print_rows(f"{name}, TokenSelect scoring from {keys} keys on a miss: floor {floor_us:.1f} us "
+                       f"({moved / 1e6:.0f} MB)", timed, floor_us, [("engine", (32, 128, 4, 2))], best)
+        del scores
+        chunk_of = (torch.arange(context, device="cuda", dtype=torch.int32) // 16).expand(batch, -1).contiguous()
+        chunks = -(-context // 16)
+        lo, hi = torch.full((batch,), sink, device="cuda"), torch.full((batch,), context - recent, device="cuda")
+        moved = batch * candidates * kv_heads * (dim * 2 + 4) + batch * kv_heads * chunks * 4
+        floor_us = 1e6 * moved / bandwidth
+        expected, timed = None, {}
+        for block_n, warps, stages in itertools.product((128, 256, 512), (4, 8), (2, 3)):
             def run():
-                triton_token_select._vote_scores[(kv_heads, splits, batch)](
-                    q, k, tables, n, refresh, scores, smax, ssum, context, tables.stride(0), n.stride(0),
-                    SINK=sink, RECENT=recent, PAGE_SIZE=k.shape[1], KV_HEADS=kv_heads, GROUP=group, DIM=dim,
-                    GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-                    BLOCK_N=block_n, SPLITS=splits, SOFT=True, IEEE=False, num_warps=warps, num_stages=stages)
+                return chunk_best(q, k, tables, chunk_of, lo, hi, chunks, "mean", block_n=block_n, num_warps=warps,
+                                  num_stages=stages)
             try:
-                run()
+                got = run()
             except triton.runtime.errors.OutOfResources:
                 continue
             if expected is None:
-                expected = scores[:, :, sink:context - recent].clone()
-            torch.testing.assert_close(scores[:, :, sink:context - recent], expected)
-            timed[splits, block_n, warps, stages] = time_us(run)
-        print_rows(f"{name.split(',')[0]}, scoring every key on a miss: floor {floor_us:.1f} us "
-                   f"({moved / 1e6:.0f} MB)", timed, floor_us, [("before (Triton's defaults)", (32, 64, 4, 3)),
-                                                                   ("engine", (32, 128, 4, 2))])
-        del q, k, tables, scores, expected
+                expected = got
+            torch.testing.assert_close(got, expected)
+            timed[0, block_n, warps, stages] = time_us(run)
+        print_rows(f"{name}, DynSplit-KV chunk_best (mean): floor {floor_us:.1f} us ({moved / 1e6:.0f} MB)", timed,
+                   floor_us, [("engine", (0, 128, 4, 3))], best)
+        del q, k, sketch, scales, tables
 
 
 def main() -> None:
@@ -179,7 +227,7 @@ def main() -> None:
                    floor_us, rules, args.best)
         del q, k, v, tables, slots, expected
     if args.only in ("", "scoring"):
-        sweep_scoring(bandwidth)
+        sweep_scoring(bandwidth, args.best)
 
 
 if __name__ == "__main__":

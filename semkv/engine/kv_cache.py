@@ -155,7 +155,8 @@ class KVPool:
     @staticmethod
     def _no_room(bytes_per_page: int, pages: int) -> MemoryError:
         return MemoryError(f"no device memory for the state kept by KV page beside the pool "
-                           f"({bytes_per_page * pages / 2**30:.2f} GiB for {pages} more pages)")
+                           f"({bytes_per_page * pages / 2**30:.2f} GiB for {pages} more pages); lower "
+                           f"gpu_memory_utilization (the share of the card the pool is sized to) to leave it room")
 
     def allocate(self, n: int) -> list[int]:
         """n pages: released ones first, then never-used ones (lowest ids first), then pages of evicted cached

@@ -43,9 +43,10 @@ def _chunk_best(Q, K, TABLES, CHUNK_OF, LO, HI, OUT, width, max_pages, chunks, P
 
 
 def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chunk_of: torch.Tensor, lo: torch.Tensor,
-               hi: torch.Tensor, chunks: int, group_reduce: str, block_n: int = 128, num_warps: int = 4) -> torch.Tensor:
+               hi: torch.Tensor, chunks: int, group_reduce: str, block_n: int = 128, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
     """Same arguments and result as `reference.chunk_best` (k_pool may hold key channels: q then holds the same
-    channels). Blocks of 128 slots, four warps: on an H200 at the 0.5B model's shape, 335 rows of 31,744 slots, 0.90 ms
+    channels). Blocks of 128 slots, four warps, three stages: on an H200 at the 0.5B model's shape, 335 rows of 31,744 slots, 0.90 ms
     a layer with exact keys (1.22 with 64; 1.55 before `fold_runs`), 0.32 with 8 or 16 key channels
     (`benchmarks/results/2026-11-29-h200-key-channels.md`)."""
     batch, n_heads, dim = q.shape
@@ -57,5 +58,6 @@ def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chun
         q.to(k_pool.dtype).contiguous(), k_pool, tables.contiguous(), chunk_of.contiguous(), lo.contiguous(),
         hi.contiguous(), out, width, tables.shape[1], chunks, PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=group,
         DIM=dim, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=block_n, MEAN=group_reduce == "mean", IEEE=q.dtype == torch.float32, num_warps=num_warps)
+        BLOCK_N=block_n, MEAN=group_reduce == "mean", IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages)
     return out

@@ -39,3 +39,22 @@ for shape in "llama3-8b 11" "qwen2.5-0.5b 16"; do
       --tokenizer $T --method $run --out prof/$1
   done
 done
+
+# lease 2, call 2: sweep/ (.carry/run/sweep.sh): the scoring kernels' launch settings, then DynSplit-KV's step with
+# chunk_best's group mean on the tensor cores (a change tried and reverted)
+python3 benchmarks/decode_kernel_sweep.py --only scoring --best 6 > sweep.txt
+for shape in "llama3-8b 11" "qwen2.5-0.5b 16"; do
+  set -- $shape
+  python3 benchmarks/profile_step.py --shape $1 --batch $2 --context 31744 --budget 0.1 --steps 20 \
+    --tokenizer $T --method dynsplit --param dynsplit.score=tokens --out prof/$1 > prof_dynsplit_mean_dot_$1.log
+done
+
+# lease 3: int8/ (random weights): the 8B shape at 0.9 (with the exact keys and Full KV first: 8b_gmu09; alone:
+# 8b_gmu09_alone), the 0.5B shape's largest batches (05b_max), then the 8B shape at 0.8 (8b_gmu08)
+B="--contexts 31744 --budget 0.1 --steps 16 --tokenizer $T --param tokenselect.prefill=full"
+python3 -m semkv.cli.main bench --shape llama3-8b --batches 11 $B \
+  --methods "full,tokenselect,tokenselect[score_keys=int8]"
+python3 -m semkv.cli.main bench --shape llama3-8b --batches 11 $B --methods "tokenselect[score_keys=int8],full"
+python3 -m semkv.cli.main bench --shape qwen2.5-0.5b --batches max $B --methods "full,tokenselect[score_keys=int8]"
+python3 -m semkv.cli.main bench --shape llama3-8b --batches 11 $B --gpu-memory-utilization 0.8 \
+  --methods "full,tokenselect,tokenselect[score_keys=int8]"
