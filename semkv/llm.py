@@ -12,7 +12,7 @@ from typing import Any, Callable, Collection, Iterator, Sequence as Seq
 import torch
 
 from semkv.engine.engine import Engine
-from semkv.engine.kv_cache import SeqKV
+from semkv.engine.kv_cache import KVPool, SeqKV
 from semkv.engine.memory import MemoryUsage
 from semkv.engine.scheduler import Counters, Scheduler
 from semkv.engine.sequence import SamplingParams, Sequence
@@ -92,13 +92,17 @@ class LLM(TextModel):
     (`models.parallel`; one process per GPU, this one rank 0 and its sampler the one that decides), or over CPU
     processes (gloo) on the CPU; `close()` ends them. enable_prefix_caching: `generate` reuses the prompt pages of
     earlier requests that start with the same tokens (page-aligned blocks, as vLLM's automatic prefix caching; the
-    server turns it on for its session: `new_session`); `reset_prefix_cache()` forgets them.
+    server turns it on for its session: `new_session`); `reset_prefix_cache()` forgets them. reserve_for: the method
+    most requests will use (a `KVMethod`), when it keeps state by KV page (Quest's and InfLLM's page summaries, H2O's
+    scores, TokenSelect's int8 key sketch...): a pool sized from the card's memory then leaves that state room within
+    `gpu_memory_utilization` (without it, the pool takes the whole share and such a method's largest batches do not
+    fit beside it). `semkv serve` passes its `--method`.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
                  page_size: int = 16, prefill_chunk: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_pages: int | None = None, cuda_graphs: bool = True, tensor_parallel_size: int = 1,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, reserve_for: KVMethod | None = None):
         if prefill_chunk is not None:  # None: the device's default
             check_range("prefill_chunk", prefill_chunk, 1, None, int)
         if num_pages is not None:  # None: sized from the free GPU memory, or grown on demand on the CPU
@@ -109,9 +113,12 @@ class LLM(TextModel):
         dev = resolve_device(device)
         check_size(tensor_parallel_size, dev)
         check_range("enable_prefix_caching", enable_prefix_caching, types=bool)
+        if reserve_for is not None and not isinstance(reserve_for, KVMethod):
+            raise SemkvError(f"reserve_for={reserve_for!r} is not a method object; allowed: None or a KVMethod, e.g. "
+                             "get_method('quest', 0.1)")
         settings = dict(model=model, dtype=dtype, page_size=page_size, prefill_chunk=prefill_chunk,
                         gpu_memory_utilization=gpu_memory_utilization, num_pages=num_pages, cuda_graphs=cuda_graphs,
-                        enable_prefix_caching=enable_prefix_caching)
+                        enable_prefix_caching=enable_prefix_caching, reserve_for=reserve_for)
         self.ranks: Ranks | None = None
         self.session: Session | None = None
         self.closed = False
@@ -133,15 +140,21 @@ class LLM(TextModel):
             raise
 
     def _load(self, device: torch.device, tp: TensorParallel | None, model, dtype, page_size, prefill_chunk,
-              gpu_memory_utilization, num_pages, cuda_graphs, enable_prefix_caching) -> None:
+              gpu_memory_utilization, num_pages, cuda_graphs, enable_prefix_caching, reserve_for) -> None:
         self.enable_prefix_caching = enable_prefix_caching
         loaded = load_model(model, device, resolve_dtype(dtype, device), tp)
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         self.source = loaded.source
-        self.engine = Engine(loaded.model, loaded.config, device, next(loaded.model.parameters()).dtype,
-                             page_size=page_size, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-                             num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization)
+        dtype = next(loaded.model.parameters()).dtype
+        state = 0
+        if reserve_for is not None:  # its state kept by page, read off a one-page pool of the engine's shape
+            probe = KVPool(loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, page_size,
+                           dtype, torch.device("cpu"), num_pages=1)
+            state = reserve_for.bound(loaded.config, loaded.tokenizer, page_size).page_state_bytes(probe)
+        self.engine = Engine(loaded.model, loaded.config, device, dtype, page_size=page_size,
+                             prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs, num_pages=num_pages,
+                             gpu_memory_utilization=gpu_memory_utilization, page_state_bytes=state)
 
     @property
     def tensor_parallel_size(self) -> int:

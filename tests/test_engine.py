@@ -588,6 +588,43 @@ def test_state_kept_by_page_that_the_device_cannot_hold_is_a_memory_error_and_is
     assert fits.ensure(pool) and fits.pages == pool.coverage >= 101 and list(pool.page_states) == [fits]
 
 
+def test_a_pool_sized_for_a_method_that_keeps_state_by_page_leaves_it_room(tiny_model_dir, monkeypatch):
+    """`LLM(reserve_for=method)` reads the method's state kept by KV page off the engine's shape (TokenSelect's int8
+    key sketch: D + 4 bytes a slot and KV head; Quest's page summaries; nothing for Full KV) and the engine sizes a
+    pool from free memory in pages of K/V and that state together (`pool_pages`), so that both fit in the card's
+    share; a reserve_for that is no method object is one clear error."""
+    from semkv import llm as llm_module
+    from semkv.engine import engine as engine_module
+    from semkv.engine.engine import ACTIVATION_RESERVE, pool_pages
+    from semkv.methods.quest import Quest
+    from semkv.methods.tokenselect import TokenSelect
+
+    seen = []
+
+    class Recording(engine_module.Engine):
+        def __init__(self, *args, page_state_bytes=0, **kwargs):
+            seen.append(page_state_bytes)
+            super().__init__(*args, page_state_bytes=page_state_bytes, **kwargs)
+
+    monkeypatch.setattr(llm_module, "Engine", Recording)
+    folder = tiny_model_dir("llama")
+    for method in (None, get_method("full"), TokenSelect(budget=0.1, score_keys="int8"), Quest(budget=0.1)):
+        llm = semkv.LLM(folder, device="cpu", page_size=8, reserve_for=method)
+        cfg = llm.config
+        bound = None if method is None else method.bound(cfg, llm.tokenizer, 8)
+        assert seen[-1] == (0 if bound is None else bound.page_state_bytes(llm.engine.pool))
+    assert seen[:2] == [0, 0] and seen[2] == 8 * cfg.num_kv_heads * (cfg.head_dim + 4) and seen[3] > 0
+    kv_page = 2 * 16 * 8 * 128 * 2  # a page of the Llama-3.1-8B shape's K/V in bfloat16
+    total, free = 140 * 2**30, 120 * 2**30
+    share = free - 0.1 * total - ACTIVATION_RESERVE
+    for state in (0, 16 * 8 * (128 + 4)):
+        pages = pool_pages(free, total, 0.9, kv_page + state)
+        assert pages * (kv_page + state) <= share < (pages + 1) * (kv_page + state)
+    assert pool_pages(free, total, 0.9, kv_page + 16 * 8 * 132) < 0.8 * pool_pages(free, total, 0.9, kv_page)
+    with pytest.raises(SemkvError, match=r"reserve_for='quest' is not a method object; allowed: None or a KVMethod"):
+        semkv.LLM(folder, device="cpu", reserve_for="quest")
+
+
 def test_a_batch_grows_its_page_tables_together_as_one_sequence_at_a_time_would():
     """`append_slots` over a batch (one allocation, one copy of the new page ids) leaves every sequence with the
     pages, tables and slot counts that appending one sequence at a time gives, across page boundaries reached at

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def test_an_engine_that_cannot_start_exits_with_code_2(tmp_path):
 
 def test_settings_api_key_request_ids_and_version(tiny_model_dir):
     server = Server("--model", str(tiny_model_dir("llama")), "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
-                    "--no-enable-prefix-caching", "--api-key", "sesame", api_key="sesame")
+                    "--no-enable-prefix-caching", "--api-key", "sesame", "--method", "quest", "--budget", "0.5",
+                    api_key="sesame")
     try:
         status, headers, body = get(f"{server.url}/v1/models")
         assert status == 401 and body["error"]["type"] == "authentication_error"
@@ -76,6 +78,8 @@ def test_settings_api_key_request_ids_and_version(tiny_model_dir):
         server.process.terminate()
         log = server.process.stderr.read()
         assert "engine steps of at most 96 tokens; requests running at once: 3; prefix caching off" in log, log
+        # the default method's state kept by page (Quest's page summaries) is what the pool leaves room for
+        assert re.search(r"quest keeps [1-9]\d* bytes of state a KV page beside the pool", log), log
     finally:
         server.close()
 

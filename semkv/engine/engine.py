@@ -108,24 +108,34 @@ def grow_segments_in_place(device: torch.device) -> None:
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
+def pool_pages(free: int, total: int, gpu_memory_utilization: float, page_bytes: int) -> int:
+    """Pages of `page_bytes` (a page's K/V and the state kept by page beside it) that a pool sized from free device
+    memory takes: all the free memory but `1 - gpu_memory_utilization` of the card and `ACTIVATION_RESERVE`."""
+    return int((free - (1 - gpu_memory_utilization) * total - ACTIVATION_RESERVE) // page_bytes)
+
+
 class Engine:
     def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  page_size: int = 16, prefill_chunk: int | None = None, cuda_graphs: bool = True,
                  num_pages: int | None = None, gpu_memory_utilization: float = 0.9, state_memory: int | None = None,
-                 warm_up: bool = True):
+                 warm_up: bool = True, page_state_bytes: int = 0):
         """num_pages: size of the KV pool, fixed; None sizes it from free GPU memory (keeping
         `1 - gpu_memory_utilization` of the card and `ACTIVATION_RESERVE` for activations free) on CUDA, and lets
-        it grow on demand on the CPU. state_memory: bytes a method's state beside the pool may take (SentenceKV's
-        and DynSplit-KV's device rows); None: on CUDA whatever is free when a request is admitted, less the
-        activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per prefill chunk; None: 32768 on CUDA,
-        512 on the CPU (`DEFAULT_CHUNK`). warm_up: on CUDA, compile the kernels and build the
-        prefill attention's plans now (`warm_up`), so that the first request runs at the speed of the next."""
+        it grow on demand on the CPU. page_state_bytes: device bytes a page of the pool adds in state kept by KV page
+        (`KVMethod.page_state_bytes` of the method most requests use: `LLM(reserve_for=)`), so that a pool sized from
+        free memory leaves that state room in the card's share (`pool_pages`). state_memory: bytes a method's state
+        beside the pool may take (SentenceKV's and DynSplit-KV's device rows); None: on CUDA whatever is free when a
+        request is admitted, less the activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per
+        prefill chunk; None: 32768 on CUDA, 512 on the CPU (`DEFAULT_CHUNK`). warm_up: on CUDA, compile the kernels
+        and build the prefill attention's plans now (`warm_up`), so that the first request runs at the speed of the
+        next."""
         kernels.prefill_path(device)  # SEMKV_PREFILL_ATTENTION and SEMKV_DECODE_ATTENTION checked before anything
         kernels.decode_path(device)  # loads
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.tp = config.tp  # tensor parallelism: every rank runs this engine in step with the others
         self.prefill_chunk = prefill_chunk or DEFAULT_CHUNK[device.type == "cuda"]
         self.state_memory = state_memory
+        self.page_state_bytes = page_state_bytes
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         # one side stream for every graph capture: cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it
         # ever ran on, so a new stream per capture would grow memory with every generation
@@ -144,7 +154,7 @@ class Engine:
             torch.cuda.empty_cache()  # memory the caching allocator holds unused (e.g. weights cast after loading)
             free, total = torch.cuda.mem_get_info(device)
             page_bytes = 2 * page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-            num_pages = int((free - (1 - gpu_memory_utilization) * total - ACTIVATION_RESERVE) // page_bytes)
+            num_pages = pool_pages(free, total, gpu_memory_utilization, page_bytes + page_state_bytes)
             if self.tp is not None:  # every rank's pool the same size, so that all admit the same requests
                 num_pages = int(self.tp.host_min(num_pages))
             if num_pages < 2:

@@ -193,9 +193,16 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
     done = threading.Event()  # the loop has ended: rank processes may end now
     try:
         try:
+            reserve = settings.reserve_for
             llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, page_size=settings.page_size,
                       prefill_chunk=settings.prefill_chunk, gpu_memory_utilization=settings.gpu_memory_utilization,
-                      tensor_parallel_size=settings.tensor_parallel_size)
+                      tensor_parallel_size=settings.tensor_parallel_size,
+                      reserve_for=None if reserve is None else get_method(reserve.name, reserve.budget,
+                                                                          **dict(reserve.params)))
+            if llm.engine.page_state_bytes:
+                print(f"semkv serve: {reserve.name} keeps {llm.engine.page_state_bytes} bytes of state a KV page "
+                      "beside the pool; a pool sized from the card's memory leaves it room", file=sys.stderr,
+                      flush=True)
             session = llm.new_session(max_num_batched_tokens=settings.max_num_batched_tokens,
                                       max_num_seqs=settings.max_num_seqs,
                                       enable_prefix_caching=settings.enable_prefix_caching)

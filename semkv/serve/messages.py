@@ -46,6 +46,7 @@ class EngineSettings:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     warm_up: MethodChoice | None = None  # on CUDA, run this method on a text of its own first (`Session.warm_up`)
+    reserve_for: MethodChoice | None = None  # the pool leaves room for this method's state kept by page (`LLM`)
 
 
 # -- web -> engine ------------------------------------------------------------------------------------------------
