@@ -28,6 +28,7 @@ import triton.testing
 from semkv.bench.device import measured_bandwidth
 from semkv.kernels import reference, triton_decode
 from semkv.methods.dynsplit.triton_chunk_best import chunk_best
+from semkv.methods.state.key_sketch import quantize
 from semkv.methods.tokenselect import triton_token_select
 
 CASES = {  # name: batch, query heads, KV heads, head_dim, context, selected tokens per KV head (0: every slot)
@@ -110,26 +111,15 @@ SCORING = {  # name: batch, query heads, KV heads, head_dim, context (the retrie
 }
 
 
-def scoring_case(batch, heads, kv_heads, dim, context, page=16, seed=0):
-    """A shuffled paged pool of `context` tokens a row, its int8 key sketch (`key_sketch.quantize`) and queries."""
-    from semkv.methods.state.key_sketch import quantize
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    pages = -(-context // page)
-    k = torch.randn(batch * pages, page, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
-    sketch, scales = quantize(k)
-    tables = torch.randperm(batch * pages, generator=gen, device="cuda").view(batch, pages).to(torch.int32)
-    q = torch.randn(batch, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
-    return q, k, sketch, scales.view(-1, kv_heads), tables
-
-
 def sweep_scoring(bandwidth, best, sink=128, recent=512):
     """TokenSelect's `_vote_scores` with every row refreshing (a Selection Cache miss: keys of every candidate slot
     in, a float32 logit of every head out), from the exact keys and from the int8 sketch (D + 4 bytes a key), and
     DynSplit-KV's `_chunk_best` (group mean, chunks of 16 slots: the keys in, a float32 best a chunk out), each against
     its byte floor, over splits / keys a block / warps / stages."""
     for name, (batch, heads, kv_heads, dim, context) in SCORING.items():
-        q, k, sketch, scales, tables = scoring_case(batch, heads, kv_heads, dim, context)
+        q, k, _, tables, _, _ = random_case(batch, heads, kv_heads, dim, context, 0)
+        sketch, scales = quantize(k)  # the int8 key sketch (`methods/state/key_sketch`) and its scales
+        scales = scales.view(-1, kv_heads)
         n = torch.full((batch,), context, device="cuda", dtype=torch.int32)
         parts = torch.tensor([sink, 0, recent], device="cuda", dtype=torch.int32).repeat(batch, 1)
         refresh = torch.ones(batch, dtype=torch.int8, device="cuda")

@@ -92,11 +92,10 @@ def run(args: argparse.Namespace) -> int:
     from semkv.serve.metrics import Metrics
     from semkv.text import TextModel
 
-    default = MethodChoice.of(args.method, budget, params)  # of requests that name none
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
                               args.gpu_memory_utilization, args.tensor_parallel_size, args.max_num_batched_tokens,
-                              args.max_num_seqs, args.enable_prefix_caching, default if args.warm_up else None,
-                              default)
+                              args.max_num_seqs, args.enable_prefix_caching,
+                              MethodChoice.of(args.method, budget, params), args.warm_up)
     client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
     try:
         ready = client.ready

@@ -193,24 +193,23 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
     done = threading.Event()  # the loop has ended: rank processes may end now
     try:
         try:
-            reserve = settings.reserve_for
+            choice = settings.method
+            default = None if choice is None else get_method(choice.name, choice.budget, **dict(choice.params))
             llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, page_size=settings.page_size,
                       prefill_chunk=settings.prefill_chunk, gpu_memory_utilization=settings.gpu_memory_utilization,
-                      tensor_parallel_size=settings.tensor_parallel_size,
-                      reserve_for=None if reserve is None else get_method(reserve.name, reserve.budget,
-                                                                          **dict(reserve.params)))
+                      tensor_parallel_size=settings.tensor_parallel_size, reserve_for=default)
             if llm.engine.page_state_bytes:
-                print(f"semkv serve: {reserve.name} keeps {llm.engine.page_state_bytes} bytes of state a KV page "
+                print(f"semkv serve: {choice.name} keeps {llm.engine.page_state_bytes} bytes of state a KV page "
                       "beside the pool; a pool sized from the card's memory leaves it room", file=sys.stderr,
                       flush=True)
             session = llm.new_session(max_num_batched_tokens=settings.max_num_batched_tokens,
                                       max_num_seqs=settings.max_num_seqs,
                                       enable_prefix_caching=settings.enable_prefix_caching)
-            if settings.warm_up is not None and llm.engine.device.type == "cuda":
-                choice, started = settings.warm_up, time.perf_counter()
+            if settings.warm_up and default is not None and llm.engine.device.type == "cuda":
+                started = time.perf_counter()
                 print(f"semkv serve: warming up {choice.name} (Triton compiles its kernels now; --no-warm-up skips "
                       "this)", file=sys.stderr, flush=True)
-                session.warm_up(get_method(choice.name, choice.budget, **dict(choice.params)), choice.key)
+                session.warm_up(default, choice.key)
                 print(f"semkv serve: warmed up in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             folder = str(model_folder(settings.model)[1])
             freeze_heap()  # no collector pause over the start's objects in front of a step

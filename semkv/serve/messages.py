@@ -45,8 +45,10 @@ class EngineSettings:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
-    warm_up: MethodChoice | None = None  # on CUDA, run this method on a text of its own first (`Session.warm_up`)
-    reserve_for: MethodChoice | None = None  # the pool leaves room for this method's state kept by page (`LLM`)
+    # the method of requests that name none: the pool leaves room for its state kept by page (`LLM(reserve_for=)`),
+    # and with warm_up, on CUDA, it runs on a text of its own first (`Session.warm_up`)
+    method: MethodChoice | None = None
+    warm_up: bool = False
 
 
 # -- web -> engine ------------------------------------------------------------------------------------------------

@@ -46,9 +46,9 @@ def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chun
                hi: torch.Tensor, chunks: int, group_reduce: str, block_n: int = 128, num_warps: int = 4,
                num_stages: int = 3) -> torch.Tensor:
     """Same arguments and result as `reference.chunk_best` (k_pool may hold key channels: q then holds the same
-    channels). Blocks of 128 slots, four warps, three stages: on an H200 at the 0.5B model's shape, 335 rows of 31,744 slots, 0.90 ms
-    a layer with exact keys (1.22 with 64; 1.55 before `fold_runs`), 0.32 with 8 or 16 key channels
-    (`benchmarks/results/2026-11-29-h200-key-channels.md`)."""
+    channels). Blocks of 128 slots, four warps, three stages: on an H200 at the 0.5B model's shape, 335 rows of
+    31,744 slots, 0.90 ms a layer with exact keys (1.22 with 64; 1.55 before `fold_runs`), 0.32 with 8 or 16 key
+    channels (`benchmarks/results/2026-11-29-h200-key-channels.md`)."""
     batch, n_heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pool.shape
     width = chunk_of.shape[1]
