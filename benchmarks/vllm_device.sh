@@ -10,13 +10,13 @@
 # against the server's scheduler without the web process, with cProfile and torch.profiler), modes (issue 55:
 # profile_step.py on the model for Full KV and every retrieving mode at 10%, 16 x 31,744 with real prefills: where a
 # decode step's device and host time go), modes_bench (issue 55's targets: `semkv bench` with real prefills at
-# 31,744, batch 16 and Full KV's largest batch, Full KV, CHESS, ChunkKV, the retrieving modes and TokenSelect's
-# int8 key sketch, with each one's served tokens/s; ARGS: e.g.
-# --methods full,sentencekv to run fewer), kernels (kernel_check.py: each Triton kernel against its reference and
-# its speed), decode (issue 54: full decode attention through FlashAttention 3, vLLM's, against the Triton kernel:
-# kernel_check.py's decode rows, then `semkv bench` with real prefills at 31,744, batches 16 and 64, Full KV and ChunkKV
-# neighbours=3 at 10%, SEMKV_DECODE_ATTENTION=triton then auto, each its own process), fa3 (FlashAttention 3,
-# vLLM's, against cuDNN as the prefill attention: kernel_check.py's prefill rows,
+# 31,744, batch 16 and Full KV's largest batch, Full KV, CHESS, ChunkKV, the retrieving modes, TokenSelect at
+# theta=0.95 (its setting at Full KV's RULER score) and its int8 key sketch, with each one's served tokens/s;
+# ARGS: e.g. --methods full,sentencekv to run fewer), kernels (kernel_check.py: each Triton kernel against its
+# reference and its speed), decode (issue 54: full decode attention through FlashAttention 3, vLLM's, against the
+# Triton kernel: kernel_check.py's decode rows, then `semkv bench` with real prefills at 31,744, batches 16 and 64,
+# Full KV and ChunkKV neighbours=3 at 10%, SEMKV_DECODE_ATTENTION=triton then auto, each its own process), fa3
+# (FlashAttention 3, vLLM's, against cuDNN as the prefill attention: kernel_check.py's prefill rows,
 # then first_steps.py's server sessions on the model with SEMKV_PREFILL_ATTENTION=cudnn and auto, 32 x 32k with 512
 # new tokens and 128 x 2k with 64), syncs (first_steps.py --sync-debug on the model, 32 x 32k, 16 at a time, for
 # Full KV, CHESS anchor="queries" and ChunkKV neighbours=3 at 10%: every wait of the host for the device in a
@@ -105,7 +105,8 @@ modes_bench)  # issue 55's targets, one bench call (the rows of the methods it r
   essays
   timeout $((seconds - 15)) python3 -m semkv.cli.main bench --model $QWEN --text-file $W/essays.txt --contexts 31744 \
     --budget 0.1 --steps 16 --batches 16,fullmax \
-    --methods "full,sentencekv,dynsplit,tokenselect,chess,chunkkv,tokenselect[score_keys=int8]" \
+    --methods "full,sentencekv,dynsplit,tokenselect,tokenselect[theta=0.95],chess,chunkkv,\
+tokenselect[score_keys=int8]" \
     --param chess.anchor=queries --param chunkkv.neighbours=3 --param sentencekv.retain=sentences \
     --param sentencekv.score=tokens --param sentencekv.query=current --param sentencekv.keep_factor=1 \
     --param dynsplit.score=tokens --param tokenselect.prefill=full --out $W/modes_bench "$@" > $W/modes_bench.log 2>&1
