@@ -42,7 +42,9 @@ selection: "soft_vote" (Eq. 7, the paper's method), "hard_vote" (Eq. 6: each hea
 scope: "layer" (Eq. 7, one token set per layer) or "kv_head" (one set per KV group).
 theta: Selection Cache threshold on the cosine similarity of consecutive queries, 0.9 (paper Sec. 6.1), in
     [-1, 1]; 1.0 practically disables the cache, -1 reuses each layer's first decode selection (every lookup hits:
-    the bound `semkv bench` measures the cache against).
+    the bound `semkv bench` measures the cache against). At 0.9 a selection reused while a long value is copied can
+    lack its next tokens (RULER NIAH at 10% 3-5 points under Full KV); 0.95 keeps Full KV's score, with fewer hits
+    (benchmarks/results/2026-12-01-h200-tokenselect-cache.md).
 extrapolate: store keys before RoPE and rotate the attended ones by rank (the paper's length-extrapolation setting).
 chunk: the longest prefill chunk, 512 (paper Sec. 6.1); each chunk selects its own context.
 prefill: "sparse" (the paper: each chunk attends to its budget of earlier tokens) or "full" (full attention at
