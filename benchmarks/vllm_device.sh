@@ -29,8 +29,9 @@
 # score="tokens" at 10%); this tree's scripts over each tree's
 # semkv, each in its own process, old then new, on the model; a run done while the machine is warm is kept; ARGS:
 # the runs to make, e.g. decode_steps, default all), ab_serve (the serve stage's phases, shared_first and
-# shared_followup by default, under the server of the tree in .carry/old/semkv, then of this tree: a served change
-# against the machine's host; ChunkKV neighbours=3 at 10% unless ARGS, vllm_serve.py's, name --servers), steps
+# shared_followup by default, under the server of the tree in .carry/old/semkv, then of this tree, each with its own
+# vllm_serve.py: a served change against the machine's host; ChunkKV neighbours=3 at 10% unless ARGS, vllm_serve.py's,
+# name --servers; AB_ROUND=N keeps a repeat in folders of its own, old<N> and new<N>), steps
 # (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of 2,048 and 4,096 tokens,
 # --max-num-batched-tokens: ITL p99 / p50 against the prompt rate). SECONDS (default 540): the stage's time, so
 # the archive of its results is written inside the call's 10 minutes; ARGS go to the stage's script (e.g. --runs
@@ -204,18 +205,19 @@ ab)  # the scheduler of this tree against another's: prompt rate and follow-ups,
   tar czf $out/ab.tgz -C $W ab device.txt ;;
 ab_serve)  # the serve stage's phases under the old tree's server, then this tree's (a phase done is kept)
   [ -d .carry/old/semkv/semkv ] || { echo "ab_serve: no tree in .carry/old/semkv"; exit 2; }
+  mkdir -p $W/ab_serve
   end=$(( $(date +%s) + seconds - 20 ))
   for tree in old new; do
-    root=$PWD left=$(( end - $(date +%s) ))
+    root=$PWD left=$(( end - $(date +%s) )) name=$tree${AB_ROUND:-}
     [ $tree = old ] && root=$PWD/.carry/old/semkv left=$(( left / 2 ))  # half the time each
-    (cd $root && PYTHONPATH=$root:$PYTHONPATH:$root/benchmarks python3 $OLDPWD/benchmarks/vllm_serve.py --model $QWEN \
-      --data $DATA --out $W/ab_serve/$tree --phases shared_first,shared_followup --servers "chunkkv[neighbours=3]" \
+    # each tree's own vllm_serve.py (the workload's helpers import its semkv)
+    (cd $root && PYTHONPATH=$root:$PYTHONPATH:$root/benchmarks python3 benchmarks/vllm_serve.py --model $QWEN \
+      --data $DATA --out $W/ab_serve/$name --phases shared_first,shared_followup --servers "chunkkv[neighbours=3]" \
       --deadline $left "$@") \
-      > $W/ab_serve_$tree.log 2>&1
-    echo "== $tree"; python3 benchmarks/vllm_page.py --serve $W/ab_serve/$tree | grep -A6 'shared_followup\*\*'
+      > $W/ab_serve/$name.log 2>&1
+    echo "== $name"; python3 benchmarks/vllm_page.py --serve $W/ab_serve/$name | grep -A6 'shared_.*\*\*'
   done
-  tar czf $out/ab_serve.tgz -C $W --exclude=prompts --exclude=prompts.json.gz ab_serve ab_serve_old.log \
-    ab_serve_new.log device.txt ;;
+  tar czf $out/ab_serve.tgz -C $W --exclude=prompts --exclude=prompts.json.gz ab_serve device.txt ;;
 serve8b)  # semkv's servers (vLLM's detokenizer meets ids past the small tokenizer's), phases sized for 4 GiB of K/V
   # a request: 16 at once
   python3 benchmarks/vllm_serve.py --shape llama3-8b --data $DATA --out $W/serve8b --deadline $((seconds - 15)) \
