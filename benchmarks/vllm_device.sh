@@ -71,15 +71,18 @@ serve)
   python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
   pack serve serve ;;
 steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c64 with --max-num-batched-tokens of
-  # 2048, 4096 (the default 8192 is the serve stage's); ARGS: e.g. --servers full (a budget done is kept)
-  for budget in 2048 4096; do
+  # 2048, 4096 (the default 8192 is the serve stage's; STEP_BUDGETS="2048 8192" names others); ARGS: e.g. --servers
+  # full, or the 8B shape at 16 requests: --shape llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done
+  # is kept)
+  budgets=${STEP_BUDGETS:-2048 4096}
+  for budget in $budgets; do
     python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$budget --phases c64 \
       --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget \
       --deadline $(( seconds - 15 - ($(date +%s) - start) )) "$@"
   done
   tar czf $out/steps.tgz -C $W --exclude=prompts --exclude=prompts.json.gz steps device.txt
-  for budget in 2048 4096; do
-    echo "== $budget"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget | grep -A12 '^\*\*c64'
+  for budget in $budgets; do
+    echo "== $budget"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget | grep -A12 '^\*\*c[0-9]'
   done ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
