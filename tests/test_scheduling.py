@@ -457,6 +457,31 @@ def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):
     assert pool.cached_pages <= cached + 3 * len(encode(llm, CONTEXTS[0] * 2)) // 16
 
 
+def test_follow_ups_find_documents_compacted_together_cached_in_a_fixed_pool(tiny_model_dir):
+    """ChunkKV on three documents prefilled in the same steps: each request keeps only its compacted pages and its
+    document's pages go to the cache idle; in a pool of fixed size (`num_pages`, `semkv serve --num-pages`) with room
+    for them, every follow-up question finds its document's whole pages cached and gives the tokens of a miss (a
+    growing pool, the CPU's default, evicts idle cached pages before it grows: docs/guide/server.md)."""
+    method = get_method("chunkkv", SMALL)
+    documents = [context * 4 for context in CONTEXTS]
+    firsts, follow_ups = ([f"{document}\n\n{q}" for document in documents] for q in QUESTIONS[:2])
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=3000)
+    want = alone(llm, method, follow_ups)
+    llm.engine.pool.clear_cache()
+    driver = Driver(llm, max_num_batched_tokens=4096)
+    for prompt in firsts:
+        driver.submit(encode(llm, prompt), method)
+    driver.finish()
+    for prompt in follow_ups:
+        driver.submit(encode(llm, prompt), method)
+    assert driver.finish()[len(firsts):] == want
+    page, window = llm.engine.pool.page_size, max(method.bound(llm.config, llm.tokenizer, 16).window_size(), 1)
+    for seq, document in zip(driver.seqs[len(firsts):], documents):
+        blocks = min(len(encode(llm, document)), len(seq.prompt_ids) - window) // page
+        assert blocks > 2 and seq.stats.cached_tokens == blocks * page
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
 @pytest.mark.parametrize("name, params", [("full", {}), ("quest", {}), ("tokenselect", {}), ("dynsplit", {}),
                                           ("sentencekv", dict(offload=True)), ("chess", {}), ("infllm", {}),
                                           ("snapkv", {})])

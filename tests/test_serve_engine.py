@@ -40,6 +40,7 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict, dic
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests 0 must be a positive int"),
     (["--api-key", ""], "--api-key is empty"),
     (["--max-num-seqs", "two"], "invalid int value: 'two'"),
+    (["--num-pages", "1"], "--num-pages=1 is out of range; allowed: [2, "),
 ])
 def test_a_bad_flag_exits_with_code_2_before_the_model_loads(flags, needle, tmp_path):
     # the model does not exist either: a flag checked after loading would fail on the model instead
@@ -61,7 +62,7 @@ def test_an_engine_that_cannot_start_exits_with_code_2(tmp_path):
 def test_settings_api_key_request_ids_and_version(tiny_model_dir):
     server = Server("--model", str(tiny_model_dir("llama")), "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
                     "--no-enable-prefix-caching", "--api-key", "sesame", "--method", "quest", "--budget", "0.5",
-                    api_key="sesame")
+                    "--num-pages", "700", api_key="sesame")
     try:
         status, headers, body = get(f"{server.url}/v1/models")
         assert status == 401 and body["error"]["type"] == "authentication_error"
@@ -78,6 +79,7 @@ def test_settings_api_key_request_ids_and_version(tiny_model_dir):
         server.process.terminate()
         log = server.process.stderr.read()
         assert "engine steps of at most 96 tokens; requests running at once: 3; prefix caching off" in log, log
+        assert "KV pool of 700 pages of 16 tokens" in log, log  # a fixed pool (--num-pages)
         # the default method's state kept by page (Quest's page summaries) is what the pool leaves room for
         assert re.search(r"quest keeps [1-9]\d* bytes of state a KV page beside the pool", log), log
     finally:

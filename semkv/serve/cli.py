@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="tokens one engine step computes at most: a decode token per running request, then chunks "
                         "of prompts (default 8192, vLLM's on an H100)")
+    p.add_argument("--num-pages", type=int, default=None, metavar="N",
+                   help="KV pool pages (of --page-size tokens of one layer), fixed (default: on a GPU what "
+                        "--gpu-memory-utilization leaves; on the CPU grown on demand, evicting idle cached prefix "
+                        "pages before it grows)")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="requests running at once (default: as many as memory holds)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -59,6 +63,8 @@ def check(args: argparse.Namespace) -> None:
     if args.log_stats_interval < 0:
         raise SemkvError(f"--log-stats-interval {args.log_stats_interval} must be >= 0 (0: never)")
     check_range("--timeout-keep-alive", args.timeout_keep_alive, 0, None)
+    if args.num_pages is not None:
+        check_range("--num-pages", args.num_pages, 2, None, int)
     if args.api_key is not None and not args.api_key:
         raise SemkvError("--api-key is empty; give a key or leave the flag out")
 
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
                               args.gpu_memory_utilization, args.tensor_parallel_size, args.max_num_batched_tokens,
                               args.max_num_seqs, args.enable_prefix_caching,
-                              MethodChoice.of(args.method, budget, params), args.warm_up)
+                              MethodChoice.of(args.method, budget, params), args.warm_up, args.num_pages)
     client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
     try:
         ready = client.ready

@@ -197,7 +197,8 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
             default = None if choice is None else get_method(choice.name, choice.budget, **dict(choice.params))
             llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, page_size=settings.page_size,
                       prefill_chunk=settings.prefill_chunk, gpu_memory_utilization=settings.gpu_memory_utilization,
-                      tensor_parallel_size=settings.tensor_parallel_size, reserve_for=default)
+                      tensor_parallel_size=settings.tensor_parallel_size, num_pages=settings.num_pages,
+                      reserve_for=default)
             if llm.engine.page_state_bytes:
                 print(f"semkv serve: {choice.name} keeps {llm.engine.page_state_bytes} bytes of state a KV page "
                       "beside the pool; a pool sized from the card's memory leaves it room", file=sys.stderr,

@@ -49,6 +49,7 @@ class EngineSettings:
     # and with warm_up, on CUDA, it runs on a text of its own first (`Session.warm_up`)
     method: MethodChoice | None = None
     warm_up: bool = False
+    num_pages: int | None = None  # a fixed KV pool (`LLM(num_pages=)`)
 
 
 # -- web -> engine ------------------------------------------------------------------------------------------------
