@@ -72,12 +72,13 @@ serve)
   pack serve serve ;;
 steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c64 with --max-num-batched-tokens of
   # 2048, 4096 (the default 8192 is the serve stage's; STEP_BUDGETS="2048 8192" names others); ARGS: e.g. --servers
-  # full, or the 8B shape at 16 requests: --shape llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done
-  # is kept)
+  # full, --servers "vllm,chess[anchor=queries]" (vLLM at the same budget), or the 8B shape at 16 requests: --shape
+  # llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done is kept)
   budgets=${STEP_BUDGETS:-2048 4096}
   for budget in $budgets; do
     python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$budget --phases c64 \
       --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget \
+      --vllm-flag=--max-num-batched-tokens=$budget \
       --deadline $(( seconds - 15 - ($(date +%s) - start) )) "$@"
   done
   tar czf $out/steps.tgz -C $W --exclude=prompts --exclude=prompts.json.gz steps device.txt
