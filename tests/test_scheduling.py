@@ -457,15 +457,16 @@ def test_cached_pages_are_evicted_when_the_pool_needs_them(tiny_model_dir):
     assert pool.cached_pages <= cached + 3 * len(encode(llm, CONTEXTS[0] * 2)) // 16
 
 
-def test_follow_ups_find_documents_compacted_together_cached_in_a_fixed_pool(tiny_model_dir):
+@pytest.mark.parametrize("num_pages", [3000, None], ids=["fixed", "growing"])
+def test_follow_ups_find_documents_compacted_together_cached(tiny_model_dir, num_pages):
     """ChunkKV on three documents prefilled in the same steps: each request keeps only its compacted pages and its
     document's pages go to the cache idle; in a pool of fixed size (`num_pages`, `semkv serve --num-pages`) with room
-    for them, every follow-up question finds its document's whole pages cached and gives the tokens of a miss (a
-    growing pool, the CPU's default, evicts idle cached pages before it grows: docs/guide/server.md)."""
+    for them, and in the CPU's growing pool (it grows rather than evict them: `KVPool.keep_cached`), every follow-up
+    question finds its document's whole pages cached and gives the tokens of a miss."""
     method = get_method("chunkkv", SMALL)
     documents = [context * 4 for context in CONTEXTS]
     firsts, follow_ups = ([f"{document}\n\n{q}" for document in documents] for q in QUESTIONS[:2])
-    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=3000)
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu", prefill_chunk=48, num_pages=num_pages)
     want = alone(llm, method, follow_ups)
     llm.engine.pool.clear_cache()
     driver = Driver(llm, max_num_batched_tokens=4096)
@@ -690,6 +691,32 @@ def test_a_compaction_whose_new_pages_grow_the_pool_writes_into_the_grown_pool()
         assert pos[0].tolist() == keep[0].tolist()
         cached = first.gather(layer, first.all_slots(layer))[0][0, :, 0]
         assert cached.tolist() == list(range(100 * layer, 100 * layer + pages * size))
+
+
+def test_a_growing_pool_evicts_cached_pages_only_once_it_holds_keep_cached_pages():
+    """A pool that grows (the CPU's: `KVPool.keep_cached` from the host memory) grows rather than evict idle cached
+    blocks while it holds fewer than `keep_cached` pages; at that size it evicts them, least recently used first,
+    before it grows."""
+    import torch
+
+    from semkv.engine.kv_cache import KVPool
+
+    layers = 2
+    pool = KVPool(layers, 1, 2, 4, torch.float32, torch.device("cpu"), num_pages=16)
+    pool.cache = PrefixCache(layers)
+    for i in range(6):  # six blocks cached and idle: 12 of the 15 pages after the scratch page
+        pages = pool.allocate(layers)
+        pool.cache.add([bytes([i])], np.array([pages]), held=True)
+        pool.release(pages)
+    assert pool.cached_pages == 12 and pool.num_pages - pool.touched == 3
+    pool.keep_cached = 64
+    held = pool.allocate(10)  # 7 more than the untouched pages: below 64 pages, the pool grows
+    assert len(pool.cache.blocks) == 6 and pool.num_pages > 16
+    pool.keep_cached = pool.num_pages
+    held += pool.allocate(pool.num_pages - pool.touched + 4)  # 4 past the untouched: two blocks, the oldest, go
+    assert set(pool.cache.blocks) == {bytes([i]) for i in range(2, 6)} and pool.num_pages == pool.keep_cached
+    pool.release(held)
+    assert pool.in_use == 0
 
 
 def test_prefix_cache_keeps_its_eviction_order_through_many_takes():

@@ -41,7 +41,7 @@ class KVPool:
     asked 30 GiB for 16 rows after a Full KV batch of 335 rows had touched the whole pool of an H200). With a
     `PrefixCache` (`cache`), pages of cached prompt blocks have reference counts and stay filled when no request holds
     them; they count as free (`available`) and are evicted, least recently used first, only when no other page is
-    left."""
+    left: in a pool that grows (no `max_pages`), once it holds `keep_cached` pages (0: it evicts before it grows)."""
 
     def __init__(
         self,
@@ -59,6 +59,7 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.max_pages = max_pages  # None: grow as needed
+        self.keep_cached = 0  # a growing pool's pages up to which it grows rather than evict idle cached pages
         self.k = torch.empty(0, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.pos = torch.empty(0, page_size, num_kv_heads, dtype=torch.int32, device=device)
@@ -159,11 +160,15 @@ class KVPool:
                            f"gpu_memory_utilization (the share of the card the pool is sized to) to leave it room")
 
     def allocate(self, n: int) -> list[int]:
-        """n pages: released ones first, then never-used ones (lowest ids first), then pages of evicted cached
-        blocks. MemoryError when the pool cannot hold them (nothing is taken then)."""
+        """n pages: released ones first, then never-used ones (lowest ids first), then (a growing pool: past
+        `keep_cached` pages) pages of evicted cached blocks. MemoryError when the pool cannot hold them (nothing is
+        taken then)."""
         fresh = max(n - len(self.free), 0)
         if fresh > self.num_pages - self.touched and self.cache is not None:
-            self.free.extend(self.cache.evict(fresh - (self.num_pages - self.touched)))
+            short = fresh - (self.num_pages - self.touched)
+            if self.max_pages is None:  # what growing would take past `keep_cached`
+                short = min(short, max(self.num_pages + short - self.keep_cached, 0))
+            self.free.extend(self.cache.evict(short))
             fresh = max(n - len(self.free), 0)
         if fresh > self.num_pages - self.touched:
             needed = fresh - (self.num_pages - self.touched)

@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of prompts (default 8192, vLLM's on an H100)")
     p.add_argument("--num-pages", type=int, default=None, metavar="N",
                    help="KV pool pages (of --page-size tokens of one layer), fixed (default: on a GPU what "
-                        "--gpu-memory-utilization leaves; on the CPU grown on demand, evicting idle cached prefix "
-                        "pages before it grows)")
+                        "--gpu-memory-utilization leaves; on the CPU grown on demand, keeping idle cached prefix "
+                        "pages in up to half the host memory free at the start)")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="requests running at once (default: as many as memory holds)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
