@@ -122,14 +122,14 @@ class Engine:
         """num_pages: size of the KV pool, fixed; None sizes it from free GPU memory (keeping
         `1 - gpu_memory_utilization` of the card and `ACTIVATION_RESERVE` for activations free) on CUDA, and lets
         it grow on demand on the CPU, where it grows rather than evict cached prompt pages until it fills half the
-        host memory free at the start (`KVPool.keep_cached`). page_state_bytes: device bytes a page of the pool adds in state kept by KV page
-        (`KVMethod.page_state_bytes` of the method most requests use: `LLM(reserve_for=)`), so that a pool sized from
-        free memory leaves that state room in the card's share (`pool_pages`). state_memory: bytes a method's state
-        beside the pool may take (SentenceKV's and DynSplit-KV's device rows); None: on CUDA whatever is free when a
-        request is admitted, less the activation reserve; unbounded elsewhere. prefill_chunk: prompt tokens per
-        prefill chunk; None: 32768 on CUDA, 512 on the CPU (`DEFAULT_CHUNK`). warm_up: on CUDA, compile the kernels
-        and build the prefill attention's plans now (`warm_up`), so that the first request runs at the speed of the
-        next."""
+        host memory free at the start (`KVPool.keep_cached`). page_state_bytes: device bytes a page of the pool adds
+        in state kept by KV page (`KVMethod.page_state_bytes` of the method most requests use: `LLM(reserve_for=)`),
+        so that a pool sized from free memory leaves that state room in the card's share (`pool_pages`).
+        state_memory: bytes a method's state beside the pool may take (SentenceKV's and DynSplit-KV's device rows);
+        None: on CUDA whatever is free when a request is admitted, less the activation reserve; unbounded elsewhere.
+        prefill_chunk: prompt tokens per prefill chunk; None: 32768 on CUDA, 512 on the CPU (`DEFAULT_CHUNK`).
+        warm_up: on CUDA, compile the kernels and build the prefill attention's plans now (`warm_up`), so that the
+        first request runs at the speed of the next."""
         kernels.prefill_path(device)  # SEMKV_PREFILL_ATTENTION and SEMKV_DECODE_ATTENTION checked before anything
         kernels.decode_path(device)  # loads
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
@@ -162,9 +162,9 @@ class Engine:
                 raise MemoryError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
         if num_pages is None:
             self.pool = KVPool(*shape)
-            room = available_host_bytes() / 2 if device.type == "cpu" else math.inf
-            if math.isfinite(room):  # the CPU's pool keeps cached prompt pages in up to half the host memory free now
-                self.pool.keep_cached = int(room // self.pool.bytes_per_page)
+            # the CPU's pool keeps cached prompt pages in up to half the host memory free now (where that is known)
+            if device.type == "cpu" and math.isfinite(host := available_host_bytes()):
+                self.pool.keep_cached = int(host / 2 // self.pool.bytes_per_page)
         else:
             self.pool = KVPool(*shape, num_pages=num_pages, max_pages=num_pages)
         self._rank_cos_sin = (torch.empty(0), torch.empty(0))
