@@ -73,17 +73,20 @@ serve)
 steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c64 with --max-num-batched-tokens of
   # 2048, 4096 (the default 8192 is the serve stage's; STEP_BUDGETS="2048 8192" names others); ARGS: e.g. --servers
   # full, --servers "vllm,chess[anchor=queries]" (vLLM at the same budget), or the 8B shape at 16 requests: --shape
-  # llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done is kept)
+  # llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done is kept); STEP_DYNAMIC=1: semkv's servers
+  # with --enable-dynamic-chunking, in steps/BUDGET-dynamic
   budgets=${STEP_BUDGETS:-2048 4096}
+  dynamic=() tag=""
+  [ "${STEP_DYNAMIC:-0}" = 1 ] && dynamic=(--semkv-flag=--enable-dynamic-chunking) tag=-dynamic
   for budget in $budgets; do
-    python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$budget --phases c64 \
-      --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget \
+    python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$budget$tag --phases c64 \
+      --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget "${dynamic[@]}" \
       --vllm-flag=--max-num-batched-tokens=$budget \
       --deadline $(( seconds - 15 - ($(date +%s) - start) )) "$@"
   done
   tar czf $out/steps.tgz -C $W --exclude=prompts --exclude=prompts.json.gz steps device.txt
   for budget in $budgets; do
-    echo "== $budget"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget | grep -A12 '^\*\*c[0-9]'
+    echo "== $budget$tag"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget$tag | grep -A12 '^\*\*c[0-9]'
   done ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;

@@ -187,12 +187,14 @@ class LLM(TextModel):
 
     @on_every_rank
     def new_session(self, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                    enable_prefix_caching: bool = True) -> "Session":
+                    enable_prefix_caching: bool = True, dynamic_chunking: bool = False) -> "Session":
         """The requests of a server, arriving over time (`Session`); one per LLM. max_num_batched_tokens: tokens one
         engine step computes at most (decode rows and prefill chunks; None: the engine's prefill chunk);
         max_num_seqs: requests running at once (None: as many as memory holds); enable_prefix_caching: a request
-        whose prompt starts with pages an earlier one computed reuses them."""
-        self.session = Session(self, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
+        whose prompt starts with pages an earlier one computed reuses them; dynamic_chunking: while requests decode,
+        a long prompt's later chunks are cut shorter, so that each costs about what max_num_batched_tokens tokens at
+        a prompt's start do, their attention over the prefix counted (`Scheduler`)."""
+        self.session = Session(self, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, dynamic_chunking)
         return self.session
 
     # -- generation -----------------------------------------------------------------------------------------------
@@ -422,10 +424,11 @@ class Session:
     session and replays each call of rank 0's (`submit`, `advance`, `cancel`)."""
 
     def __init__(self, llm: LLM, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, dynamic_chunking: bool = False):
         self.llm = llm
         self.scheduler = Scheduler(llm.engine, contain=True, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching)
+                                   max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching,
+                                   dynamic_chunking=dynamic_chunking)
         self.requests: dict[int, tuple[Sequence, str]] = {}  # live requests by id, with their method keys
         self.bound: dict[str, KVMethod] = {}  # method key -> the bound copy its live requests share
         # keys of `idle_graphs` methods that no live request uses, kept with their batch's CUDA graphs (least recently

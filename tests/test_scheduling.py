@@ -10,7 +10,9 @@ import pytest
 
 import semkv
 from semkv.engine.prefix_cache import PrefixCache, PromptKeys, block_keys
+from semkv.engine.scheduler import chunk_cost, chunk_tokens
 from semkv.engine.sequence import SamplingParams
+from semkv.errors import SemkvError
 from semkv.methods import get_method
 from test_method_matrix import CASES, CONTEXTS, HARD, IDS, NEW, QUESTIONS, SMALL
 
@@ -542,6 +544,64 @@ def test_a_step_keeps_to_its_budget_while_requests_decode_and_takes_the_engine_c
     assert busy and max(busy) <= 16
     assert idle and max(idle) == 48 and len(idle) == -(-first // 48) < -(-first // 16)
     assert llm.engine.memory().held == (0, 0, 0, 0)
+
+
+def multiply_adds(config, start: int, tokens: int) -> int:
+    """A prompt chunk's multiply-adds a layer: each token's projections and MLP, and its q . k and p . v with every
+    key up to itself."""
+    heads, kv_heads = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden = config.hidden_size
+    dense = hidden * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
+    return tokens * dense + 2 * heads * sum(start + i + 1 for i in range(tokens))
+
+
+@pytest.mark.parametrize("name, params", [("full", {}), ("chunkkv", dict(neighbours=3)), ("chess", {})])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_chunking_cuts_a_long_prompts_later_chunks_to_the_cost_of_its_first(tiny_model_dir, name, params,
+                                                                                     dynamic):
+    """Budget 32 while a request decodes, a prompt of about 500 tokens arriving (the engine's chunk, 512 tokens, cuts
+    it nowhere): with dynamic chunking every chunk of it costs (multiply-adds, its attention to the keys before it
+    counted) at most what 32 tokens at a prompt's start do, less the decoding row's dense work, so its chunks shrink
+    as its prefix grows (to under half the first one's at 450 tokens on this model); without it every chunk is 31
+    tokens. The tokens are those of whole prompts either way."""
+    llm = semkv.LLM(tiny_model_dir("llama"), device="cpu")
+    method = get_method(name, 0.5, **params)
+    prompts = [CONTEXTS[1] * 5 + "\n\n" + QUESTIONS[1], CONTEXTS[0] * 5 + "\n\n" + QUESTIONS[0]]
+    want = alone(llm, method, prompts, 80)
+    driver = Driver(llm, max_num_batched_tokens=32, enable_prefix_caching=False, dynamic_chunking=dynamic)
+    driver.submit(encode(llm, prompts[0]), method, new=80)
+    while not driver.seqs[0].output_ids:
+        driver.advance()
+    driver.submit(encode(llm, prompts[1]), method, new=80)
+    long, chunks = driver.seqs[1], []
+    while not long.output_ids:
+        start = long.num_computed
+        decoding = not driver.seqs[0].finished
+        driver.advance()
+        if decoding and long.num_computed > start:
+            chunks.append((start, long.num_computed - start))
+    assert driver.finish() == want
+    assert llm.engine.memory().held == (0, 0, 0, 0)
+    config = llm.config
+    full_chunks = [tokens for start, tokens in chunks[:-1]]  # (the last one is what the prompt had left)
+    assert len(full_chunks) >= 10 and chunks[-1][0] + chunks[-1][1] > 400
+    if not dynamic:
+        assert set(full_chunks) == {31}
+        return
+    cap = multiply_adds(config, 0, 32) - multiply_adds(config, 0, 1) + 2 * config.num_heads * config.head_dim
+    assert all(multiply_adds(config, start, tokens) <= cap < multiply_adds(config, start, tokens + 1)
+               for start, tokens in chunks[:-1])
+    assert full_chunks[0] == 31 and full_chunks == sorted(full_chunks, reverse=True) and full_chunks[-1] <= 15
+
+
+def test_chunk_tokens_is_the_most_tokens_within_a_cost(llm):
+    with pytest.raises(SemkvError, match="give max_num_batched_tokens"):
+        llm.new_session(dynamic_chunking=True)
+    for weight in (1.2e-4, 3.8e-5, 3.5e-3):
+        for start in (0, 1, 4_095, 31_000):
+            for cost in (1.0, 37.5, 4_096.0, 1e5):
+                tokens = chunk_tokens(start, cost, weight)
+                assert chunk_cost(start, tokens, weight) <= cost < chunk_cost(start, tokens + 1, weight)
 
 
 def test_a_prompt_asking_one_token_does_not_cut_the_next_step_to_the_budget(llm):

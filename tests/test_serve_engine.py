@@ -62,7 +62,7 @@ def test_an_engine_that_cannot_start_exits_with_code_2(tmp_path):
 def test_settings_api_key_request_ids_and_version(tiny_model_dir):
     server = Server("--model", str(tiny_model_dir("llama")), "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
                     "--no-enable-prefix-caching", "--api-key", "sesame", "--method", "quest", "--budget", "0.5",
-                    "--num-pages", "700", api_key="sesame")
+                    "--num-pages", "700", "--enable-dynamic-chunking", api_key="sesame")
     try:
         status, headers, body = get(f"{server.url}/v1/models")
         assert status == 401 and body["error"]["type"] == "authentication_error"
@@ -78,7 +78,8 @@ def test_settings_api_key_request_ids_and_version(tiny_model_dir):
         # the flags reached the engine process's scheduler (it reports them back, and the start's log lines say them)
         server.process.terminate()
         log = server.process.stderr.read()
-        assert "engine steps of at most 96 tokens; requests running at once: 3; prefix caching off" in log, log
+        assert ("engine steps of at most 96 tokens (and their cost: dynamic chunking); requests running at once: 3; "
+                "prefix caching off") in log, log
         assert "KV pool of 700 pages of 16 tokens" in log, log  # a fixed pool (--num-pages)
         # the default method's state kept by page (Quest's page summaries) is what the pool leaves room for
         assert re.search(r"quest keeps [1-9]\d* bytes of state a KV page beside the pool", log), log

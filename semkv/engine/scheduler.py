@@ -5,7 +5,13 @@ Requests of one method object decode in one batch; the batches of different meth
 prompt chunks up to what the budget has left (a chunk cut to it; a method's own chunks stay whole), so a long prompt is
 prefilled over several steps while the running requests keep decoding; a step in which no request decodes prefills up to
 the engine's own chunk (`Engine.prefill_chunk`) when it is larger than the budget, which bounds the time between a
-running request's tokens, not a prefill's. The last batch's decode step ends (its tokens read, the method's `end_step`,
+running request's tokens, not a prefill's. The budget counts tokens, but a chunk late in a long prompt attends over all
+the keys before it: on an H200 (Qwen2.5-0.5B, 64 requests, benchmarks/results/2026-12-02-h200-budgets-beside-vllm.md)
+the time between a request's tokens grew from 11.8 to 31.1 ms over a 32k prompt's first seven 4,096-token chunks. With
+`dynamic_chunking` (as SGLang's) a step in which requests decode also keeps its chunks' cost (`chunk_cost`: each
+token's dense work and its attention to the keys before it, in multiply-adds from the model's shape) within that of
+the budget's tokens at a prompt's start, so a long prompt's later chunks are shorter and its steps even. The last
+batch's decode step ends (its tokens read, the method's `end_step`,
 its finished requests released) after the chunks of the prompts already being prefilled are queued and before new
 prompts are admitted: the device runs those chunks while the host ends the step, instead of idling between the decode
 step's end and the first chunk (an H200, 64 requests of 32,000 tokens: a mixed step 54.2 -> 49.7 ms,
@@ -48,6 +54,7 @@ submits requests as they arrive (with `contain=True`, so that a request that fai
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -61,6 +68,7 @@ from semkv.engine.hooks import KVMethod
 from semkv.engine.prefix_cache import PrefixCache
 from semkv.engine.sampler import Choice, choose_each, chosen
 from semkv.engine.sequence import Sequence
+from semkv.errors import SemkvError
 
 StopTest = Callable[[Sequence], str]  # why a request stops after its last token ("eos", "stop", "length"), or ""
 BYPASS = 8  # admissions that may pass a waiting request the pool cannot hold now, before it holds the queue
@@ -105,16 +113,50 @@ class Batch:
     graphs: GraphRunner | None = None
 
 
+def attention_weight(config) -> float:
+    """What a prompt token's attention to one key costs against its dense work (projections and MLP), by
+    multiply-adds a layer: 2 x heads x head_dim (q . k and p . v) against hidden x (q, k, v and o's columns) + 3 x
+    hidden x intermediate. Qwen2.5-0.5B: 1.2e-4 (a token after about 8,300 keys costs twice one at the start);
+    Llama-3.1-8B: 3.8e-5."""
+    heads, kv_heads, dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.hidden_size
+    return 2 * heads / (dim * (2 * heads + 2 * kv_heads) + 3 * dim * config.intermediate_size)
+
+
+def chunk_cost(start: int, tokens: int, weight: float) -> float:
+    """The cost of prefilling prompt tokens [start, start + tokens), in units of one token's dense work: each token's
+    dense work and its attention to the keys up to itself (`weight` each)."""
+    return tokens * (1 + weight * (start + (tokens + 1) / 2))
+
+
+def chunk_tokens(start: int, cost: float, weight: float) -> int:
+    """The most prompt tokens from `start` whose `chunk_cost` is at most `cost`."""
+    linear = 1 + weight * (start + 0.5)  # chunk_cost = linear x tokens + weight / 2 x tokens^2
+    tokens = max(0, int((math.sqrt(linear * linear + 2 * weight * cost) - linear) / weight))
+    while tokens and chunk_cost(start, tokens, weight) > cost:  # the square root's rounding
+        tokens -= 1
+    while chunk_cost(start, tokens + 1, weight) <= cost:
+        tokens += 1
+    return tokens
+
+
 class Scheduler:
     def __init__(self, engine, contain: bool = False, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int | None = None, prefix_caching: bool = False):
+                 max_num_seqs: int | None = None, prefix_caching: bool = False, dynamic_chunking: bool = False):
         """contain: a request that cannot be admitted even alone, or whose prefill or decode step raises, ends with
         its error in `failed` (with the other requests of its batch for a failed step) and the others go on; without
         it the error propagates (the caller then ends the run: `Engine.end`). max_num_batched_tokens: tokens one
         step computes (decode rows and prefill chunks; None: whole prompts before the decode steps); max_num_seqs:
-        requests running at once; prefix_caching: reuse the prompt pages of earlier requests with the same prefix."""
+        requests running at once; prefix_caching: reuse the prompt pages of earlier requests with the same prefix;
+        dynamic_chunking: a step in which requests decode keeps its chunks' `chunk_cost` within that of
+        max_num_batched_tokens tokens at a prompt's start (see the module's docstring)."""
+        if dynamic_chunking and max_num_batched_tokens is None:
+            raise SemkvError("dynamic chunking cuts prompt chunks to a step's budget: give max_num_batched_tokens")
         self.engine, self.contain = engine, contain
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.dynamic_chunking = dynamic_chunking
+        self.weight = attention_weight(engine.config)
+        # a decoding step's prompt chunks cost at most this (`chunk_cost`; without dynamic chunking, no bound)
+        self.step_cost = chunk_cost(0, max_num_batched_tokens, self.weight) if dynamic_chunking else math.inf
         self.prefix_caching = prefix_caching
         if prefix_caching and engine.pool.cache is None:
             engine.pool.cache = PrefixCache(engine.config.num_layers)
@@ -237,10 +279,11 @@ class Scheduler:
             # with it)
             decoding = tokens + sum(seq.params.max_new_tokens > 1 for seq in self.awaiting)
             left = budget - decoding if decoding else max(budget, self.engine.prefill_chunk)
-            left, done = self._prompts(iter(list(self.prefilling)), left)  # prompts being prefilled first
+            cost = self.step_cost - decoding if decoding else math.inf
+            left, cost, done = self._prompts(iter(list(self.prefilling)), left, cost)  # prompts being prefilled first
             if launched is not None:  # the device runs those chunks while the host ends the decode step
                 self._complete(*launched)
-            done += self._prompts(iter(self._admit, None), left)[1]  # then new ones
+            done += self._prompts(iter(self._admit, None), left, cost)[2]  # then new ones
             tokens, prompt = tokens + done, prompt + done
             self._first_tokens()  # the last step's prompts: their tokens were chosen before this step's work
             self._choose_first()
@@ -371,23 +414,28 @@ class Scheduler:
         self.counters.cached_tokens += seq.num_computed
         return seq
 
-    def _prompts(self, seqs: Iterator[Sequence], left: int) -> tuple[int, int]:
-        """Prefill chunks of the prompts `seqs` yields, in turn, while `left` tokens of the step's budget remain: the
-        chunks that may share a forward (`Engine.prefill_span`) run in one after the others (`_prefill_together`).
-        (The budget left, the prompt tokens computed.)"""
+    def _prompts(self, seqs: Iterator[Sequence], left: int, cost: float) -> tuple[int, float, int]:
+        """Prefill chunks of the prompts `seqs` yields, in turn, while `left` tokens and `cost` (`chunk_cost`) of the
+        step's budget remain: the chunks that may share a forward (`Engine.prefill_span`) run in one after the others
+        (`_prefill_together`). (The tokens and the cost left, the prompt tokens computed.)"""
         together, computed = [], 0
-        while left > 0 and (seq := next(seqs, None)) is not None:
-            span = self.engine.prefill_span(seq, left)
+        while left > 0 and cost >= 1 and (seq := next(seqs, None)) is not None:
+            start = seq.num_computed
+            tokens = left if math.isinf(cost) else min(left, chunk_tokens(start, cost, self.weight))
+            if not tokens:  # no token of it fits the cost left (an admitted prompt starts at the next step)
+                break
+            span = self.engine.prefill_span(seq, tokens)
             if span is None:
-                done = self._prefill(seq, left)
+                done = self._prefill(seq, tokens)
             else:
                 together.append(seq)
                 done = span
             left, computed = left - done, computed + done
+            cost -= chunk_cost(start, done, self.weight)
         together = [seq for seq in together if not seq.finished]  # (one may fail at admission)
         if together:  # one alone too: its forward's host work a layer is less than `PrefillStep`'s
             self._prefill_together(together)
-        return left, computed
+        return left, cost, computed
 
     def _prefill_together(self, seqs: list[Sequence]) -> None:
         """One chunk of each prompt in one forward (`Engine.prefill_together`); as `_prefill` for each, but that a

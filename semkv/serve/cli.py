@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="tokens one engine step computes at most: a decode token per running request, then chunks "
                         "of prompts (default 8192, vLLM's on an H100)")
+    p.add_argument("--enable-dynamic-chunking", action=argparse.BooleanOptionalAction, default=False,
+                   help="while requests decode, cut a long prompt's later chunks shorter, so that each step costs "
+                        "about what --max-num-batched-tokens tokens at a prompt's start do (their attention over the "
+                        "prefix counted, as SGLang's dynamic chunking): steps of even length (default: off)")
     p.add_argument("--num-pages", type=int, default=None, metavar="N",
                    help="KV pool pages (of --page-size tokens of one layer), fixed (default: on a GPU what "
                         "--gpu-memory-utilization leaves; on the CPU grown on demand, keeping idle cached prefix "
@@ -73,6 +77,8 @@ def banner(name: str, args: argparse.Namespace, budget, ready) -> str:
     """The start's log lines: what is served, how, and where."""
     on = f"{ready.device} x{ready.tensor_parallel_size}" if ready.tensor_parallel_size > 1 else ready.device
     step = f"{ready.max_num_batched_tokens} tokens" if ready.max_num_batched_tokens else "one prefill chunk"
+    if ready.dynamic_chunking:
+        step += " (and their cost: dynamic chunking)"
     running = ready.max_num_seqs or "as many as memory holds"
     return (f"semkv serve: {name} on {on}, KV pool of {ready.memory.pool_pages} pages of {args.page_size} tokens; "
             f"default KV method {args.method} (budget {budget})\n"
@@ -101,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
                               args.gpu_memory_utilization, args.tensor_parallel_size, args.max_num_batched_tokens,
                               args.max_num_seqs, args.enable_prefix_caching,
-                              MethodChoice.of(args.method, budget, params), args.warm_up, args.num_pages)
+                              MethodChoice.of(args.method, budget, params), args.warm_up, args.num_pages,
+                              args.enable_dynamic_chunking)
     client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
     try:
         ready = client.ready

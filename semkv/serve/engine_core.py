@@ -205,7 +205,8 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
                       flush=True)
             session = llm.new_session(max_num_batched_tokens=settings.max_num_batched_tokens,
                                       max_num_seqs=settings.max_num_seqs,
-                                      enable_prefix_caching=settings.enable_prefix_caching)
+                                      enable_prefix_caching=settings.enable_prefix_caching,
+                                      dynamic_chunking=settings.dynamic_chunking)
             if settings.warm_up and default is not None and llm.engine.device.type == "cuda":
                 started = time.perf_counter()
                 print(f"semkv serve: warming up {choice.name} (Triton compiles its kernels now; --no-warm-up skips "
@@ -224,7 +225,8 @@ def run_engine(settings: EngineSettings, inputs_address: str, outputs_address: s
             scheduler = session.scheduler
             outputs.send(pickle.dumps(Ready(folder, llm.source, str(llm.engine.device), llm.tensor_parallel_size,
                                             llm.engine.memory(), scheduler.max_num_batched_tokens,
-                                            scheduler.max_num_seqs, scheduler.prefix_caching)))
+                                            scheduler.max_num_seqs, scheduler.prefix_caching,
+                                            scheduler.dynamic_chunking)))
             if llm.ranks is not None:
                 threading.Thread(target=watch_ranks, args=(llm.ranks, outputs_address, done), daemon=True).start()
             EngineCore(llm, session, inputs, outputs).run()

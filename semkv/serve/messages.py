@@ -50,6 +50,7 @@ class EngineSettings:
     method: MethodChoice | None = None
     warm_up: bool = False
     num_pages: int | None = None  # a fixed KV pool (`LLM(num_pages=)`)
+    dynamic_chunking: bool = False  # a long prompt's later chunks cut to the budget's cost (`Scheduler`)
 
 
 # -- web -> engine ------------------------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ class Ready:
     max_num_batched_tokens: int | None  # as the scheduler took them
     max_num_seqs: int | None
     prefix_caching: bool
+    dynamic_chunking: bool
 
 
 @dataclass
