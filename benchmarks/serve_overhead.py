@@ -9,7 +9,11 @@
    come from /metrics (steps, the lag from the engine sending an iteration to the web process routing it).
 
     python benchmarks/serve_overhead.py transport
+3. `long-prompts`: a real `semkv serve`; one client streams a long answer while long prompts arrive, which the web
+   process tokenizes and refuses (longer than the context): whether handling them stalls the others' tokens.
+
     python benchmarks/serve_overhead.py slow-clients [--model PATH] [--device cpu] [--tokens 200] [--stalled 16]
+    python benchmarks/serve_overhead.py long-prompts [--model PATH] [--device cpu] [--tokens 2000] [--every 0.5]
 """
 from __future__ import annotations
 
@@ -114,7 +118,8 @@ def stalled(port: int, body: bytes) -> socket.socket:
     return sock
 
 
-def slow_clients(args) -> None:
+def start_server(args):
+    """A `semkv serve` of `args.model` on `args.device` at a free port, once it answers: (process, url, client)."""
     import openai
 
     with socket.socket() as s:
@@ -126,14 +131,19 @@ def slow_clients(args) -> None:
                                "--max-concurrent-requests", "256", *flags])
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    while True:
+        try:
+            client.models.list()
+            return server, url, client
+        except openai.APIConnectionError:
+            assert server.poll() is None, "the server did not start"
+            time.sleep(0.5)
+
+
+def slow_clients(args) -> None:
+    server, url, client = start_server(args)
+    port = int(url.rsplit(":", 1)[1])
     try:
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert server.poll() is None, "the server did not start"
-                time.sleep(0.5)
         request = dict(model="m", prompt="Once upon a time", max_tokens=args.tokens, temperature=0,
                        extra_body={"ignore_eos": True})
         body = (b'{"model": "m", "prompt": "Once upon a time", "max_tokens": %d, "stream": true, "temperature": 0, '
@@ -195,16 +205,68 @@ def slow_clients(args) -> None:
         server.wait(120)
 
 
+def long_prompts(args) -> None:
+    """One client streams a long answer while others send chat requests of `--prompt-chars` characters of fresh text
+    (each its own, so no tokens are reused) that the web process tokenizes and then refuses, being longer than the
+    model's context: the engine never sees them, so a gap in the stream while one is tokenized is the web process's.
+    Printed: the stream's gaps while a long prompt was being handled against those while none was."""
+    import openai
+
+    server, url, client = start_server(args)
+    try:
+        request = dict(model="m", prompt="Once upon a time", max_tokens=args.tokens, temperature=0,
+                       extra_body={"ignore_eos": True})
+        list(client.completions.create(stream=True, **dict(request, max_tokens=8)))  # warm up
+        words = "The quick brown fox jumps over the lazy dog near the river bank. " * (args.prompt_chars // 60 + 1)
+        windows: list[tuple[float, float]] = []
+        done = threading.Event()
+
+        def sender() -> None:
+            i = 0
+            while not done.wait(args.every):
+                text = f"Request {i}: " + words[: args.prompt_chars]
+                start = time.perf_counter()
+                try:
+                    client.chat.completions.create(model="m", max_tokens=1,
+                                                   messages=[{"role": "user", "content": text}])
+                except openai.BadRequestError:
+                    pass  # longer than the context: refused after it was tokenized
+                windows.append((start, time.perf_counter()))
+                i += 1
+
+        times = []
+        thread = threading.Thread(target=sender)
+        thread.start()
+        for _ in client.completions.create(stream=True, **request):
+            times.append(time.perf_counter())
+        done.set()
+        thread.join()
+        inside, outside = [], []
+        for a, b in zip(times[1:], times[2:]):
+            (inside if any(b >= w0 and a <= w1 for w0, w1 in windows) else outside).append(b - a)
+        handled = statistics.median(w1 - w0 for w0, w1 in windows)
+        print(f"{len(windows)} long prompts, each handled in {1e3 * handled:.1f} ms (median); the stream's gaps: "
+              f"while none was handled p50 {1e3 * statistics.median(outside):.2f} ms, max {1e3 * max(outside):.2f}; "
+              f"while one was, p50 {1e3 * statistics.median(inside):.2f} ms, max {1e3 * max(inside):.2f}")
+    finally:
+        server.terminate()
+        server.wait(120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["transport", "slow-clients"])
+    p.add_argument("what", choices=["transport", "slow-clients", "long-prompts"])
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", type=int, default=200, help="tokens of the measured stream")
     p.add_argument("--stalled", type=int, default=16, help="stalled clients, and as many slow readers")
+    p.add_argument("--prompt-chars", type=int, default=200_000,
+                   help="characters of each long prompt (long-prompts; longer than the model's context)")
+    p.add_argument("--every", type=float, default=0.5, help="seconds between long prompts (long-prompts)")
     args = p.parse_args()
-    transport(args.rounds) if args.what == "transport" else slow_clients(args)
+    {"transport": lambda: transport(args.rounds), "slow-clients": lambda: slow_clients(args),
+     "long-prompts": lambda: long_prompts(args)}[args.what]()
 
 
 if __name__ == "__main__":

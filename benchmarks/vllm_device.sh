@@ -33,13 +33,15 @@
 # vllm_serve.py: a served change against the machine's host; ChunkKV neighbours=3 at 10% unless ARGS, vllm_serve.py's,
 # name --servers; AB_ROUND=N keeps a repeat in folders of its own, old<N> and new<N>), steps
 # (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of 2,048 and 4,096 tokens,
-# --max-num-batched-tokens: ITL p99 / p50 against the prompt rate). SECONDS (default 540): the stage's time, so
+# --max-num-batched-tokens: ITL p99 / p50 against the prompt rate; STEP_DYNAMIC=1 with dynamic chunking),
+# long_prompts (serve_overhead.py long-prompts on the model: a stream's gaps while long prompts, refused after the web
+# process tokenized them, arrive). SECONDS (default 540): the stage's time, so
 # the archive of its results is written inside the call's 10 minutes; ARGS go to the stage's script (e.g. --runs
 # full,vllm, --servers vllm,full, --phases c64). Work stays in /tmp/w while the machine is warm: a stage cut short
 # resumes where it stopped when called again. Each stage ends by packing its folder into $OUT/<stage>.tgz (prompts
 # left out: they are remade from the essays) and printing its tables.
 set -uo pipefail
-stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|decode|fa3|syncs|ruler|ab|ab_serve|steps [SECONDS] [ARGS...]}
+stage=${1:?usage: vllm_device.sh status|setup|offline|quality|serve|serve8b|reliability|profile|modes|modes_bench|kernels|decode|fa3|syncs|ruler|ab|ab_serve|steps|long_prompts [SECONDS] [ARGS...]}
 shift
 case $stage in -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;; esac
 seconds=540
@@ -90,6 +92,9 @@ steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c
   done ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
+long_prompts)  # whether the web process's tokenizing of long prompts stalls the others' tokens (serve_overhead.py)
+  timeout $seconds python3 benchmarks/serve_overhead.py long-prompts --model $QWEN --device cuda --tokens 4000 "$@" \
+    | tee $out/long_prompts.txt ;;
 profile)  # where the server's time goes, without the web process
   essays
   timeout $seconds python3 benchmarks/session_prefill.py --model $QWEN --text-file $W/essays.txt --out $W/profile "$@"
