@@ -33,7 +33,7 @@
 # vllm_serve.py: a served change against the machine's host; ChunkKV neighbours=3 at 10% unless ARGS, vllm_serve.py's,
 # name --servers; AB_ROUND=N keeps a repeat in folders of its own, old<N> and new<N>), steps
 # (issue 53: Full KV's and ChunkKV's servers at c64 with step budgets of 2,048 and 4,096 tokens,
-# --max-num-batched-tokens: ITL p99 / p50 against the prompt rate; STEP_DYNAMIC=1 with dynamic chunking),
+# --max-num-batched-tokens: ITL p99 / p50 against the prompt rate; a budget written 8192-dynamic with dynamic chunking),
 # long_prompts (serve_overhead.py long-prompts on the model: a stream's gaps while long prompts, refused after the web
 # process tokenized them, arrive). SECONDS (default 540): the stage's time, so
 # the archive of its results is written inside the call's 10 minutes; ARGS go to the stage's script (e.g. --runs
@@ -73,22 +73,22 @@ serve)
   python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
   pack serve serve ;;
 steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c64 with --max-num-batched-tokens of
-  # 2048, 4096 (the default 8192 is the serve stage's; STEP_BUDGETS="2048 8192" names others); ARGS: e.g. --servers
+  # 2048, 4096 (the default 8192 is the serve stage's; STEP_BUDGETS="2048 8192" names others, and a budget written
+  # 8192-dynamic runs semkv's servers with --enable-dynamic-chunking, into steps/8192-dynamic); ARGS: e.g. --servers
   # full, --servers "vllm,chess[anchor=queries]" (vLLM at the same budget), or the 8B shape at 16 requests: --shape
-  # llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done is kept); STEP_DYNAMIC=1: semkv's servers
-  # with --enable-dynamic-chunking, in steps/BUDGET-dynamic
-  budgets=${STEP_BUDGETS:-2048 4096}
-  dynamic=() tag=""
-  [ "${STEP_DYNAMIC:-0}" = 1 ] && dynamic=(--semkv-flag=--enable-dynamic-chunking) tag=-dynamic
-  for budget in $budgets; do
-    python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$budget$tag --phases c64 \
+  # llama3-8b --phases c16 --concurrency 16 --requests 32 (a budget done is kept)
+  runs=${STEP_BUDGETS:-2048 4096}
+  for run in $runs; do
+    budget=${run%-dynamic} dynamic=()
+    [ "$run" != "$budget" ] && dynamic=(--semkv-flag=--enable-dynamic-chunking)
+    python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/steps/$run --phases c64 \
       --servers "full,chunkkv[neighbours=3]" --semkv-flag=--max-num-batched-tokens=$budget "${dynamic[@]}" \
       --vllm-flag=--max-num-batched-tokens=$budget \
       --deadline $(( seconds - 15 - ($(date +%s) - start) )) "$@"
   done
   tar czf $out/steps.tgz -C $W --exclude=prompts --exclude=prompts.json.gz steps device.txt
-  for budget in $budgets; do
-    echo "== $budget$tag"; python3 benchmarks/vllm_page.py --serve $W/steps/$budget$tag | grep -A12 '^\*\*c[0-9]'
+  for run in $runs; do
+    echo "== $run"; python3 benchmarks/vllm_page.py --serve $W/steps/$run | grep -A12 '^\*\*c[0-9]'
   done ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
