@@ -14,6 +14,7 @@
 
     python benchmarks/serve_overhead.py slow-clients [--model PATH] [--device cpu] [--tokens 200] [--stalled 16]
     python benchmarks/serve_overhead.py long-prompts [--model PATH] [--device cpu] [--tokens 2000] [--every 0.5]
+        [--serve-flag=--tokenizer-processes=0]
 """
 from __future__ import annotations
 
@@ -100,13 +101,18 @@ def cpu_seconds(pid: int) -> float:
 
 
 def engine_pid(server_pid: int) -> int:
+    """The first child that multiprocessing spawned (the tokenizer processes start once the engine is ready)."""
+    spawned = []
     for task in os.listdir(f"/proc/{server_pid}/task"):
         with open(f"/proc/{server_pid}/task/{task}/children") as f:
             for child in f.read().split():
                 with open(f"/proc/{child}/cmdline", "rb") as cmd:
                     if b"spawn_main" in cmd.read():
-                        return int(child)
-    raise RuntimeError("no engine process")
+                        with open(f"/proc/{child}/stat") as stat:
+                            spawned.append((int(stat.read().rsplit(")", 1)[1].split()[19]), int(child)))
+    if not spawned:
+        raise RuntimeError("no engine process")
+    return min(spawned)[1]
 
 
 def stalled(port: int, body: bytes) -> socket.socket:
@@ -125,7 +131,7 @@ def start_server(args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = ["--model", args.model] if args.model else []
+    flags = (["--model", args.model] if args.model else []) + args.serve_flag
     server = subprocess.Popen([sys.executable, "-m", "semkv.cli.main", "serve", "--device", args.device, "--port",
                                str(port), "--served-model-name", "m", "--log-level", "warning",
                                "--max-concurrent-requests", "256", *flags])
@@ -253,9 +259,58 @@ def long_prompts(args) -> None:
         server.wait(120)
 
 
+def tokenize_stall(args) -> None:
+    """In one process, as the web process tokenizes: prompts of `--prompt-chars` characters (each its own text, so none
+    is tokenized from a recent one) tokenized in a worker thread, by the thread itself (`--tokenizer-processes 0`)
+    and through a tokenizer process, while another thread, which wakes every 0.5 ms as the event loop would to send a
+    token, records how long it could not run."""
+    from semkv.serve.tokenizers import TokenizerProcesses
+    from semkv.text import TextModel
+
+    text = TextModel.load(args.model)
+    words = "The quick brown fox jumps over the lazy dog near the river bank. " * (args.prompt_chars // 60 + 1)
+    prompts = [f"Request {i}: " + words[: args.prompt_chars] for i in range(args.rounds)]
+    for where in ("this process", "a tokenizer process"):
+        processes = None
+        if where != "this process":
+            processes = TokenizerProcesses(text, args.model, 1)
+            text.long_texts = processes.tokens
+            text.tokens(prompts[0] + " warm", True)  # the process has loaded its tokenizer
+        stalls, took = [], []
+        for prompt in prompts:
+            gaps, stop = [], threading.Event()
+
+            def tick() -> None:
+                last = time.perf_counter()
+                while not stop.is_set():
+                    time.sleep(0.0005)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = threading.Thread(target=tick)
+            ticker.start()
+            time.sleep(0.02)
+            start = time.perf_counter()
+            worker = threading.Thread(target=text.tokens, args=(prompt, True))
+            worker.start()
+            worker.join()
+            took.append(time.perf_counter() - start)
+            stop.set()
+            ticker.join()
+            stalls.append(max(gaps))
+        if processes is not None:
+            processes.close()
+            text.long_texts = None
+        tokens = len(text.tokens_here(prompts[0], True)[0])
+        print(f"{where}: {len(prompts)} prompts of {args.prompt_chars:,} characters ({tokens:,} tokens), each "
+              f"tokenized in {1e3 * statistics.median(took):.1f} ms (median); the longest wait of a thread that wakes "
+              f"every 0.5 ms: median {1e3 * statistics.median(stalls):.1f} ms, max {1e3 * max(stalls):.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["transport", "slow-clients", "long-prompts"])
+    p.add_argument("what", choices=["transport", "slow-clients", "long-prompts", "tokenize-stall"])
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     p.add_argument("--device", default="cpu")
@@ -264,9 +319,11 @@ def main() -> None:
     p.add_argument("--prompt-chars", type=int, default=200_000,
                    help="characters of each long prompt (long-prompts; longer than the model's context)")
     p.add_argument("--every", type=float, default=0.5, help="seconds between long prompts (long-prompts)")
+    p.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                   help="a flag for semkv serve (repeatable), e.g. --serve-flag=--tokenizer-processes=0")
     args = p.parse_args()
     {"transport": lambda: transport(args.rounds), "slow-clients": lambda: slow_clients(args),
-     "long-prompts": lambda: long_prompts(args)}[args.what]()
+     "long-prompts": lambda: long_prompts(args), "tokenize-stall": lambda: tokenize_stall(args)}[args.what]()
 
 
 if __name__ == "__main__":

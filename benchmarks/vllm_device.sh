@@ -92,9 +92,13 @@ steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c
   done ;;
 reliability)  # benchmarks/reliability_device.sh on the converted model and the 8B shape
   bash benchmarks/reliability_device.sh $seconds ${*:-soak bench offload bench:llama3-8b offload:llama3-8b} ;;
-long_prompts)  # whether the web process's tokenizing of long prompts stalls the others' tokens (serve_overhead.py)
-  timeout $seconds python3 benchmarks/serve_overhead.py long-prompts --model $QWEN --device cuda --tokens 4000 "$@" \
-    | tee $out/long_prompts.txt ;;
+long_prompts)  # whether the web process's tokenizing of long prompts stalls the others' tokens (serve_overhead.py),
+  # tokenized in the web process's threads (--tokenizer-processes 0) and in a tokenizer process (the default)
+  for n in 0 1; do
+    echo "--tokenizer-processes $n" | tee -a $out/long_prompts.txt
+    timeout $(( seconds / 2 )) python3 benchmarks/serve_overhead.py long-prompts --model $QWEN --device cuda \
+      --tokens 4000 --serve-flag=--tokenizer-processes=$n "$@" | tee -a $out/long_prompts.txt
+  done ;;
 profile)  # where the server's time goes, without the web process
   essays
   timeout $seconds python3 benchmarks/session_prefill.py --model $QWEN --text-file $W/essays.txt --out $W/profile "$@"

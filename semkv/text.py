@@ -15,7 +15,7 @@ from semkv.engine.trace import Trace
 from semkv.errors import SemkvError, check_text
 from semkv.models.config import ModelConfig
 from semkv.models.loader import load_text
-from semkv.prefix_tokens import PrefixTokens
+from semkv.prefix_tokens import MIN_SHARED, PrefixTokens
 
 
 @dataclass
@@ -39,6 +39,8 @@ class TextModel:
 
     tokenizer: Any
     config: ModelConfig
+    # tokenizes texts of at least MIN_SHARED characters elsewhere (`semkv serve`'s tokenizer processes), or None
+    long_texts: Callable[[str, bool], tuple[list[int], Any]] | None = None
 
     def __init__(self, tokenizer: Any, config: ModelConfig):
         self.tokenizer, self.config = tokenizer, config
@@ -71,7 +73,14 @@ class TextModel:
     def tokens(self, text: str, special: bool) -> tuple[list[int], Any]:
         """Token ids of `text` (with the tokenizer's special tokens when `special`) and each token's end offset
         ([ids] int32), reusing the tokens of a recent text that starts alike (`PrefixTokens`: a follow-up question on a
-        long document is tokenized from near the document's end)."""
+        long document is tokenized from near the document's end); by `long_texts` when it is set and the text has at
+        least `MIN_SHARED` characters."""
+        if self.long_texts is not None and len(text) >= MIN_SHARED:
+            return self.long_texts(text, special)
+        return self.tokens_here(text, special)
+
+    def tokens_here(self, text: str, special: bool) -> tuple[list[int], Any]:
+        """`tokens` in this process."""
         cache = getattr(self, "_prefix_tokens", None)
         if cache is None or cache.tokenizer is not self.tokenizer:
             cache = self._prefix_tokens = PrefixTokens(self.tokenizer)

@@ -59,8 +59,19 @@ class Server:
             time.sleep(0.5)
 
     def engine_pid(self) -> int:
-        """The engine process: the web process's child that multiprocessing spawned (not its resource tracker)."""
-        return children(self.process.pid, "spawn_main")[0]
+        """The engine process: the first of the web process's children that multiprocessing spawned (not its
+        resource tracker; the tokenizer processes start once the engine is ready)."""
+        return self.spawned()[0]
+
+    def tokenizer_pids(self) -> list[int]:
+        return self.spawned()[1:]
+
+    def spawned(self) -> list[int]:
+        """The children that multiprocessing spawned, by their start time."""
+        def started(pid: int) -> int:
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
+        return sorted(children(self.process.pid, "spawn_main"), key=started)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         with urllib.request.urlopen(f"{self.url}/metrics") as response:

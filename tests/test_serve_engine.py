@@ -41,6 +41,7 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict, dic
     (["--api-key", ""], "--api-key is empty"),
     (["--max-num-seqs", "two"], "invalid int value: 'two'"),
     (["--num-pages", "1"], "--num-pages=1 is out of range; allowed: [2, "),
+    (["--tokenizer-processes", "-1"], "--tokenizer-processes=-1 is out of range; allowed: [0, 64]"),
 ])
 def test_a_bad_flag_exits_with_code_2_before_the_model_loads(flags, needle, tmp_path):
     # the model does not exist either: a flag checked after loading would fail on the model instead
@@ -62,7 +63,8 @@ def test_an_engine_that_cannot_start_exits_with_code_2(tmp_path):
 def test_settings_api_key_request_ids_and_version(tiny_model_dir):
     server = Server("--model", str(tiny_model_dir("llama")), "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
                     "--no-enable-prefix-caching", "--api-key", "sesame", "--method", "quest", "--budget", "0.5",
-                    "--num-pages", "700", "--enable-dynamic-chunking", api_key="sesame")
+                    "--num-pages", "700", "--enable-dynamic-chunking", "--tokenizer-processes", "0",
+                    api_key="sesame")
     try:
         status, headers, body = get(f"{server.url}/v1/models")
         assert status == 401 and body["error"]["type"] == "authentication_error"
@@ -79,10 +81,57 @@ def test_settings_api_key_request_ids_and_version(tiny_model_dir):
         server.process.terminate()
         log = server.process.stderr.read()
         assert ("engine steps of at most 96 tokens (and their cost: dynamic chunking); requests running at once: 3; "
-                "prefix caching off") in log, log
+                "prefix caching off; tokenizer processes: 0") in log, log
         assert "KV pool of 700 pages of 16 tokens" in log, log  # a fixed pool (--num-pages)
+        assert server.tokenizer_pids() == []  # --tokenizer-processes 0: the web process tokenizes
         # the default method's state kept by page (Quest's page summaries) is what the pool leaves room for
         assert re.search(r"quest keeps [1-9]\d* bytes of state a KV page beside the pool", log), log
+    finally:
+        server.close()
+
+
+def test_long_prompts_are_tokenized_in_tokenizer_processes_and_a_dead_one_is_replaced(tiny_model_dir, tiny_llm):
+    """--tokenizer-processes 2: chat prompts of 4,096 characters or more go to a tokenizer process, shorter ones do
+    not, and both get the answers `LLM.generate` gives (the same prompt tokens); when the processes die, a long prompt
+    is tokenized in the web process and its process started again; they end with the server."""
+    server = Server("--model", str(tiny_model_dir("llama")), "--tokenizer-processes", "2")
+    document = " ".join(f"Line {i}: the river keeps its own counsel and the mill wheel turns." for i in range(80))
+    assert len(document) > 4096
+
+    def ask(content: str) -> None:
+        out = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                    max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        ref = tiny_llm.generate(content, max_new_tokens=6, ignore_eos=True)[0]
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert out.choices[0].message.content == ref.text
+
+    try:
+        first = server.tokenizer_pids()
+        assert len(first) == 2
+        ask(document + "\n\nWhat turns?")
+        ask(document + "\n\nWhat keeps its counsel?")  # a follow-up: the same process, from near the document's end
+        for pid in first:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while server.tokenizer_pids():
+            assert time.time() < deadline, "the killed tokenizer processes are still there"
+            time.sleep(0.1)
+        ask("Say something short.")  # tokenized in the web process: no tokenizer process is started again
+        assert server.tokenizer_pids() == []
+        ask(document + "\n\nWhat turns?")  # its process is dead: tokenized here, and the process started again
+        deadline = time.time() + 30
+        while len(server.tokenizer_pids()) != 1:
+            assert time.time() < deadline, "no tokenizer process was started again"
+            time.sleep(0.1)
+        again = server.tokenizer_pids()
+        ask(document + "\n\nWho turns it?")  # by the new process
+        server.process.terminate()
+        assert server.process.wait(60) in (0, -signal.SIGTERM)
+        deadline = time.time() + 30
+        while any(os.path.exists(f"/proc/{pid}/cmdline") and open(f"/proc/{pid}/cmdline").read() for pid in again):
+            assert time.time() < deadline, "a tokenizer process outlived the server"
+            time.sleep(0.1)
+        assert "a tokenizer process ended; starting another" in server.process.stderr.read()
     finally:
         server.close()
 

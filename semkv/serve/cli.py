@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on a GPU, run the default method on a text of its own before listening (documents in "
                         "chunks, follow-up questions on them together), so that the first requests do not wait for "
                         "Triton to compile kernels (default: on; a few seconds, less once Triton's cache has them)")
+    p.add_argument("--tokenizer-processes", type=int, default=1, metavar="N",
+                   help="processes that tokenize prompts of 4,096 characters or more, the same document always in the "
+                        "same one, so that the web process does not hold its streams while it converts a long "
+                        "prompt's tokens (0: in the web process's threads; default: 1)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="log throughput, queue and KV pool use this often while busy (0: never)")
     p.add_argument("--api-key", default=os.environ.get("SEMKV_API_KEY"),
@@ -67,6 +71,7 @@ def check(args: argparse.Namespace) -> None:
     if args.log_stats_interval < 0:
         raise SemkvError(f"--log-stats-interval {args.log_stats_interval} must be >= 0 (0: never)")
     check_range("--timeout-keep-alive", args.timeout_keep_alive, 0, None)
+    check_range("--tokenizer-processes", args.tokenizer_processes, 0, 64, int)
     if args.num_pages is not None:
         check_range("--num-pages", args.num_pages, 2, None, int)
     if args.api_key is not None and not args.api_key:
@@ -83,7 +88,7 @@ def banner(name: str, args: argparse.Namespace, budget, ready) -> str:
     return (f"semkv serve: {name} on {on}, KV pool of {ready.memory.pool_pages} pages of {args.page_size} tokens; "
             f"default KV method {args.method} (budget {budget})\n"
             f"semkv serve: engine steps of at most {step}; requests running at once: {running}; prefix caching "
-            f"{'on' if ready.prefix_caching else 'off'}\n"
+            f"{'on' if ready.prefix_caching else 'off'}; tokenizer processes: {args.tokenizer_processes}\n"
             f"semkv serve: OpenAI API at http://{args.host}:{args.port}/v1 (also /health, /metrics, /version)"
             + ("; /v1 needs the API key" if args.api_key else ""))
 
@@ -102,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from semkv.serve.client import EngineClient
     from semkv.serve.messages import EngineSettings, MethodChoice
     from semkv.serve.metrics import Metrics
+    from semkv.serve.tokenizers import TokenizerProcesses
     from semkv.text import TextModel
 
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
@@ -110,9 +116,13 @@ def run(args: argparse.Namespace) -> int:
                               MethodChoice.of(args.method, budget, params), args.warm_up, args.num_pages,
                               args.enable_dynamic_chunking)
     client = EngineClient(settings, Metrics())  # starts the engine process and waits until it is ready
+    processes = None
     try:
         ready = client.ready
         text = TextModel.load(ready.folder)
+        if args.tokenizer_processes:
+            processes = TokenizerProcesses(text, ready.folder, args.tokenizer_processes)
+            text.long_texts = processes.tokens
         name = args.served_model_name or Path(ready.source).name.removesuffix(".gguf")
         config = ServerConfig(name, args.method, budget, params, args.max_concurrent_requests, args.api_key,
                               args.log_stats_interval)
@@ -122,5 +132,7 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=None)
     finally:
+        if processes is not None:
+            processes.close()
         client.close()
     return 0
