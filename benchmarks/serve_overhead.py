@@ -15,6 +15,10 @@
     python benchmarks/serve_overhead.py slow-clients [--model PATH] [--device cpu] [--tokens 200] [--stalled 16]
     python benchmarks/serve_overhead.py long-prompts [--model PATH] [--device cpu] [--tokens 2000] [--every 0.5]
         [--serve-flag=--tokenizer-processes=0]
+4. `tokenize-stall`: no server; in one process, how long a thread that stands for the event loop cannot run while a
+   long prompt is tokenized in a worker thread, by the thread itself and through a tokenizer process.
+
+    python benchmarks/serve_overhead.py tokenize-stall [--model PATH] [--prompt-chars 140000] --rounds 20
 """
 from __future__ import annotations
 
