@@ -268,7 +268,7 @@ def tokenize_stall(args) -> None:
     is tokenized from a recent one) tokenized in a worker thread, by the thread itself (`--tokenizer-processes 0`)
     and through a tokenizer process, while another thread, which wakes every 0.5 ms as the event loop would to send a
     token, records how long it could not run."""
-    from semkv.serve.tokenizers import TokenizerProcesses
+    from semkv.serve.tokenizer_processes import TokenizerProcesses
     from semkv.text import TextModel
 
     text = TextModel.load(args.model)

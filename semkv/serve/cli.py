@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from semkv.serve.client import EngineClient
     from semkv.serve.messages import EngineSettings, MethodChoice
     from semkv.serve.metrics import Metrics
-    from semkv.serve.tokenizers import TokenizerProcesses
+    from semkv.serve.tokenizer_processes import TokenizerProcesses
     from semkv.text import TextModel
 
     settings = EngineSettings(args.model, args.device, args.dtype, args.page_size, args.prefill_chunk,
