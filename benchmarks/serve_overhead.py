@@ -97,10 +97,15 @@ def metrics(url: str) -> dict[str, float]:
     return totals
 
 
+def stat_fields(pid: int) -> list[str]:
+    """A process's /proc/PID/stat fields from the third on (its state), after the command's name (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux): what it computed, whatever else the machine runs."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -112,8 +117,7 @@ def engine_pid(server_pid: int) -> int:
             for child in f.read().split():
                 with open(f"/proc/{child}/cmdline", "rb") as cmd:
                     if b"spawn_main" in cmd.read():
-                        with open(f"/proc/{child}/stat") as stat:
-                            spawned.append((int(stat.read().rsplit(")", 1)[1].split()[19]), int(child)))
+                        spawned.append((int(stat_fields(int(child))[19]), int(child)))  # its start time
     if not spawned:
         raise RuntimeError("no engine process")
     return min(spawned)[1]
