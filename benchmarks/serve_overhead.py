@@ -209,9 +209,8 @@ def slow_clients(args) -> None:
             lag = after["semkv_engine_output_lag_seconds_sum"] - before["semkv_engine_output_lag_seconds_sum"]
             print(f"{label}: ITL p50 {1e3 * statistics.median(gaps):.2f} ms, p99 "
                   f"{1e3 * gaps[int(0.99 * len(gaps))]:.2f} ms; engine steps {steps / took:.1f}/s of "
-                  f"{batch:.1f} requests; "
-                  f"engine CPU {1e3 * cpu[0] / max(steps, 1):.1f} ms a step, web CPU {1e3 * cpu[1] / max(tokens, 1):.2f} "
-                  f"ms a token; output lag {1e3 * lag / max(lag_n, 1):.2f} ms")
+                  f"{batch:.1f} requests; engine CPU {1e3 * cpu[0] / max(steps, 1):.1f} ms a step, web CPU "
+                  f"{1e3 * cpu[1] / max(tokens, 1):.2f} ms a token; output lag {1e3 * lag / max(lag_n, 1):.2f} ms")
             while metrics(url)["semkv_requests_in_flight"]:  # the cancelled streams end
                 time.sleep(0.5)
     finally:
@@ -281,9 +280,9 @@ def tokenize_stall(args) -> None:
     for where in ("this process", "a tokenizer process"):
         processes = None
         if where != "this process":
-            processes = TokenizerProcesses(text, args.model, 1)
+            processes = TokenizerProcesses(args.model, 1)
             text.long_texts = processes.tokens
-            text.tokens(prompts[0] + " warm", True)  # the process has loaded its tokenizer
+            processes.wait()  # the process has loaded its tokenizer
         stalls, took = [], []
         for prompt in prompts:
             gaps, stop = [], threading.Event()

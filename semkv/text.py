@@ -39,8 +39,9 @@ class TextModel:
 
     tokenizer: Any
     config: ModelConfig
-    # tokenizes texts of at least MIN_SHARED characters elsewhere (`semkv serve`'s tokenizer processes), or None
-    long_texts: Callable[[str, bool], tuple[list[int], Any]] | None = None
+    # tokenizes texts of at least MIN_SHARED characters elsewhere (`semkv serve`'s tokenizer processes; a text it
+    # gives None for is tokenized here), or None
+    long_texts: Callable[[str, bool], tuple[list[int], Any] | None] | None = None
 
     def __init__(self, tokenizer: Any, config: ModelConfig):
         self.tokenizer, self.config = tokenizer, config
@@ -76,7 +77,9 @@ class TextModel:
         long document is tokenized from near the document's end); by `long_texts` when it is set and the text has at
         least `MIN_SHARED` characters."""
         if self.long_texts is not None and len(text) >= MIN_SHARED:
-            return self.long_texts(text, special)
+            tokens = self.long_texts(text, special)
+            if tokens is not None:
+                return tokens
         return self.tokens_here(text, special)
 
     def tokens_here(self, text: str, special: bool) -> tuple[list[int], Any]:

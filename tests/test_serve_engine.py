@@ -136,6 +136,33 @@ def test_long_prompts_are_tokenized_in_tokenizer_processes_and_a_dead_one_is_rep
         server.close()
 
 
+def test_tokenizer_processes_wait_until_loaded_and_name_a_folder_they_cannot_load(tiny_model_dir, tmp_path):
+    """`TokenizerProcesses.wait` (the server answers only after it): once it returns, a long text's tokens come from
+    the process as the web process would make them; a process that cannot load the tokenizer makes it raise one
+    SemkvError naming the folder, not a hang or a BrokenProcessPool at the first long prompt."""
+    from semkv.errors import SemkvError
+    from semkv.serve.tokenizer_processes import TokenizerProcesses
+    from semkv.text import TextModel
+
+    folder = str(tiny_model_dir("llama"))
+    text = TextModel.load(folder)
+    processes = TokenizerProcesses(folder, 1)
+    try:
+        processes.wait()
+        long = " ".join(f"Line {i}: the mill wheel turns." for i in range(200))
+        ids, ends = processes.tokens(long, True)
+        here_ids, here_ends = text.tokens_here(long, True)
+        assert ids == list(here_ids) and len(ids) > 100 and list(ends) == list(here_ends)
+    finally:
+        processes.close()
+    broken = TokenizerProcesses(str(tmp_path), 1)
+    try:
+        with pytest.raises(SemkvError, match=f"could not load the tokenizer of {tmp_path}"):
+            broken.wait()
+    finally:
+        broken.close()
+
+
 def test_engine_death_errors_every_open_request_and_health_says_why(tiny_model_dir):
     server = Server("--model", str(tiny_model_dir("llama")))
     try:

@@ -119,14 +119,16 @@ def run(args: argparse.Namespace) -> int:
     processes = None
     try:
         ready = client.ready
+        if args.tokenizer_processes:  # they load the tokenizer while this process does
+            processes = TokenizerProcesses(ready.folder, args.tokenizer_processes)
         text = TextModel.load(ready.folder)
-        if args.tokenizer_processes:
-            processes = TokenizerProcesses(text, ready.folder, args.tokenizer_processes)
-            text.long_texts = processes.tokens
         name = args.served_model_name or Path(ready.source).name.removesuffix(".gguf")
         config = ServerConfig(name, args.method, budget, params, args.max_concurrent_requests, args.api_key,
                               args.log_stats_interval)
         app = create_app(text, client, config)
+        if processes is not None:
+            processes.wait()
+            text.long_texts = processes.tokens
         print(banner(name, args, budget, client.ready), file=sys.stderr, flush=True)
         freeze_heap()  # the tokenizer, the app: no collector pause over them between two streamed tokens
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

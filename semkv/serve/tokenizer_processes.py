@@ -8,7 +8,7 @@ tokens on an H200's host, during which no streamed token left the web process (r
 with a `TextModel` of its own; the thread that asked waits for the arrays with the GIL free, and only turns the ids
 into a list (under 1 ms for 32k). The same document goes to the same process (chosen by its first `MIN_SHARED`
 characters), whose `PrefixTokens` then tokenizes a follow-up question from near the document's end. A process that
-died is started again, and the text it was given is tokenized in the thread.
+died is started again, and the text it was given is tokenized in the thread (`tokens` gives None).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from semkv.errors import SemkvError
 from semkv.launch import end_with_parent
 from semkv.prefix_tokens import MIN_SHARED
 from semkv.text import TextModel
@@ -43,11 +44,11 @@ def _tokens(text: str, special: bool) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 class TokenizerProcesses:
-    """`count` tokenizer processes of the model in `folder`, started at once; `tokens` is `TextModel.tokens` for
-    texts of at least `MIN_SHARED` characters (`TextModel.long_texts`)."""
+    """`count` tokenizer processes of the model in `folder`, started at once (`wait`: until they have loaded it);
+    `tokens` is `TextModel.tokens` for texts of at least `MIN_SHARED` characters (`TextModel.long_texts`)."""
 
-    def __init__(self, text: TextModel, folder: str, count: int):
-        self.text, self.folder = text, folder
+    def __init__(self, folder: str, count: int):
+        self.folder = folder
         self._lock = threading.Lock()
         self.executors = [self._start() for _ in range(count)]
 
@@ -57,7 +58,19 @@ class TokenizerProcesses:
         executor.submit(int)  # the process starts and loads the tokenizer now, not at the first long prompt
         return executor
 
-    def tokens(self, text: str, special: bool) -> tuple[list[int], np.ndarray | None]:
+    def wait(self) -> None:
+        """Until every process has loaded the tokenizer, so that the server answers only then (a first long prompt
+        had waited 12 s for its process's start on an H200's host); SemkvError if one could not load it."""
+        for loaded in [executor.submit(int) for executor in self.executors]:  # runs once the tokenizer is loaded
+            try:
+                loaded.result()
+            except BrokenProcessPool:
+                raise SemkvError(f"a tokenizer process could not load the tokenizer of {self.folder} (its error is "
+                                 "above); --tokenizer-processes 0 tokenizes in the web process") from None
+
+    def tokens(self, text: str, special: bool) -> tuple[list[int], np.ndarray | None] | None:
+        """`TextModel.tokens` of `text` by its process; None when that process had died (another is started, and the
+        caller tokenizes this text itself)."""
         index = hash(text[:MIN_SHARED]) % len(self.executors)
         executor = self.executors[index]
         try:
@@ -67,7 +80,7 @@ class TokenizerProcesses:
                 if self.executors[index] is executor:
                     LOG.warning("semkv serve: a tokenizer process ended; starting another")
                     self.executors[index] = self._start()
-            return self.text.tokens_here(text, special)
+            return None
         return ids.tolist(), ends
 
     def close(self) -> None:
