@@ -15,15 +15,16 @@
 # them, and .carry/data in a call of its own (6.5 MiB: beside a part it passes the limit); `bash
 # benchmarks/vllm_device.sh status` there says which parts are missing.
 #
-# Usage: bash benchmarks/vllm_carry.sh [--part-mib 20] [--wheels DIR] [--work DIR]
+# Usage: bash benchmarks/vllm_carry.sh [--part-mib 15] [--wheels DIR] [--work DIR]
 #   --part-mib  size of a part: 64 MiB less what travels beside it (the tracked tree: 33 MiB on 2026-11-29, when
 #               parts of 30 MiB were refused and 26 passed; 36 MiB on 2026-11-30, when 26 were refused and 20 passed;
+#               on 2026-12-02 20 were refused and 15.1 passed;
 #               `git ls-files -z | du -cb --files0-from=-` says it), so one part a call
 #   --wheels    the folder of ../shared/tools/vllm026/get.sh's wheels (downloaded there when missing)
 #   --work      where downloads are kept (default .whl/, ignored)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
-part_mib=20 wheels="" work="$root/.whl"
+part_mib=15 wheels="" work="$root/.whl"
 while [ $# -gt 0 ]; do
   case $1 in
     --part-mib) part_mib=$2; shift 2 ;;

@@ -69,9 +69,10 @@ offline)
 quality)
   timeout $seconds python3 benchmarks/vllm_quality.py --model $QWEN --data $DATA --out $W/quality --sides semkv "$@"
   pack quality quality ;;
-serve)
-  python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/serve --deadline $((seconds - 15)) "$@"
-  pack serve serve ;;
+serve)  # into $W/serve, or $W/$SERVE_RUN (another call's runs of the same servers, kept apart)
+  run=${SERVE_RUN:-serve}
+  python3 benchmarks/vllm_serve.py --model $QWEN --data $DATA --out $W/$run --deadline $((seconds - 15)) "$@"
+  pack $run serve ;;
 steps)  # issue 53's ITL p99 / p50 against the step budget: semkv's servers at c64 with --max-num-batched-tokens of
   # 2048, 4096 (the default 8192 is the serve stage's; STEP_BUDGETS="2048 8192" names others, and a budget written
   # 8192-dynamic runs semkv's servers with --enable-dynamic-chunking, into steps/8192-dynamic); ARGS: e.g. --servers
