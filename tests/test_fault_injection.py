@@ -1,10 +1,10 @@
 """The fault-injection suite (issue 52): for every method (each one's defaults, the configurations that offload to host
-memory, and TokenSelect's int8 key sketch, state kept by page), failures injected into the allocations of method state
-and KV pages, the host-offload copies, each hook the method implements and the sampling step (`faults.Injector`: the
-N-th call of one point raises), through `LLM.generate` (one request), continuous batching (six requests through
-`generate`, two at a time in a small pool, sampled, with log-probabilities), `LLM.compare` and the server's `Session`
-(submit, advance, cancel), with whole prompts and as `semkv serve` runs it (chunked prefill between decode steps, prefix
-caching).
+memory, and TokenSelect's int8 key sketch and page summaries, state kept by page), failures injected into the
+allocations of method state and KV pages, the host-offload copies, each hook the method implements and the sampling step
+(`faults.Injector`: the N-th call of one point raises), through `LLM.generate` (one request), continuous batching (six
+requests through `generate`, two at a time in a small pool, sampled, with log-probabilities), `LLM.compare` and the
+server's `Session` (submit, advance, cancel), with whole prompts and as `semkv serve` runs it (chunked prefill between
+decode steps, prefix caching).
 
 After each injected failure:
 - the caller sees the injected error (or a MemoryError naming it), not a second one raised while cleaning up; the
@@ -38,7 +38,8 @@ NEW = 6
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=5, logprobs=2)  # continuous batching samples: the sampler runs
 CONFIGS = {name: (name, {}) for name in METHODS if name != "full"} | {  # each method's defaults, and offloading
     f"{name}-offload": (name, params) for name in ("sentencekv", "dynsplit") for params in HARD[name]
-    if params.get("offload")} | {"tokenselect-int8": ("tokenselect", dict(score_keys="int8", prefill="full"))}
+    if params.get("offload")} | {"tokenselect-int8": ("tokenselect", dict(score_keys="int8", prefill="full")),
+                                    "tokenselect-pages": ("tokenselect", dict(score_keys="pages", prefill="full"))}
 INJECTED: list[tuple[str, str, str]] = []  # (config, path, point) of every failure injected and cleaned up
 
 

@@ -242,6 +242,61 @@ def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim,
     assert torch.allclose(got, want, atol=1e-4)
 
 
+def page_bounds(seed: int, rows: int = 5, page_size: int = 4, pages: int = 80, kv_heads: int = 2, dim: int = 16):
+    """Shuffled page tables, row lengths and each row's page bounds from the exact min / max of random keys."""
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
+    tables = torch.stack([torch.randperm(pages, generator=gen) for _ in range(rows)])
+    q = torch.randn(rows, 4 * kv_heads, dim, generator=gen)
+    n = torch.tensor([150, 190, 20, 301, 97][:rows])
+    return tables, n, reference.page_bound(q, k_pool.amin(1), k_pool.amax(1), tables, n, page_size, "max")
+
+
+def stands_for(pages: torch.Tensor, span: torch.Tensor, page_size: int) -> list[int]:
+    """The slots a row's compact span of its chosen pages [count] stands for."""
+    slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    return slots[span[0]:span[1]].tolist()
+
+
+def test_page_candidates_keep_the_best_bounded_pages_as_one_span_of_candidates():
+    """The reference keeps the `count` best pages by their bound (the maximum over KV heads) among those holding a
+    slot of [lo, hi), ascending with their physical ids; the span's compact slots stand for exactly the candidate
+    slots of those pages; a count covering every such page keeps every candidate."""
+    size = 4
+    tables, n, bound = page_bounds(5, rows=3)
+    lo, hi = torch.tensor([3, 2, 3]), n - torch.tensor([5, 4, 5])
+    for count in (7, 40):
+        ids, pages, span = reference.page_candidates(bound, lo, hi, tables, size, count)
+        assert torch.equal(ids, torch.gather(tables, 1, pages))
+        for b in range(3):
+            holding = [p for p in range(bound.shape[-1]) if p * size + size > lo[b] and p * size < hi[b]]
+            best = sorted(holding, key=lambda p: -bound[b, :, p].max().item())[:count]
+            chosen = pages[b].tolist()
+            assert chosen == sorted(chosen) and set(best) <= set(chosen)
+            every = (pages[b, :, None] * size + torch.arange(size)).flatten().tolist()
+            assert stands_for(pages[b], span[b], size) == [t for t in every if lo[b] <= t < hi[b]]
+            if count >= len(holding):
+                assert stands_for(pages[b], span[b], size) == list(range(lo[b], hi[b]))
+
+
+def test_page_candidates_kernel_chooses_the_pages_of_the_reference():
+    """The kernel (a bitwise search for the count-th largest bound) chooses the reference's pages among those
+    holding candidates, ascending with their physical ids, and the same span; with fewer such pages than the count
+    it fills in other pages, outside the span."""
+    from semkv.kernels.triton_page_select import page_candidates
+
+    size = 4
+    tables, n, bound = page_bounds(7)
+    lo, hi = torch.tensor([3, 2, 3, 4, 1]), n - torch.tensor([5, 4, 5, 8, 2])
+    for count in (9, 30, 80):
+        ids, pages, span = page_candidates(bound, lo, hi, tables, size, count)
+        _, want, want_span = reference.page_candidates(bound, lo, hi, tables, size, count)
+        assert torch.equal(ids, torch.gather(tables, 1, pages)) and torch.equal(span, want_span)
+        for b in range(5):
+            assert pages[b].tolist() == sorted(set(pages[b].tolist()))
+            assert stands_for(pages[b], span[b], size) == stands_for(want[b], want_span[b], size)
+
+
 def test_page_slots_kernel_matches_reference():
     """Quest's slots from its top pages: rows with a sparse budget (kept pages sorted, the partial last page cut by
     the length), a budget that covers the row (every page) and a budget under one page (one page kept)."""

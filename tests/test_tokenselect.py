@@ -27,7 +27,8 @@ def interpreted():
     """Import a Triton kernel module under TRITON_INTERPRET=1 (read when its kernels are decorated, so the module and
     `triton_paged_dot`, whose `key_dots` the TokenSelect kernels call, are imported afresh); afterwards sys.modules
     holds what it held before."""
-    names = ("semkv.methods.tokenselect.triton_token_select", "semkv.kernels.triton_paged_dot")
+    names = ("semkv.methods.tokenselect.triton_token_select", "semkv.kernels.triton_paged_dot",
+             "semkv.kernels.triton_page_select")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
@@ -436,6 +437,52 @@ def test_token_select_kernel_scores_an_int8_key_sketch_as_the_reference(interpre
         assert torch.equal(got[b, :, :n], want[b, :, :n]) and torch.equal(want[b, :, :n], dequantized[b, :, :n])
 
 
+def stepped(llm, method: TokenSelect) -> tuple[list[Sequence], DecodeBatch]:
+    """Two requests prefilled and decoded 6 steps with `method` (bound here: a bind starts it afresh), and their
+    7th step planned."""
+    engine = llm.engine
+    method.bind(llm.config, llm.tokenizer, engine.pool.page_size)
+    seqs = []
+    for i, prompt in enumerate((PROMPT, PROMPT[:400])):
+        seq = Sequence(i, llm.encode(prompt, None, chat=False)[0], SamplingParams(max_new_tokens=12,
+                       ignore_eos=True), SeqKV(engine.pool))
+        seq.method_state = method.new_state(seq)
+        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+        seqs.append(seq)
+    with torch.inference_mode():
+        for _ in range(6):
+            engine.step(seqs, method, None, lambda seq: "")
+        return seqs, engine.step_batch(seqs, *engine.prepare_step(seqs, method))
+
+
+def shared_share(llm, got: TokenSelect, batch: DecodeBatch) -> float:
+    """The share of the slots the exact keys select (a fresh TokenSelect of `got`'s budget and split, no cache) that
+    `got` selects too, over every layer of the planned `batch`, for random queries."""
+    cfg = llm.config
+    exact = TokenSelect(budget=got.budget, n_sink=got.n_sink, n_recent=got.n_recent, theta=1.0, prefill="full")
+    exact.bind(cfg, llm.tokenizer, llm.engine.pool.page_size)
+    same = total = 0
+    with torch.inference_mode():
+        exact._ensure_cache(3, got.budget, llm.engine.pool.k.device)
+        q = torch.randn(len(batch.seqs), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+        for layer in range(cfg.num_layers):
+            mine, want = got.select_batched(layer, batch, q), exact.select_batched(layer, batch, q)
+            for b, n in enumerate(want.lengths[:, 0].tolist()):
+                same += len(set(mine.slots[b, 0, :n].tolist()) & set(want.slots[b, 0, :n].tolist()))
+                total += n
+    return same / total
+
+
+def covering_gives_full_kv(llm, score_keys: str) -> None:
+    """A budget covering the context gives Full KV's tokens with these keys; they refuse extrapolation."""
+    full = llm.generate(PROMPT, method="full", max_new_tokens=NEW, chat=False, ignore_eos=True)
+    covering = llm.generate(PROMPT, method=TokenSelect(budget=4096, score_keys=score_keys), max_new_tokens=NEW,
+                            chat=False, ignore_eos=True)
+    assert covering[0].token_ids == full[0].token_ids
+    with pytest.raises(SemkvError, match=f"score_keys='{score_keys}' cannot be used with extrapolate"):
+        TokenSelect(budget=64, score_keys=score_keys, extrapolate=True)
+
+
 def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_do(tiny_llm, monkeypatch):
     """score_keys="int8": once a decode step is planned the sketch holds the int8 form of every key the sequences
     stored before it, in every layer (the last step's slot is sketched at the next step's plan, before that step
@@ -448,18 +495,7 @@ def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_d
     engine, cfg = tiny_llm.engine, tiny_llm.config
     monkeypatch.setattr(key_sketch, "WRITE_BYTES", 7 * cfg.num_kv_heads * cfg.head_dim * 4)
     method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, score_keys="int8", prefill="full")
-    method.bind(cfg, tiny_llm.tokenizer, engine.pool.page_size)  # once: a bind starts the method afresh
-    seqs = []
-    for i, prompt in enumerate((PROMPT, PROMPT[:400])):
-        seq = Sequence(i, tiny_llm.encode(prompt, None, chat=False)[0], SamplingParams(max_new_tokens=12,
-                       ignore_eos=True), SeqKV(engine.pool))
-        seq.method_state = method.new_state(seq)
-        seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
-        seqs.append(seq)
-    with torch.inference_mode():
-        for _ in range(6):
-            engine.step(seqs, method, None, lambda seq: "")
-        batch = engine.step_batch(seqs, *engine.prepare_step(seqs, method))  # the 7th step, planned
+    seqs, batch = stepped(tiny_llm, method)
     pool, size = engine.pool, engine.pool.page_size
     for seq in seqs:
         for layer in range(cfg.num_layers):
@@ -468,25 +504,98 @@ def test_an_int8_key_sketch_holds_every_stored_key_and_picks_as_the_exact_keys_d
             keys, scales = quantize(pool.flat()[0][rows])
             assert torch.equal(method._sketch.keys.data.view(-1, cfg.num_kv_heads, cfg.head_dim)[rows], keys)
             assert torch.equal(method._sketch.scales.data.view(-1, cfg.num_kv_heads)[rows], scales)
-    exact = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full")
-    exact.bind(cfg, tiny_llm.tokenizer, size)
-    same = total = 0
-    with torch.inference_mode():
-        exact._ensure_cache(3, 40, pool.k.device)
-        q = torch.randn(len(seqs), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
-        for layer in range(cfg.num_layers):
-            got, want = method.select_batched(layer, batch, q), exact.select_batched(layer, batch, q)
-            for b, n in enumerate(want.lengths[:, 0].tolist()):
-                same += len(set(got.slots[b, 0, :n].tolist()) & set(want.slots[b, 0, :n].tolist()))
-                total += n
-    assert same >= 0.95 * total
+    assert shared_share(tiny_llm, method, batch) >= 0.95
     engine.end(seqs, method)
     assert method.page_state_bytes(pool) == size * cfg.num_kv_heads * (cfg.head_dim + 4)
-    full = tiny_llm.generate(PROMPT, method="full", max_new_tokens=NEW, chat=False, ignore_eos=True)
-    covering = tiny_llm.generate(PROMPT, method=TokenSelect(budget=4096, score_keys="int8"), max_new_tokens=NEW,
-                                 chat=False, ignore_eos=True)
-    assert covering[0].token_ids == full[0].token_ids
-    with pytest.raises(SemkvError, match="score_keys='int8' cannot be used with extrapolate"):
-        TokenSelect(budget=64, score_keys="int8", extrapolate=True)
+    covering_gives_full_kv(tiny_llm, "int8")
     with pytest.raises(SemkvError, match="score_keys='int4'; allowed"):
         TokenSelect(budget=64, score_keys="int4")
+
+
+def page_case(seed=5, heads=8, kv_heads=2, dim=16, page_size=4, pages=80, rows=3):
+    """Random pool, shuffled tables, queries and each row's page bounds from the exact min / max of its keys."""
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(pages, page_size, kv_heads, dim, generator=gen)
+    tables = torch.stack([torch.randperm(pages, generator=gen) for _ in range(rows)])
+    q = torch.randn(rows, heads, dim, generator=gen)
+    n = torch.tensor([150, 190, 20, 301, 97][:rows])
+    bound = reference.page_bound(q, k_pool.amin(1), k_pool.amax(1), tables, n, page_size, "max")  # [B, kv, W]
+    return q, k_pool, tables, n, bound
+
+
+@pytest.mark.parametrize("selection, sets", [("soft_vote", 1), ("soft_vote", 2), ("top_k", 1)])
+def test_a_covering_page_stage_selects_as_the_exact_keys(selection, sets):
+    """The reference with every candidate page chosen (compact tables, the span) picks what the exact mode picks,
+    and the Selection Cache holds the same slots."""
+    size = 4
+    q, k_pool, tables, n, bound = page_case()
+    parts = torch.tensor([[3, 20, 5], [2, 14, 4], [3, 20, 5]])
+    kv_heads = None if sets == 1 else 2
+    caches = [tokenselect_reference.SelectionCacheBuffers.allocate(4, 1, 8 * 16, sets, 20, torch.device("cpu"))
+              for _ in range(2)]
+    common = (n, torch.tensor([1, 2, 3]))
+    want = tokenselect_reference.token_select(q, k_pool, tables, n, 320, common[1], caches[0], 0, parts, 28, 1.0,
+                                              selection, kv_heads)
+    compact, pages, span = reference.page_candidates(bound, parts[:, 0], n - parts[:, 2], tables, size, 80)
+    got = tokenselect_reference.token_select(q, k_pool, compact, n, 320, common[1], caches[1], 0, parts, 28, 1.0,
+                                             selection, kv_heads, pages=(pages, span))
+    for b, length in enumerate(torch.minimum(n, parts.sum(1)).tolist()):
+        assert torch.equal(got[b, :, :length], want[b, :, :length])
+    assert torch.equal(caches[0].top[1:, :, :, :14], caches[1].top[1:, :, :, :14])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("selection, sets", [("soft_vote", 1), ("soft_vote", 2), ("top_k", 1)])
+def test_token_select_kernel_scores_chosen_pages_as_the_reference(interpreted, selection, sets):
+    """score_keys="pages": the kernels score the span of the chosen pages' compact slots and write the slots they
+    stand for, as the reference does, with fewer pages than the candidates hold."""
+    kernel = interpreted("semkv.methods.tokenselect.triton_token_select")
+    size = 4
+    q, k_pool, tables, n, bound = page_case(seed=6, rows=4)
+    parts = torch.tensor([[3, 12, 5], [2, 14, 4], [3, 20, 5], [4, 10, 8]])
+    compact, pages, span = reference.page_candidates(bound, parts[:, 0], n - parts[:, 2], tables, size, 9)
+    kv_heads = None if sets == 1 else 2
+    caches = [tokenselect_reference.SelectionCacheBuffers.allocate(5, 1, 8 * 16, sets, 20, torch.device("cpu"))
+              for _ in range(2)]
+    rows = torch.tensor([1, 2, 3, 4])
+    got = kernel.token_select(q, k_pool, compact, n, 9 * size, rows, caches[0], 0, parts, 28, 0.9, selection,
+                              kv_heads, block_n=16, block_t=16, num_warps=4, splits=3, vote_splits=3, block_c=2,
+                              pages=(pages, span))
+    want = tokenselect_reference.token_select(q, k_pool, compact, n, 9 * size, rows, caches[1], 0, parts, 28, 0.9,
+                                              selection, kv_heads, pages=(pages, span))
+    for b, length in enumerate(torch.minimum(n, parts.sum(1)).tolist()):
+        assert torch.equal(got[b, :, :length], want[b, :, :length])
+    assert torch.equal(caches[0].top[1:, :, :, :10], caches[1].top[1:, :, :, :10])
+
+
+def test_page_summaries_follow_every_stored_key_and_pick_near_the_exact_keys(tiny_llm):
+    """score_keys="pages": after prefill and decode steps each page's summaries are the min / max of the keys it
+    stores (the bound kernel folds each step's key); the two-stage selection keeps nearly every token the exact keys
+    pick at the default superset, and every one when the pages cover the candidates; a covering budget gives Full
+    KV's tokens; the summaries are counted per page beside the pool and freed with it."""
+    engine, cfg = tiny_llm.engine, tiny_llm.config
+    method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, score_keys="pages", prefill="full")
+    seqs, batch = stepped(tiny_llm, method)
+    pool, size = engine.pool, engine.pool.page_size
+    summaries = method._summaries.data
+    for seq in seqs:
+        for layer in range(cfg.num_layers):
+            n = seq.kv.num_slots[layer] - 1  # the keys stored before the planned step
+            for p in range(-(-n // size)):
+                page = seq.kv.pages[layer, p]
+                keys = pool.k[page, : min(size, n - p * size)]  # [filled, kv_heads, D]
+                assert torch.equal(summaries["min"][page], keys.amin(0))
+                assert torch.equal(summaries["max"][page], keys.amax(0))
+    for superset, share in ((4.0, 0.9), (100.0, 1.0)):
+        paged = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys="pages",
+                            superset=superset)
+        paged.bind(cfg, tiny_llm.tokenizer, size)
+        paged._ensure_cache(3, 40, pool.k.device)
+        paged._summaries = method._summaries
+        assert shared_share(tiny_llm, paged, batch) >= share, superset
+    engine.end(seqs, method)
+    assert method.page_state_bytes(pool) == 2 * cfg.num_kv_heads * cfg.head_dim * pool.k.element_size()
+    assert pool.in_use == 0
+    covering_gives_full_kv(tiny_llm, "pages")
+    with pytest.raises(SemkvError, match="superset"):
+        TokenSelect(budget=64, score_keys="pages", superset=0.5)

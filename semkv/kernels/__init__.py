@@ -202,6 +202,18 @@ def page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce, k_pool
     return reference.page_bound(q, kmin, kmax, tables, num_slots, page_size, group_reduce, k_pool)
 
 
+PAGE_BLOCK = 16384  # the most page bounds of a row one program of `triton_page_select.page_candidates` holds
+
+
+def page_candidates(bound, lo, hi, tables, page_size, count):
+    """See `reference.page_candidates`: Triton on CUDA for rows of at most PAGE_BLOCK pages."""
+    if use_triton(bound.device) and bound.shape[-1] <= PAGE_BLOCK:
+        from semkv.kernels import triton_page_select
+
+        return triton_page_select.page_candidates(bound, lo, hi, tables, page_size, count)
+    return reference.page_candidates(bound, lo, hi, tables, page_size, count)
+
+
 def page_slots(top, budget, num_slots, page_size):
     """See `reference.page_slots`."""
     if use_triton(top.device):

@@ -71,6 +71,25 @@ def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: 
     return bound.masked_fill(page > last, float("-inf")).masked_fill(page == last, float("inf"))
 
 
+def page_candidates(bound: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tables: torch.Tensor, page_size: int,
+                    count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `count` pages of each row with the highest bound (its maximum over the KV heads) among the pages holding a
+    slot of [lo, hi): a first stage that keeps a share of the candidates to score exactly (TokenSelect's and
+    DynSplit-KV's score_keys="pages"). bound [B, kv_heads, W] (`page_bound`); lo / hi [B]; tables [B, >= W] physical
+    page ids; count <= W (rows with fewer such pages fill in others, outside [lo, hi)). Returns the chosen pages'
+    physical ids [B, count], the pages [B, count] ascending and span [B, 2]: the compact slots [first, end) that
+    stand for slots of [lo, hi) (compact slot c is slot pages[c // page_size] * page_size + c % page_size: an
+    increasing map, so they are one range). Tensor operations alone (a CUDA graph captures them)."""
+    start = torch.arange(bound.shape[-1], device=bound.device) * page_size  # [W] each page's first slot
+    holds = (start + page_size > lo[:, None]) & (start < hi[:, None])  # [B, W]
+    best = bound.amax(1).masked_fill(~holds, float("-inf"))
+    pages = best.topk(count, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, count]
+    first = pages * page_size
+    span = torch.stack([(lo[:, None] - first).clamp(0, page_size).sum(1),
+                        (hi[:, None] - first).clamp(0, page_size).sum(1)], 1)
+    return torch.gather(tables, 1, pages), pages, span
+
+
 def page_slots(top: torch.Tensor, budget: torch.Tensor, num_slots: torch.Tensor,
                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quest's attended slots from its top pages: top [B, kv_heads, k] page indices (a top-k of `page_bound`, best

@@ -11,6 +11,10 @@ ten small kernels a layer otherwise); that page's bound is +inf whatever its sum
 over the result always keeps the current token's page. The reference gathers both summaries into new tensors first,
 which writes and reads them twice more.
 
+`page_candidates` (TokenSelect's and DynSplit-KV's score_keys="pages"): one program per row keeps the `count` pages
+with the highest bound (the maximum over KV heads) among those holding a slot of [lo, hi), by a bitwise search for
+the count-th largest bound, and writes them ascending with their physical ids.
+
 `page_slots`: one program per sequence and KV head keeps the best `keep` of the top-k pages (all the row's pages
 when its budget covers it), sorts them and writes their slots and the attended length; it replaces a dozen small
 element-wise kernels per layer (each ~1.5 us inside a CUDA graph).
@@ -24,6 +28,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def ordered_key(x):
+    """float32 -> int64 in [0, 2**32) with the same order (sign bit flipped for positives, all bits for negatives)."""
+    bits = x.to(tl.int32, bitcast=True)
+    flipped = bits ^ ((bits >> 31) | -2147483648)
+    return flipped.to(tl.uint32, bitcast=True).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["W", "stride_qb", "stride_tb", "stride_ob"])
@@ -133,3 +145,54 @@ def page_slots(top: torch.Tensor, budget: torch.Tensor, num_slots: torch.Tensor,
         slots.stride(0), slots.stride(1), KV_HEADS=kv_heads, PAGE_SIZE=page_size, K_P=triton.next_power_of_2(k),
     )
     return slots, lengths
+
+
+@triton.jit(do_not_specialize=["W", "C", "stride_bb", "stride_tb"])
+def _page_candidates_kernel(bound_ptr, lo_ptr, hi_ptr, tables_ptr, pages_ptr, ids_ptr, span_ptr, W, C, stride_bb,
+                            stride_bh, stride_tb, KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    inside = j < W
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    for h in tl.static_range(KV_HEADS):
+        best = tl.maximum(best, tl.load(bound_ptr + b * stride_bb + h * stride_bh + j, mask=inside,
+                                        other=float("-inf")))
+    lo = tl.load(lo_ptr + b)
+    hi = tl.load(hi_ptr + b)
+    start = j * PAGE_SIZE
+    holds = inside & (start + PAGE_SIZE > lo) & (start < hi)
+    # pages holding candidates by their bound (every finite bound's key is above 0), then the others (key 0)
+    key = tl.where(holds, ordered_key(best), 0)
+    key = tl.where(inside, key, -1)
+    threshold = tl.full([], 0, tl.int64)  # the C-th largest key, a bit at a time from the top
+    for bit in tl.static_range(31, -1, -1):
+        trial = threshold | (1 << bit)
+        threshold = tl.where(tl.sum((key >= trial).to(tl.int32), 0) >= C, trial, threshold)
+    above = key > threshold
+    equal = (key == threshold).to(tl.int32)
+    need = C - tl.sum(above.to(tl.int32), 0)
+    take = above | ((equal != 0) & (tl.cumsum(equal, 0) <= need))  # ties to the lower pages
+    at = tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(pages_ptr + b * C + at, j.to(tl.int64), mask=take)
+    physical = tl.load(tables_ptr + b * stride_tb + j, mask=take, other=0)
+    tl.store(ids_ptr + b * C + at, physical.to(tl.int64), mask=take)
+    first = tl.sum(tl.where(take, tl.minimum(tl.maximum(lo - start, 0), PAGE_SIZE), 0), 0)
+    end = tl.sum(tl.where(take, tl.minimum(tl.maximum(hi - start, 0), PAGE_SIZE), 0), 0)
+    tl.store(span_ptr + b * 2, first.to(tl.int64))
+    tl.store(span_ptr + b * 2 + 1, end.to(tl.int64))
+
+
+def page_candidates(bound: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tables: torch.Tensor, page_size: int,
+                    count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same arguments and result as `reference.page_candidates`, one program per row holding its W bounds at once:
+    a bitwise search for the count-th largest bound (ties to the lower pages), the pages written ascending."""
+    batch, kv_heads, width = bound.shape
+    pages = torch.empty(batch, count, dtype=torch.long, device=bound.device)
+    ids = torch.empty_like(pages)
+    span = torch.empty(batch, 2, dtype=torch.long, device=bound.device)
+    block = triton.next_power_of_2(width)
+    _page_candidates_kernel[(batch,)](bound, lo.contiguous(), hi.contiguous(), tables, pages, ids, span, width, count,
+                                      bound.stride(0), bound.stride(1), tables.stride(0), KV_HEADS=kv_heads,
+                                      PAGE_SIZE=page_size, BLOCK=block, num_warps=max(4, min(16, block // 256)))
+    return ids, pages, span

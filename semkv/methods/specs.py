@@ -112,7 +112,7 @@ SPECS: dict[str, MethodSpec] = {s.name: s for s in (
                "TokenSelect: per-head q.k criticality, head soft vote, top tokens + sinks + recent; Selection Cache",
                "https://arxiv.org/abs/2411.02886",
                dict(n_sink=128, n_recent=512, selection="soft_vote", scope="layer", theta=0.9, extrapolate=False,
-                    chunk=512, prefill="sparse", score_keys="exact")),
+                    chunk=512, prefill="sparse", score_keys="exact", superset=4.0)),
     MethodSpec("chess", "semkv.methods.chess.method:Chess", "selection",
                "CHESS: grid->chunk->page cascade by key-key affinity with the recent pages, re-selected on "
                "uncertainty", "https://arxiv.org/abs/2602.20732",

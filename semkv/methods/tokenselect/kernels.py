@@ -9,16 +9,16 @@ from semkv.methods.tokenselect import reference
 
 
 def token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width, theta, selection,
-                 kv_heads, tp=None, scales=None):
+                 kv_heads, tp=None, scales=None, pages=None):
     """See `reference.token_select`; the Triton path covers the soft vote and top-k with k >= 1 on one GPU (the
     hard vote, k = 0 and tensor parallelism, whose cosine and vote add over the ranks, run the reference)."""
     if use_triton(q.device) and selection != "hard_vote" and cache.top.shape[-1] > 0 and tp is None:
         from semkv.methods.tokenselect import triton_token_select as kernel
 
         return kernel.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width,
-                                   theta, selection, kv_heads, scales=scales)
+                                   theta, selection, kv_heads, scales=scales, pages=pages)
     return reference.token_select(q, k_pool, tables, num_slots, width, rows, cache, layer, parts, out_width, theta,
-                                  selection, kv_heads, tp, scales)
+                                  selection, kv_heads, tp, scales, pages)
 
 
 def head_vote(scores, k, selection, kv_heads, tp=None):
@@ -46,3 +46,4 @@ def prefill_context(q, k_pool, table, sink, hi, start, k, selection, kv_heads, t
 
         return triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, start, k)
     return reference.around(top_slots(q, k_pool, table, sink, hi, k, selection, kv_heads, tp), sink, hi, start)
+

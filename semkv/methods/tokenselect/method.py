@@ -49,10 +49,17 @@ extrapolate: store keys before RoPE and rotate the attended ones by rank (the pa
 chunk: the longest prefill chunk, 512 (paper Sec. 6.1); each chunk selects its own context.
 prefill: "sparse" (the paper: each chunk attends to its budget of earlier tokens) or "full" (full attention at
     prefill, selection in decoding only; not with `extrapolate`).
-score_keys: the keys a decode step scores every candidate with: "exact" (the cache's) or "int8" (opt-in, issue 55:
+score_keys: the keys a decode step scores every candidate with: "exact" (the cache's), "int8" (opt-in, issue 55:
     an int8 sketch of the keys kept by page beside the pool, `state.key_sketch`, read at D + 4 bytes a key instead of
-    2D; the voted tokens are attended with their exact keys). The sketch costs (D + 4) / 4D of the K/V's memory
-    (27% at head_dim 64) beside the pool; not with `extrapolate`.
+    2D; the voted tokens are attended with their exact keys; the sketch costs (D + 4) / 4D of the K/V's memory, 27%
+    at head_dim 64) or "pages" (opt-in, issue 55: two stages. Quest's bound of each KV page's best logit from the
+    min / max of its keys, `state.page_summaries`, read at 4D bytes a page of `page_size` keys, picks the pages
+    holding about `superset` times k candidates; the soft vote then scores those pages' keys exactly and picks the
+    top-k among them, attended with their exact keys. A decode step reads 2 / page_size of the keys' bytes for the
+    bounds and superset x k exact keys instead of every key; the summaries cost 1 / page_size of the K/V's memory,
+    6% at 16 tokens a page). Not with `extrapolate`.
+superset: score_keys="pages": the pages scored exactly hold about this many times the top-k's tokens (at least 1;
+    4 by default, a third of the candidates at a budget of 10%).
 """
 from __future__ import annotations
 
@@ -61,6 +68,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
@@ -68,6 +76,7 @@ from semkv.engine.staging import copy_early
 from semkv.errors import SemkvError, check_choice, check_range
 from semkv.kernels.reference import physical_rows
 from semkv.methods.state.key_sketch import KeySketch
+from semkv.methods.state.page_summaries import PageSummaries
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers, split_parts
 from semkv.models.parallel import cosine
@@ -93,6 +102,7 @@ class TokenSelect(KVMethod):
     chunk: int = 512
     prefill: str = "sparse"
     score_keys: str = "exact"
+    superset: float = 4.0
 
     kind = "selection"
     name = "tokenselect"
@@ -108,9 +118,10 @@ class TokenSelect(KVMethod):
         check_choice("selection", self.selection, SELECTIONS)
         check_choice("scope", self.scope, ("layer", "kv_head"))
         check_choice("prefill", self.prefill, ("sparse", "full"))
-        check_choice("score_keys", self.score_keys, ("exact", "int8"))
+        check_choice("score_keys", self.score_keys, ("exact", "int8", "pages"))
+        check_range("superset", self.superset, 1.0, None)
         if self.extrapolate and self.score_keys != "exact":
-            raise SemkvError(f"score_keys={self.score_keys!r} cannot be used with extrapolate=True (it sketches the "
+            raise SemkvError(f"score_keys={self.score_keys!r} cannot be used with extrapolate=True (it scores the "
                              f"keys after RoPE); use score_keys='exact'")
         if self.extrapolate and self.prefill == "full":
             raise SemkvError("prefill='full' cannot be used with extrapolate=True: a full prefill gives every prompt "
@@ -143,6 +154,9 @@ class TokenSelect(KVMethod):
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
+        if self.score_keys == "pages" and self.tp is not None:
+            raise SemkvError("score_keys='pages' cannot be used with tensor parallelism (each rank would bound its own "
+                             "KV heads' pages, and the vote adds over the ranks); use score_keys='exact'")
         if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
             raise SemkvError(f"budget={self.budget} must be below the model's context of "
                              f"{model.max_position_embeddings} tokens for extrapolation")
@@ -155,6 +169,7 @@ class TokenSelect(KVMethod):
         self._plan: tuple[list[Sequence], CacheRows] | None = None
         self._parts: tuple[DecodeBatch, torch.Tensor] | None = None
         self._sketch = KeySketch() if self.score_keys == "int8" else None
+        self._summaries = PageSummaries(("min", "max")) if self.score_keys == "pages" else None
         # the Selection Cache's counts on their way to the host (`_count`): the sequences, the host copy, its event
         self._counting: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
 
@@ -180,11 +195,16 @@ class TokenSelect(KVMethod):
         return tokenselect_kernels.top_slots(q, kv.pool.k, kv.table[layer], lo, hi, k, self.selection, kv_heads,
                                              self.tp)
 
+    @property
+    def _by_page(self) -> "KeySketch | PageSummaries | None":
+        """The state kept by KV page: the int8 sketch or the page summaries (score_keys), or None."""
+        return self._sketch if self._sketch is not None else self._summaries
+
     def admission_bytes(self, seq: Sequence) -> int:
-        return 0 if self._sketch is None else self._sketch.growth_bytes(seq.kv.pool)
+        return 0 if self._by_page is None else self._by_page.growth_bytes(seq.kv.pool)
 
     def page_state_bytes(self, pool: KVPool) -> int:
-        return 0 if self._sketch is None else self._sketch.bytes_per_page(pool)
+        return 0 if self._by_page is None else self._by_page.bytes_per_page(pool)
 
     def batch_state_bytes(self, seq: Sequence, batch: int) -> int:
         return 0  # the key sketch is kept by page (`page_state_bytes`)
@@ -199,7 +219,10 @@ class TokenSelect(KVMethod):
     # -- prefill --------------------------------------------------------------------------------------------------
     def finish_prefill(self, seq: Sequence) -> None:
         """score_keys="int8": sketch every slot the prefill stored (the same count in every layer), from the
-        device's page table."""
+        device's page table; "pages": summarise every page of every layer."""
+        if self._summaries is not None:
+            for layer in range(seq.kv.pool.num_layers):
+                self._summaries.build(seq.kv, layer)
         if self._sketch is None:
             return
         kv, n = seq.kv, seq.kv.num_slots[0]
@@ -247,19 +270,42 @@ class TokenSelect(KVMethod):
         holds each row's cache row."""
         width = batch.max_slots
         out_width = resolve_budget(self.budget, width)  # every row's budget is at most this
-        if out_width >= width:
-            return None
         n = batch.num_slots[:, layer]  # [B] (every layer stores every token)
+        if out_width >= width:
+            if self._summaries is not None:  # the summaries still take the current key
+                self._summaries.add_tokens(batch.pool, batch.tables[:, layer], (n - 1)[:, None].expand(
+                    -1, batch.pool.num_kv_heads))
+            return None
         if layer == 0 or self._parts is None or self._parts[0] is not batch:  # once a step (a capture), on the device
             self._parts = batch, split_parts(budget_tokens(self.budget, n), self.n_sink, self.n_recent)
         parts = self._parts[1]  # [B, 3]
         kv_heads = batch.model.num_kv_heads if self.scope == "kv_head" else None
         sketch = self._sketch
         keys, scales = (batch.pool.k, None) if sketch is None else (sketch.keys.data, sketch.scales.data)
-        slots = tokenselect_kernels.token_select(q, keys, batch.tables[:, layer], n, width, batch.step_plan.cache_row,
-                                                 self._cache, layer, parts, out_width, self.theta, self.selection,
-                                                 kv_heads, self.tp, scales)  # [B, S, out_width]
+        tables, scored, pages = batch.tables[:, layer], width, None
+        if self._summaries is not None:
+            tables, scored, pages = self.candidate_pages(layer, batch, q, n, parts, out_width)
+        slots = tokenselect_kernels.token_select(q, keys, tables, n, scored, batch.step_plan.cache_row, self._cache,
+                                                 layer, parts, out_width, self.theta, self.selection, kv_heads,
+                                                 self.tp, scales, pages)  # [B, S, out_width]
         return Selection(slots, torch.minimum(n, parts.sum(1))[:, None].expand(-1, slots.shape[1]))
+
+    def candidate_pages(self, layer: int, batch: DecodeBatch, q: torch.Tensor, n: torch.Tensor, parts: torch.Tensor,
+                        out_width: int) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]:
+        """score_keys="pages", the first stage: each row's pages with the highest bound that hold about `superset`
+        times the widest top-k (`kernels.page_candidates`; the bound kernel folds the current key into its page's
+        summary). Returns their physical ids [B, count], the width count * page_size of their compact slots, and
+        (pages, span) for `token_select`."""
+        pool, size = batch.pool, batch.pool.page_size
+        summaries = self._summaries
+        summaries.ensure(pool)
+        tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
+        bound = kernels.page_bound(q, summaries.data["min"], summaries.data["max"], tables, n, size, "max",
+                                   k_pool=pool.k)  # [B, kv_heads, W]
+        k = self.split(out_width)[1]
+        count = min(tables.shape[-1], -(-int(self.superset * k) // size) + 2)  # + the two part-candidate pages
+        compact, pages, span = kernels.page_candidates(bound, parts[:, 0], n - parts[:, 2], tables, size, count)
+        return compact, count * size, (pages, span)
 
     def step_plan(self, batch: DecodeBatch) -> "CacheRows | None":
         """Each sequence's row in the device Selection Cache ([B]; the same object while the batch is the same

@@ -99,10 +99,19 @@ class SelectionCacheBuffers:
                    counts=torch.zeros(rows, 2, dtype=torch.long, device=device))
 
 
+def compact_slots(pages: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Compact slots [B, ...] of a list of pages [B, count] (`kernels.page_candidates`) -> the slots they stand
+    for."""
+    flat = slots.flatten(1)
+    page = torch.gather(pages, 1, (flat // page_size).clamp(max=pages.shape[1] - 1))
+    return (page * page_size + flat % page_size).view_as(slots)
+
+
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
                  theta: float, selection: str, kv_heads: int | None, tp: TensorParallel | None = None,
-                 scales: torch.Tensor | None = None) -> torch.Tensor:
+                 scales: torch.Tensor | None = None,
+                 pages: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One layer of TokenSelect's decode selection for a batch, Selection Cache included (Algorithm 1).
 
     q [B, heads, D] current queries; tables [B, max_pages]; num_slots [B] stored slots (current token included);
@@ -114,7 +123,9 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     a sparse row, 0..out_width-1 for the others (the caller masks by length min(num_slots, budget)). Updates
     `cache` in place; `triton_token_select.py` does the same in kernels that skip hit rows. With `scales` [pages,
     page_size, kv_heads], k_pool is an int8 key sketch (`KeySketch`) and a score is its dot product times the
-    slot's scale."""
+    slot's scale. With `pages` (`kernels.page_candidates`' pages and span), tables [B, count] are the physical ids
+    of those pages and width = count * page_size: only the span's compact slots are scored, and the cache and the
+    result hold the slots they stand for."""
     sink, k, recent = parts.unbind(1)  # [B] each
     budget = parts.sum(1)  # [B]
     flat = q.flatten(1).float()  # [B, heads * D]
@@ -130,9 +141,12 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
         at = physical_rows(tables, slot.expand(tables.shape[0], -1), scales.shape[1])  # [B, width] flat rows
         scale = scales.view(-1, groups)[at].transpose(1, 2)  # [B, kv_heads, width]
         scores = scores * scale.repeat_interleave(q.shape[1] // groups, dim=1)
-    candidate = (slot >= sink[:, None]) & (slot < (num_slots - recent)[:, None])  # [B, width]
+    lo, hi = (sink, num_slots - recent) if pages is None else pages[1].unbind(1)
+    candidate = (slot >= lo[:, None]) & (slot < hi[:, None])  # [B, width]
     scores = scores.masked_fill(~candidate[:, None], float("-inf"))
     voted = row_top(vote_totals(scores, k, selection, kv_heads, tp), k, cache.top.shape[-1])  # [B, S, k_max]
+    if pages is not None:
+        voted = compact_slots(pages[0], voted, k_pool.shape[1])
     top = torch.where(refresh[:, None, None], voted, cache.top[rows, layer])
     cache.top[rows, layer] = top
     cache.q[rows, layer] = torch.where(refresh[:, None], flat, cached)

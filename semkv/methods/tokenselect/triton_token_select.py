@@ -18,6 +18,9 @@ Same arguments and result as `reference.token_select` (selections "soft_vote" an
 5. `_select`: one program per (row, vote set, chunk) writes its chunk's winners in slot order (ties to the lower
    slot) into the cache and the step's slots, and its share of the sinks, the cached top-k of rows that hit and the
    recent slots.
+With `pages` (score_keys="pages") the tables are those of a row's chosen pages (`kernels.page_candidates`): kernels
+2-5 read the candidates as the span of compact slots of those pages, and `_select` writes the slot each winner
+stands for.
 The integers that change from step to step and only enter scalar arithmetic (strides, the layer, the chunk count,
 the cache's and the output's widths; each row's split is read from a tensor) are not specialised; the width keeps
 Triton's divisibility specialisation for vector loads, so eager steps of any width compile at most two variants of a
@@ -32,6 +35,7 @@ import triton.language as tl
 
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers
 from semkv.kernels.triton_decode import device_limits
+from semkv.kernels.triton_page_select import ordered_key
 from semkv.kernels.triton_paged_dot import key_dots, sketch_dots
 
 RADIX_BITS = 8  # a byte a pass: four passes over the 32-bit ordered votes
@@ -66,16 +70,15 @@ def _cache_check(q_ptr, n_ptr, parts_ptr, rows_ptr, cq_ptr, valid_ptr, counts_pt
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_n"])
-def _vote_scores(q_ptr, k_pool_ptr, scale_ptr, tables_ptr, n_ptr, parts_ptr, refresh_ptr, scores_ptr, smax_ptr,
-                 ssum_ptr, W, stride_tb, stride_n, PAGE_SIZE: tl.constexpr,
+def _vote_scores(q_ptr, k_pool_ptr, scale_ptr, tables_ptr, n_ptr, parts_ptr, span_ptr, refresh_ptr, scores_ptr,
+                 smax_ptr, ssum_ptr, W, stride_tb, stride_n, PAGE_SIZE: tl.constexpr,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, GROUP_P: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFT: tl.constexpr,
-                 IEEE: tl.constexpr, SKETCH: tl.constexpr):
+                 IEEE: tl.constexpr, SKETCH: tl.constexpr, COMPACT: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)  # this program scores blocks split, split + SPLITS, ...
     b = tl.program_id(2).to(tl.int64)
-    sink = tl.load(parts_ptr + b * 3)
-    hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)  # candidates are [sink, hi)
+    sink, hi = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)  # candidates are [sink, hi)
     if tl.load(refresh_ptr + b) != 0:
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, BLOCK_D)
@@ -108,11 +111,16 @@ def _vote_scores(q_ptr, k_pool_ptr, scale_ptr, tables_ptr, n_ptr, parts_ptr, ref
 
 
 @triton.jit
-def _ordered_key(vote):
-    """float32 -> int64 in [0, 2**32) with the same order (sign bit flipped for positives, all bits for negatives)."""
-    bits = vote.to(tl.int32, bitcast=True)
-    flipped = bits ^ ((bits >> 31) | -2147483648)
-    return flipped.to(tl.uint32, bitcast=True).to(tl.int64)
+def _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT: tl.constexpr):
+    """The row's candidate slots [lo, hi): [initial, num_slots - recent), or with COMPACT the span of the compact
+    slots of its chosen pages (`kernels.page_candidates`)."""
+    if COMPACT:
+        lo = tl.load(span_ptr + b * 2)
+        hi = tl.load(span_ptr + b * 2 + 1)
+    else:
+        lo = tl.load(parts_ptr + b * 3)
+        hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)
+    return lo, hi
 
 
 @triton.jit
@@ -133,15 +141,14 @@ def _radix_prefix(hist_row, k, PASSES: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["stride_n"])
-def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, parts_ptr, refresh_ptr, vote_ptr, hist_ptr, W, stride_n,
+def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, parts_ptr, span_ptr, refresh_ptr, vote_ptr, hist_ptr, W, stride_n,
           HEADS: tl.constexpr, PER_SET: tl.constexpr, HP: tl.constexpr, SETS: tl.constexpr,
           SCORE_SPLITS: tl.constexpr, SCORE_SPLITS_P: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
-          SOFT: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
+          SOFT: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, COMPACT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     split = tl.program_id(2)  # this program votes on blocks split, split + SPLITS, ...
-    sink = tl.load(parts_ptr + b * 3)
-    hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)
+    sink, hi = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)
     if tl.load(refresh_ptr + b) != 0:
         h = tl.arange(0, HP)
         heads = b * HEADS + s * PER_SET + h  # rows of this vote set's heads in scores
@@ -166,28 +173,27 @@ def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, parts_ptr, refresh_ptr, vote_pt
             else:
                 vote = tl.sum(tl.where(inside, logits, 0.0), 0)
             tl.store(vote_ptr + (b * SETS + s) * W + t, vote, mask=candidate)
-            digit = (_ordered_key(vote) >> (32 - BITS)).to(tl.int32)
+            digit = (ordered_key(vote) >> (32 - BITS)).to(tl.int32)
             counts += tl.histogram(digit, 1 << BITS, mask=candidate)
         tl.atomic_add(hist_ptr + (b * SETS + s) * PASSES * (1 << BITS) + bins, counts, mask=counts != 0)
 
 
 @triton.jit(do_not_specialize=["stride_n", "CHUNKS"])
-def _radix_pass(vote_ptr, n_ptr, parts_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, W, stride_n,
-                CHUNKS, SETS: tl.constexpr, BLOCK_T: tl.constexpr,
-                BITS: tl.constexpr, PASSES: tl.constexpr, PASS: tl.constexpr):
+def _radix_pass(vote_ptr, n_ptr, parts_ptr, span_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, W,
+                stride_n, CHUNKS, SETS: tl.constexpr, BLOCK_T: tl.constexpr,
+                BITS: tl.constexpr, PASSES: tl.constexpr, PASS: tl.constexpr, COMPACT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     c = tl.program_id(2)
-    sink = tl.load(parts_ptr + b * 3)
+    sink, hi = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)
     k = tl.load(parts_ptr + b * 3 + 1)
-    hi = tl.load(n_ptr + b * stride_n) - tl.load(parts_ptr + b * 3 + 2)
     if (tl.load(refresh_ptr + b) != 0) & (k > 0):
         row = b * SETS + s
         hist_row = hist_ptr + row * PASSES * (1 << BITS)
         prefix, need = _radix_prefix(hist_row, k, PASS, BITS)
         t = c * BLOCK_T + tl.arange(0, BLOCK_T)
         candidate = (t >= sink) & (t < hi)
-        key = _ordered_key(tl.load(vote_ptr + row * W + t, mask=candidate, other=0.0))
+        key = ordered_key(tl.load(vote_ptr + row * W + t, mask=candidate, other=0.0))
         match = candidate & ((key >> (32 - PASS * BITS)) == prefix)
         digit = ((key >> (32 - (PASS + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
         counts = tl.histogram(digit, 1 << BITS, mask=match)
@@ -200,9 +206,10 @@ def _radix_pass(vote_ptr, n_ptr, parts_ptr, refresh_ptr, hist_ptr, chunk_hist_pt
 
 
 @triton.jit(do_not_specialize=["stride_n", "layer", "CHUNKS", "K_MAX", "OUT_W"])
-def _select(vote_ptr, n_ptr, parts_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, top_ptr,
-            out_ptr, W, stride_n, layer, LAYERS, CHUNKS, K_MAX, OUT_W, SETS: tl.constexpr, BLOCK_T: tl.constexpr,
-            BLOCK_C: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
+def _select(vote_ptr, n_ptr, parts_ptr, span_ptr, map_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr,
+            chunk_above_ptr, top_ptr, out_ptr, W, stride_n, layer, LAYERS, CHUNKS, K_MAX, OUT_W, SETS: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, COMPACT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     c = tl.program_id(2)
@@ -237,13 +244,18 @@ def _select(vote_ptr, n_ptr, parts_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_h
                 equal_before = equal_seen + tl.cumsum(equal, 0) - equal
                 written += tl.sum(above + tl.minimum(tl.maximum(need - equal_before, 0), equal), 0)
                 equal_seen += tl.sum(equal, 0)
-            candidate = (i >= sink) & (i < hi)
-            key = tl.where(candidate, _ordered_key(tl.load(vote_ptr + row * W + i, mask=candidate, other=0.0)), -1)
+            lo, end = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)
+            candidate = (i >= lo) & (i < end)
+            key = tl.where(candidate, ordered_key(tl.load(vote_ptr + row * W + i, mask=candidate, other=0.0)), -1)
             is_equal = (key == prefix).to(tl.int32)
             take = (key > prefix) | ((is_equal != 0) & (equal_seen + tl.cumsum(is_equal, 0) <= need))
             at = written + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(top_row + at, i.to(tl.int64), mask=take)
-            tl.store(out_row + sink + at, i.to(tl.int64), mask=take)
+            slot = i.to(tl.int64)
+            if COMPACT:  # the slot a compact slot stands for
+                page = tl.load(map_ptr + b * (W // PAGE_SIZE) + i // PAGE_SIZE, mask=take, other=0)
+                slot = page * PAGE_SIZE + i % PAGE_SIZE
+            tl.store(top_row + at, slot, mask=take)
+            tl.store(out_row + sink + at, slot, mask=take)
         else:
             tl.store(out_row + sink + i, tl.load(top_row + i, mask=i < k, other=0), mask=i < k)
         tl.store(out_row + i, i.to(tl.int64), mask=i < sink)
@@ -254,7 +266,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
                  theta: float, selection: str, kv_heads: int | None, block_n: int = 128, block_t: int = 2048,
                  num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32,
-                 score_warps: int = 4, score_stages: int = 2, scales: torch.Tensor | None = None) -> torch.Tensor:
+                 score_warps: int = 4, score_stages: int = 2, scales: torch.Tensor | None = None,
+                 pages: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """See `reference.token_select` (selection "soft_vote" or "top_k"). k_pool [pages, page_size, kv_heads, D]
     contiguous; tables and num_slots may be strided views (one layer of the step's tensors). block_t: slots per
     program of the radix passes and the output; splits, vote_splits: programs per row and KV head of the scoring
@@ -262,7 +275,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     block_n, score_warps, score_stages: the scoring kernel's keys per block, warps and pipeline stages (stages cut to
     the device's shared memory), from `benchmarks/decode_kernel_sweep.py` on an H200: 1.46x -> 1.1x its byte floor
     at Qwen2.5-0.5B's shape, 1.05x -> 0.98x at Llama-3.1-8B's. scales: k_pool is an int8 key sketch with these
-    scales (`reference.token_select`)."""
+    scales (`reference.token_select`). pages: (pages [B, count] int64, span [B, 2]) of `kernels.page_candidates`,
+    tables those pages' physical ids and width count * page_size (`reference.token_select`)."""
     batch, n_heads, dim = q.shape
     _, page_size, pool_kv_heads, _ = k_pool.shape
     sets, k_max = cache.top.shape[2], cache.top.shape[3]
@@ -271,6 +285,8 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     q = q.contiguous()
     rows = rows.contiguous()
     device = q.device
+    compact = pages is not None
+    page_map, span = (pages[0].contiguous(), pages[1].contiguous()) if compact else (parts, parts)
     refresh = torch.empty(batch, dtype=torch.int8, device=device)
     hist = torch.empty(batch, sets, RADIX_PASSES, RADIX_BINS, dtype=torch.int32, device=device)  # cleared by the check
     hist_size = sets * RADIX_PASSES * RADIX_BINS
@@ -289,11 +305,12 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
                                   (block_n * triton.next_power_of_2(dim) * k_pool.element_size())))
     _vote_scores[(pool_kv_heads, score_splits, batch)](
         q if scales is not None else q.to(k_pool.dtype), k_pool, k_pool if scales is None else scales,
-        tables, num_slots, parts, refresh, scores, split_max, split_sum, width,
+        tables, num_slots, parts, span, refresh, scores, split_max, split_sum, width,
         tables.stride(0), num_slots.stride(0), PAGE_SIZE=page_size,
         KV_HEADS=pool_kv_heads, GROUP=group, DIM=dim, GROUP_P=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=score_splits, SOFT=soft,
-        IEEE=q.dtype == torch.float32, SKETCH=scales is not None, num_warps=score_warps, num_stages=score_stages)
+        IEEE=q.dtype == torch.float32, SKETCH=scales is not None, COMPACT=compact, num_warps=score_warps,
+        num_stages=score_stages)
     votes = torch.empty(batch, sets, width, dtype=torch.float32, device=device)  # [B, S, width]
     per_set = n_heads // sets
     hp = triton.next_power_of_2(per_set)
@@ -301,19 +318,20 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     vote_splits = min(vote_splits, triton.cdiv(width, block_v))
     radix = dict(BITS=RADIX_BITS, PASSES=RADIX_PASSES)
     _vote[(batch, sets, vote_splits)](
-        scores, split_max, split_sum, num_slots, parts, refresh, votes, hist, width, num_slots.stride(0),
+        scores, split_max, split_sum, num_slots, parts, span, refresh, votes, hist, width, num_slots.stride(0),
         HEADS=n_heads, PER_SET=per_set, HP=hp, SETS=sets, SCORE_SPLITS=score_splits,
-        SCORE_SPLITS_P=triton.next_power_of_2(score_splits), BLOCK_V=block_v, SPLITS=vote_splits, SOFT=soft, **radix)
+        SCORE_SPLITS_P=triton.next_power_of_2(score_splits), BLOCK_V=block_v, SPLITS=vote_splits, SOFT=soft,
+        COMPACT=compact, **radix)
     chunks = triton.cdiv(width, block_t)
     chunk_hist = torch.empty(batch, sets, chunks, RADIX_BINS, dtype=torch.int32, device=device)
     chunk_above = torch.empty(batch, sets, chunks, dtype=torch.int32, device=device)
     for radix_pass in range(1, RADIX_PASSES):
         _radix_pass[(batch, sets, chunks)](
-            votes, num_slots, parts, refresh, hist, chunk_hist, chunk_above, width, num_slots.stride(0), chunks,
-            SETS=sets, BLOCK_T=block_t, PASS=radix_pass, num_warps=num_warps, **radix)
+            votes, num_slots, parts, span, refresh, hist, chunk_hist, chunk_above, width, num_slots.stride(0), chunks,
+            SETS=sets, BLOCK_T=block_t, PASS=radix_pass, COMPACT=compact, num_warps=num_warps, **radix)
     out = torch.empty(batch, sets, out_width, dtype=torch.long, device=device)  # [B, S, out_width]
     _select[(batch, sets, triton.cdiv(max(width, out_width), block_t))](
-        votes, num_slots, parts, rows, refresh, hist, chunk_hist, chunk_above, cache.top, out, width,
+        votes, num_slots, parts, span, page_map, rows, refresh, hist, chunk_hist, chunk_above, cache.top, out, width,
         num_slots.stride(0), layer, layers, chunks, k_max, out_width, SETS=sets, BLOCK_T=block_t, BLOCK_C=block_c,
-        num_warps=num_warps, **radix)
+        PAGE_SIZE=page_size, COMPACT=compact, num_warps=num_warps, **radix)
     return out
