@@ -12,6 +12,8 @@ from semkv.engine.kv_cache import SeqKV
 from semkv.engine.memory import held_bytes
 from semkv.engine.sequence import SamplingParams, Sequence
 from semkv.methods import DynSplitKV, calibration
+from semkv.kernels import reference
+from semkv.methods.dynsplit import kernels as dynsplit_kernels, reference as dynsplit_reference
 from semkv.methods.dynsplit.method import prefilled_state
 from semkv.methods.dynsplit.split import AttentionDependency, dd_select
 from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summaries, v2f_select
@@ -263,13 +265,15 @@ def test_v2f_selection_equals_a_per_block_reference(seed):
 
 
 @pytest.mark.parametrize("group_reduce, score_keys", [("mean", "exact"), ("max", "exact"), ("mean", "channels"),
-                                                      ("max", "channels")])
+                                                      ("max", "channels"), ("mean", "pages"), ("max", "pages")])
 def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, score_keys):
     """score="tokens": in every layer and KV head of a decode step the attended slots are the sinks, the recent
     window and whole chunks ranked by the best (group-reduced) query . key of their other tokens, as the per-block
     reference takes them; with score_keys="channels" the dot products of the row's key channels of the layer, the
-    tokens generated before the current one scored too (n_recent=1: their kept channels are read)."""
+    tokens generated before the current one scored too (n_recent=1: their kept channels are read); with "pages" and
+    a superset covering every page, the same tokens as the exact keys."""
     recent = dict(n_recent=1, channels=4) if score_keys == "channels" else {}
+    recent |= dict(superset=100.0) if score_keys == "pages" else {}
     method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce=group_reduce,
                         score_keys=score_keys, **recent)
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
@@ -312,6 +316,59 @@ def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, s
             got[0, h, selection.slots[0, h, : selection.lengths[0, h]]] = True
         assert torch.equal(got, want), layer
     engine.release(seq)
+
+
+def test_page_scores_score_only_the_best_bounded_pages(llm):
+    """score_keys="pages": after prefill and decode steps each page's summaries are the min / max of its keys; a step
+    scores only the tokens of the pages with the highest Quest bound (about `superset` times the budget's tokens
+    between the sinks and the recent window): its chunk scores are the per-block reference's over those pages'
+    tokens; the summaries are counted by page; a covering budget gives Full KV's tokens."""
+    method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", score_keys="pages",
+                        superset=1.0)
+    method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
+    engine, calls = llm.engine, []
+    chunk_best = dynsplit_kernels.chunk_best
+
+    def recording(q, keys, tables, chunk_of, lo, hi, chunks, group_reduce, kept=None):
+        calls.append((q.clone(), tables.clone(), chunk_of.clone(), lo.clone(), hi.clone(), chunks, kept.clone()))
+        return chunk_best(q, keys, tables, chunk_of, lo, hi, chunks, group_reduce, kept)
+
+    seq = Sequence(0, llm.encode(TEXT, chat=False)[0][:200], SamplingParams(), SeqKV(engine.pool))
+    seq.method_state = method.new_state(seq)
+    seq.output_ids.append(int(engine.prefill(seq, method).argmax()))
+    seq.output_ids.append(int(engine.decode_step([seq], method).argmax()))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynsplit_kernels, "chunk_best", recording)
+        seq.output_ids.append(int(engine.decode_step([seq], method).argmax()))
+    pool, size = engine.pool, engine.pool.page_size
+    summaries = method._rows.page_summaries.data
+    n = seq.kv.num_slots[0]  # the last step's slots, its own token included
+    assert len(calls) == llm.config.num_layers
+    for layer, (q, tables, chunk_of, lo, hi, chunks, kept) in enumerate(calls):
+        for p in range(-(-n // size)):  # every key stored, the step's own folded in by the bound kernel
+            page, filled = seq.kv.pages[layer, p], min(size, n - p * size)
+            assert torch.equal(summaries["min"][page], pool.k[page, :filled].amin(0))
+            assert torch.equal(summaries["max"][page], pool.k[page, :filled].amax(0))
+        width = -(-n // size)
+        bound = reference.page_bound(q, summaries["min"], summaries["max"], tables[:, :width], torch.tensor([n]),
+                                     size, "mean")
+        count = min(width, -(-40 // size) + 2)
+        _, pages, _ = reference.page_candidates(bound, lo, hi, tables[:, :width], size, count)
+        assert set(torch.nonzero(kept[0]).flatten().tolist()) == set(pages[0].tolist()), layer
+        got = chunk_best(q, pool.k, tables, chunk_of, lo, hi, chunks, "mean", kept)
+        assert torch.equal(got, dynsplit_reference.chunk_best(q, pool.k, tables, chunk_of, lo, hi, chunks, "mean",
+                                                              kept))
+        every = dynsplit_reference.chunk_best(q, pool.k, tables, chunk_of, lo, hi, chunks, "mean")
+        assert (got <= every).all() and not torch.equal(got, every)  # fewer tokens scored: some chunks lower
+    engine.release(seq)
+    assert method.page_state_bytes(pool) == 2 * llm.config.num_kv_heads * llm.config.head_dim * pool.k.element_size()
+    full = llm.generate(TEXT[:400], method="full", max_new_tokens=6, chat=False, ignore_eos=True)
+    covering = llm.generate(TEXT[:400], method=DynSplitKV(budget=4096, score="tokens", score_keys="pages"),
+                            max_new_tokens=6, chat=False, ignore_eos=True)
+    assert covering[0].token_ids == full[0].token_ids
+    for params in (dict(score_keys="pages"), dict(score="tokens", score_keys="pages", superset=0.5)):
+        with pytest.raises(semkv.SemkvError, match="pages|superset"):
+            DynSplitKV(budget=40, **params)
 
 
 def test_key_channels_are_the_pairs_that_rank_tokens():

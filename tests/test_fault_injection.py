@@ -1,10 +1,10 @@
 """The fault-injection suite (issue 52): for every method (each one's defaults, the configurations that offload to host
-memory, and TokenSelect's int8 key sketch and page summaries, state kept by page), failures injected into the
-allocations of method state and KV pages, the host-offload copies, each hook the method implements and the sampling step
-(`faults.Injector`: the N-th call of one point raises), through `LLM.generate` (one request), continuous batching (six
-requests through `generate`, two at a time in a small pool, sampled, with log-probabilities), `LLM.compare` and the
-server's `Session` (submit, advance, cancel), with whole prompts and as `semkv serve` runs it (chunked prefill between
-decode steps, prefix caching).
+memory, TokenSelect's int8 key sketch and page summaries and DynSplit-KV's page summaries, state kept by page), failures
+injected into the allocations of method state and KV pages, the host-offload copies, each hook the method implements and
+the sampling step (`faults.Injector`: the N-th call of one point raises), through `LLM.generate` (one request),
+continuous batching (six requests through `generate`, two at a time in a small pool, sampled, with log-probabilities),
+`LLM.compare` and the server's `Session` (submit, advance, cancel), with whole prompts and as `semkv serve` runs it
+(chunked prefill between decode steps, prefix caching).
 
 After each injected failure:
 - the caller sees the injected error (or a MemoryError naming it), not a second one raised while cleaning up; the
@@ -39,7 +39,8 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=5, logprobs=2)  # continuous bat
 CONFIGS = {name: (name, {}) for name in METHODS if name != "full"} | {  # each method's defaults, and offloading
     f"{name}-offload": (name, params) for name in ("sentencekv", "dynsplit") for params in HARD[name]
     if params.get("offload")} | {"tokenselect-int8": ("tokenselect", dict(score_keys="int8", prefill="full")),
-                                    "tokenselect-pages": ("tokenselect", dict(score_keys="pages", prefill="full"))}
+                                    "tokenselect-pages": ("tokenselect", dict(score_keys="pages", prefill="full")),
+                                    "dynsplit-pages": ("dynsplit", dict(score="tokens", score_keys="pages"))}
 INJECTED: list[tuple[str, str, str]] = []  # (config, path, point) of every failure injected and cleaned up
 
 
@@ -164,14 +165,15 @@ def named(error: BaseException) -> bool:
     return isinstance(error, Injected) or isinstance(error, MemoryError) and "injected" in str(error)
 
 
-def failing_run(llm, path: str, method, points, fail, want) -> BaseException | None:
-    """Run a path with one point failing; the error the caller got (None if none)."""
-    with Injector(points, fail):
+def failing_run(llm, path: str, method, points, fail, want) -> tuple[BaseException | None, bool]:
+    """Run a path with one point failing: the error the caller got (None if none), and whether the failure was
+    injected (the point reached its failing call)."""
+    with Injector(points, fail) as injector:
         try:
             PATHS[path](llm, method, want)
         except BaseException as error:  # noqa: BLE001 - judged by the caller
-            return error
-    return None
+            return error, True
+    return None, injector.calls[fail[0]] >= fail[1]
 
 
 @contextlib.contextmanager
@@ -200,7 +202,17 @@ def test_every_injected_failure_cleans_up(llm, config):
         baseline = live_tensor_bytes()
         for path, point, call in plan(calls):
             where = f"{config} / {path} / {point.name} call {call}"
-            error = failing_run(llm, path, method, points, (point, call), want[path])
+            error, injected = failing_run(llm, path, method, points, (point, call), want[path])
+            if not injected:  # how often a path reaches a point can depend on the pool's state kept by page, which
+                # the runs before grew (DynSplit-KV's device_tokens, asked only when pages may run short): counted
+                # again in this state, injected at its middle call, or nothing to inject
+                with Injector(points) as counting:
+                    PATHS[path](llm, method)
+                if not counting.calls[point]:
+                    continue
+                where += f" (called {counting.calls[point]} times now)"
+                error, injected = failing_run(llm, path, method, points, (point, math.ceil(counting.calls[point] / 2)),
+                                              want[path])
             assert error is not None, f"{where}: no error reached the caller"
             assert named(error), f"{where}: the caller got {type(error).__name__}: {error}"
             del error

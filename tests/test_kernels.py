@@ -683,6 +683,13 @@ def test_chunk_best_kernel_matches_reference(group_reduce, dim):
     assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.isinf(), want.isinf())
     # blocks of 16 slots: chunks that span blocks are folded by each and maximised by the atomics
     assert torch.allclose(chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, block_n=16), got)
+    # score_keys="pages": only the slots of kept pages (a row keeping none, one keeping every page)
+    kept = (torch.rand(3, width // page_size, generator=gen) < 0.5).to(torch.uint8)
+    kept[1], kept[2] = 0, 1
+    want_kept = dynsplit_reference.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, kept)
+    got_kept = chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, kept, block_n=16)
+    assert torch.allclose(got_kept, want_kept, atol=1e-4) and torch.equal(got_kept.isinf(), want_kept.isinf())
+    assert want_kept[1].isinf().all() and torch.equal(want_kept[2], want[2]) and not torch.equal(want_kept[0], want[0])
     keys = k_pool.view(-1, kv_heads, dim)
     for b in range(3):
         for c in range(chunks):

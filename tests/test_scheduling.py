@@ -115,18 +115,20 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_miss(llm, name, i, params):
 # DynSplit-KV's token scores too, at a share of the context: its budget and split are made on the device
 # (`plans_ahead`), its budget growing every few tokens; and SentenceKV's retrieving mode, its generated tokens joining
 # their buckets every 4 (at the plan of the step that may attend to them); and TokenSelect's int8 key sketch, the last
-# step's slot sketched at the plan of the next, and its page summaries, each step's key folded in by the step; and
-# CHESS re-selecting at every step (asked by `observe_logits`)
+# step's slot sketched at the plan of the next, and its and DynSplit-KV's page summaries, each step's key folded in by
+# the step; and CHESS re-selecting at every step (asked by `observe_logits`)
 PIPELINED = [("full", 0, {})] + [c for c in CASES if c[1] == 0] + [("chess", 1, HARD["chess"][0] | {"budget": 96}),
     ("dynsplit", 0, {"score": "tokens", "budget": 0.3}),
     ("sentencekv", 0, dict(keep_factor=1.0, query="current", score="tokens", retain="sentences", offload_chunk=4)),
     ("tokenselect", 0, dict(score_keys="int8", prefill="full")),
-    ("tokenselect", 0, dict(score_keys="pages", superset=1.0, prefill="full")), ("infllm", 0, {"budget": 0.3})]
+    ("tokenselect", 0, dict(score_keys="pages", superset=1.0, prefill="full")),
+    ("dynsplit", 0, {"score": "tokens", "score_keys": "pages", "superset": 1.0, "budget": 0.3}),
+    ("infllm", 0, {"budget": 0.3})]
 
 
 @pytest.mark.parametrize("name, i, params", PIPELINED, ids=["full"] + [i for c, i in zip(CASES, IDS) if c[1] == 0] + [
                          "chess-always", "dynsplit-tokens", "sentencekv-retrieving", "tokenselect-int8",
-                         "tokenselect-pages", "infllm-share"])
+                         "tokenselect-pages", "dynsplit-pages", "infllm-share"])
 def test_a_pipelined_decode_gives_the_tokens_of_steps_ended_one_by_one(llm, name, i, params, monkeypatch):
     """A batch decoding alone launches its next step before it ends the last one (`Scheduler.pipeline`, on CUDA:
     switched on here): every method gives the tokens of steps ended one at a time, requests that end at different

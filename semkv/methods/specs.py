@@ -105,7 +105,7 @@ SPECS: dict[str, MethodSpec] = {s.name: s for s in (
                "https://arxiv.org/abs/2602.03184",
                dict(chunk_size=16, max_deviation=14, alpha=0.5, split="dynamic", weights="calibrated",
                     delimiters=".!?;:,'\"()[]{}\n", future_window=8, overlap=128, drop_penalty=1.0,
-                    document_tokens=0, pooling="minmax", score="bound", score_keys="exact", channels=16,
+                    document_tokens=0, pooling="minmax", score="bound", score_keys="exact", channels=16, superset=4.0,
                     group_reduce="mean", n_sink=0, n_recent=16, offload=False, offload_chunk=16, cache_factor=1.0,
                     count_reuse=False)),
     MethodSpec("tokenselect", "semkv.methods.tokenselect.method:TokenSelect", "selection",

@@ -35,10 +35,10 @@ def slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first,
     return reference.slot_stamps(stamps, tables, page_size, slots, lengths, current, step, first, reuse, rows, scratch)
 
 
-def chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce):
+def chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, kept=None):
     """See `reference.chunk_best`."""
     if use_triton(q.device):
         from semkv.methods.dynsplit import triton_chunk_best
 
-        return triton_chunk_best.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
-    return reference.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce)
+        return triton_chunk_best.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, kept)
+    return reference.chunk_best(q, k_pool, tables, chunk_of, lo, hi, chunks, group_reduce, kept)

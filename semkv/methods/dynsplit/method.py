@@ -66,7 +66,7 @@ MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calib
 CHANNEL_WINDOW = 32  # score_keys="channels": the prompt's last queries the key channels are chosen for
 CHOICES = {"split": ("dynamic", "fixed"), "weights": ("calibrated", "table7", "uniform", "reversed"),
            "pooling": ("minmax", "mean"), "group_reduce": ("mean", "max"), "score": ("bound", "tokens"),
-           "score_keys": ("exact", "channels")}
+           "score_keys": ("exact", "channels", "pages")}
 
 
 @dataclass
@@ -138,7 +138,11 @@ class DynSplitKV(RowHolder, KVMethod):
         pairs, by how much of q . k's variation over the prompt they carry for its last 32 queries). Below the
         quality of exact scores on Qwen2.5-0.5B (RULER NIAH at 10%: 16 channels 8-10 points under Full KV, 8 channels
         30-42; benchmarks/results/2026-11-29-h200-key-channels.md), and its memory does not fit at Full KV's
-        largest batch: a measured option, not a recommendation.
+        largest batch: a measured option, not a recommendation. Or "pages" (opt-in, issue 55, TokenSelect's first
+        stage: Quest's bound of every KV page from the min / max of its keys, kept by page beside the pool, 1 /
+        page_size of the K/V's memory, keeps the pages holding about `superset` times the budget's tokens, and
+        only their tokens are scored, exactly; a chunk scores its best token among them). Not measured on a GPU yet.
+    superset: with score_keys="pages", the kept pages hold about this many times the budget's tokens (at least 1).
     channels: with score_keys="channels", the key channels kept, 16 (even, at most head_dim; Double Sparsity keeps
         16 of 128).
     group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest):
@@ -175,6 +179,7 @@ class DynSplitKV(RowHolder, KVMethod):
     score: str = "bound"
     score_keys: str = "exact"
     channels: int = 16
+    superset: float = 4.0
     group_reduce: str = "mean"
     n_sink: int = 0
     n_recent: int = 16
@@ -206,6 +211,7 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("cache_factor", self.cache_factor, 1.0, 64.0)
         check_range("count_reuse", self.count_reuse, types=bool)
         check_range("channels", self.channels, 2, None, int)
+        check_range("superset", self.superset, 1.0, None)
         if self.channels % 2:
             raise SemkvError(f"channels={self.channels} must be even: the key channels are kept as rotary pairs")
         for field, allowed in CHOICES.items():
@@ -218,6 +224,9 @@ class DynSplitKV(RowHolder, KVMethod):
         if self.score_keys == "channels" and (self.score != "tokens" or self.n_recent < 1):
             raise SemkvError(f"score_keys='channels' needs score='tokens' and n_recent >= 1 (a step keeps the channels "
                              f"of the token before it; got score={self.score!r}, n_recent={self.n_recent})")
+        if self.score_keys == "pages" and self.score != "tokens":
+            raise SemkvError(f"score_keys='pages' needs score='tokens' (it chooses the tokens a step scores; got "
+                             f"score={self.score!r})")
         if not isinstance(self.delimiters, str) or not self.delimiters:
             raise SemkvError(f"delimiters={self.delimiters!r} must be a non-empty string of characters")
 
@@ -277,6 +286,7 @@ class DynSplitKV(RowHolder, KVMethod):
             self._rows = DynSplitRows(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device,
                                       stamped=self._stamped, summarised=self.score == "bound",
                                       channels=self.channels if self.score_keys == "channels" else 0,
+                                      pages=self.score_keys == "pages",
                                       ring=self.chunk_size + self.max_deviation, delimiters=len(self.columns))
             column = torch.zeros(self.vocab, dtype=torch.long)
             column[self.columns] = torch.arange(1, len(self.columns) + 1)
@@ -293,11 +303,12 @@ class DynSplitKV(RowHolder, KVMethod):
         return self.batched and self.count_reuse and not self.offload
 
     def page_state_bytes(self, pool: KVPool) -> int:
-        """The attended-step stamps of every slot (`DynSplitRows.stamps`; with `count_reuse`, not with offload) and
-        with score_keys="channels" the chosen channels of its keys."""
+        """The attended-step stamps of every slot (`DynSplitRows.stamps`; with `count_reuse`, not with offload), with
+        score_keys="channels" the chosen channels of its keys and with "pages" each page's min / max key."""
         stamps = 4 if self._stamped else 0
         kept = self.channels * pool.dtype.itemsize if self.score_keys == "channels" else 0
-        return pool.page_size * pool.num_kv_heads * (stamps + kept)
+        summaries = 2 * pool.head_dim * pool.dtype.itemsize if self.score_keys == "pages" else 0
+        return pool.num_kv_heads * (pool.page_size * (stamps + kept) + summaries)
 
     def _device_layout(self, prompt_tokens: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
         """Offload: the sinks that stay on the device and the working-set slots (the most a step attends, times
@@ -433,10 +444,12 @@ class DynSplitKV(RowHolder, KVMethod):
         state.split_at = (len(state.ends), len(seq.prompt_ids))  # (chunks closed, tokens) the host knows of
 
     def _prefill_layer(self, seq: Sequence, state: DynSplitState, layer: int) -> None:
-        """One layer at the end of prefill: its chunk summaries (score="bound") into the device row; with offload,
-        its prompt after the sinks less the tail to the host, the tail moved behind the working set, which holds
-        the first offloaded tokens (already in place)."""
+        """One layer at the end of prefill: its chunk summaries (score="bound") into the device row, or with
+        score_keys="pages" its pages' summaries; with offload, its prompt after the sinks less the tail to the host,
+        the tail moved behind the working set, which holds the first offloaded tokens (already in place)."""
         kv, rows, n, chunks = seq.kv, self._rows, len(state.ids), len(state.ends) + 1
+        if rows.page_summaries is not None:
+            rows.page_summaries.build(kv, layer)
         if layer < rows.summary_layers:
             blocks = block_summaries(kv.keys(layer), state.labels[:n], chunks, "minmax")  # [2, kv_heads, chunks, D]
             rows.kmin[layer][state.row, :chunks] = blocks[0].transpose(0, 1)
@@ -571,8 +584,9 @@ class DynSplitKV(RowHolder, KVMethod):
             keys = pool.k
             if self.score_keys == "channels":
                 keys, q = state.key_channels.data, self._channel_queries(layer, batch, q)
+            kept = None if self.score_keys != "pages" else self._kept_pages(layer, batch, q, n, split, width)
             scores = dynsplit_kernels.chunk_best(q, keys, batch.tables[:, layer], chunk_of, split.n_sink,
-                                                 n - split.n_recent, state.chunks, self.group_reduce)
+                                                 n - split.n_recent, state.chunks, self.group_reduce, kept)
         else:
             kmin, kmax = state.kmin[layer].flatten(0, 1), state.kmax[layer].flatten(0, 1)  # [rows * chunks, H, D]
             dynsplit_kernels.chunk_refresh(pool.flat()[0], batch.tables[:, layer], pool.page_size,
@@ -594,6 +608,20 @@ class DynSplitKV(RowHolder, KVMethod):
                                          pool.page_size, slots, lengths, n - 1, plan.step, plan.first_step,
                                          state.reuse, plan.row, pool.scratch)  # reuse counts
         return Selection(slots, lengths)
+
+    def _kept_pages(self, layer: int, batch: DecodeBatch, q: torch.Tensor, n: torch.Tensor, split: SplitStep,
+                    width: int) -> torch.Tensor:
+        """score_keys="pages": the pages whose tokens a step scores, uint8 [B, W] (1: kept): those with the highest
+        Quest bound holding about `superset` times the widest budget's tokens between the sinks and the recent
+        window (`kernels.page_candidates`; the bound kernel folds the current key into its page's summary)."""
+        pool, size = batch.pool, batch.pool.page_size
+        summaries = self._rows.page_summaries
+        tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
+        bound = kernels.page_bound(q, summaries.data["min"], summaries.data["max"], tables, n, size,
+                                   self.group_reduce, k_pool=pool.k)  # [B, kv_heads, W]
+        count = min(tables.shape[-1], -(-int(self.superset * width) // size) + 2)
+        _, pages, _ = kernels.page_candidates(bound, split.n_sink, n - split.n_recent, tables, size, count)
+        return torch.zeros(tables.shape, dtype=torch.uint8, device=q.device).scatter_(1, pages, 1)
 
     def _channel_queries(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
         """score_keys="channels": q [B, heads, D] at each row's key channels of `layer` ([B, heads, channels]). At

@@ -60,12 +60,13 @@ def slot_stamps(stamps: torch.Tensor, tables: torch.Tensor, page_size: int, slot
 
 
 def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chunk_of: torch.Tensor, lo: torch.Tensor,
-               hi: torch.Tensor, chunks: int, group_reduce: str) -> torch.Tensor:
+               hi: torch.Tensor, chunks: int, group_reduce: str, kept: torch.Tensor | None = None) -> torch.Tensor:
     """Each chunk's best token for the current query (DynSplit-KV's score="tokens"): q [B, heads, D] against the keys
     of slots [lo, hi) of each row (lo / hi [B], within the first `width` slots) of k_pool [pages, page_size,
     kv_heads, D] through tables [B, max_pages] (one layer); the dot products reduced over each KV group's query heads
     ("mean" or "max") and maximised over the slots of each chunk (chunk_of [B, width]: the chunk of each slot, below
-    `chunks`). Returns float32 [B, kv_heads, chunks], -inf for a chunk with no slot in range."""
+    `chunks`). With kept [B, >= width / page_size] (uint8, 1: kept), only the slots of kept pages are scored
+    (score_keys="pages"). Returns float32 [B, kv_heads, chunks], -inf for a chunk with no slot in range."""
     width = chunk_of.shape[1]
     slots = torch.arange(width, device=q.device)
     dots = paged_dot(q, k_pool, tables, slots)  # [B, heads, width] float32
@@ -73,6 +74,8 @@ def chunk_best(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, chun
     dots = dots.view(dots.shape[0], kv_heads, -1, width)
     dots = dots.mean(2) if group_reduce == "mean" else dots.amax(2)  # [B, kv_heads, width]
     inside = (slots >= lo[:, None]) & (slots < hi[:, None])  # [B, width]
+    if kept is not None:
+        inside &= kept[:, slots // k_pool.shape[1]] != 0
     dots = dots.masked_fill(~inside[:, None], float("-inf"))
     best = dots.new_full((dots.shape[0], kv_heads, chunks), float("-inf"))
     return best.scatter_reduce(2, chunk_of.long()[:, None].expand_as(dots), dots, "amax")

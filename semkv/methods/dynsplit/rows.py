@@ -1,10 +1,11 @@
 """DynSplit-KV's device state for batched, graph-captured decoding (K/V resident, min/max pooling): for every sequence,
-one row each, the min / max key of every chunk per layer and KV head (none when chunks are scored by their tokens),
-each chunk's first position and the reuse counters; beside the KV pool, the step at which each slot was last attended
-(the reuse statistics) and, with score_keys="channels", the chosen channels of every key (`KeyChannels`) and each row's
-choice of them. The split goes on here during decoding (DD-Select on the device, `DynSplitKV._split_step`): each row's
-open chunk, the delimiter weights of its last chunk_size + max_deviation positions (a ring by position) and its own
-weight of every delimiter token (per-document weights differ by row). Used by `semkv.methods.dynsplit.method`.
+one row each, the min / max key of every chunk per layer and KV head (none when chunks are scored by their tokens), each
+chunk's first position and the reuse counters; beside the KV pool, the step at which each slot was last attended (the
+reuse statistics), with score_keys="channels" the chosen channels of every key (`KeyChannels`) and each row's choice of
+them, and with score_keys="pages" the min / max key of every page (`PageSummaries`). The split goes on here during
+decoding (DD-Select on the device, `DynSplitKV._split_step`): each row's open chunk, the delimiter weights of its last
+chunk_size + max_deviation positions (a ring by position) and its own weight of every delimiter token (per-document
+weights differ by row). Used by `semkv.methods.dynsplit.method`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from semkv.engine.kv_cache import KVPool
 from semkv.methods.state.key_channels import KeyChannels
 from semkv.methods.state.page_storage import PageStorage
+from semkv.methods.state.page_summaries import PageSummaries
 from semkv.methods.state.rows import DeviceRows
 
 
@@ -27,7 +29,7 @@ class DynSplitRows(DeviceRows):
 
     def __init__(self, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device,
                  stamped: bool = True, summarised: bool = True, channels: int = 0, ring: int = 1,
-                 delimiters: int = 0):
+                 delimiters: int = 0, pages: bool = False):
         super().__init__()
         self.layers, self.kv_heads, self.dim, self.dtype, self.device = layers, kv_heads, dim, dtype, device
         self.summary_layers = layers if summarised else 0  # score="tokens" keeps no summaries
@@ -50,6 +52,8 @@ class DynSplitRows(DeviceRows):
         # and those channels of every slot's key, [pages, page_size, H, channels]
         self.channels = torch.zeros(1, layers, kv_heads, channels, dtype=torch.long, device=device)
         self.key_channels = KeyChannels(channels) if channels else None
+        # score_keys="pages": each page's min / max key per KV head, [pages, H, D] each (Quest's summaries)
+        self.page_summaries = PageSummaries(("min", "max")) if pages else None
 
     @property
     def chunks(self) -> int:
@@ -65,15 +69,20 @@ class DynSplitRows(DeviceRows):
                     weights=(rows, self.weights.shape[1]))
 
     def ensure(self, needs: tuple[int, int], pool: KVPool) -> bool:
-        """Room for needs = (rows, chunks per row), and stamps and key channels for every page of the pool; True
-        when a tensor moved."""
-        moved = self.stamps is not None and self.stamps.ensure(pool)
-        moved = self.key_channels is not None and self.key_channels.ensure(pool) or moved
+        """Room for needs = (rows, chunks per row), and the state kept by page (stamps, key channels, page summaries)
+        for every page of the pool; True when a tensor moved."""
+        moved = False
+        for state in self.by_page:
+            moved = state.ensure(pool) or moved
         return self.grow(needs) or moved
 
+    @property
+    def by_page(self) -> list:
+        """The state kept by page that this configuration holds."""
+        return [state for state in (self.stamps, self.key_channels, self.page_summaries) if state is not None]
+
     def growth_bytes(self, needs: tuple[int, int], pool: KVPool) -> int:
-        return (super().growth_bytes(needs, pool) + (self.stamps.growth_bytes(pool) if self.stamps else 0)
-                + (self.key_channels.growth_bytes(pool) if self.key_channels else 0))
+        return super().growth_bytes(needs, pool) + sum(state.growth_bytes(pool) for state in self.by_page)
 
     def clear(self, row: int) -> None:
         """Empty a row for a new sequence (a freed row holds its last owner's state)."""

@@ -31,4 +31,8 @@ python3 benchmarks/profile_step.py --shape qwen2.5-0.5b --budget 0.1 --batch 334
 semkv inspect --device cpu --method tokenselect --budget 0.1 --param prefill=full --param score_keys=$KEYS \
   --prompt-file prompt.txt --question "What is the special magic number for the blue fox?" \
   --needle "The special magic number for the blue fox is 7391." --answer 7391 --steps 8 --max-new-tokens 16
+# and DynSplit-KV (raw/inspect/dynsplit_*, section 5), for KEYS in exact, pages:
+semkv inspect --device cpu --method dynsplit --budget 0.1 --param score=tokens --param score_keys=$KEYS \
+  --prompt-file prompt.txt --question "What is the special magic number for the blue fox?" \
+  --needle "The special magic number for the blue fox is 7391." --answer 7391 --steps 8 --max-new-tokens 16
 # logs: progress bars dropped, gzipped
