@@ -28,9 +28,9 @@ class TensorParallel:
     group: Any
     host: Any
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place; returned for chaining."""
-        dist.all_reduce(x, group=self.group)
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """x summed (op "sum") or maximised ("max") over the ranks, in place; returned for chaining."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,16 +62,19 @@ class TensorParallel:
         return float(t)
 
 
-def reduce(tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
-    """x summed over the ranks (a partial sum of each rank's heads). Without tensor parallelism, x itself."""
-    return x if tp is None else tp.all_reduce(x)
+def reduce(tp: TensorParallel | None, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """x summed (or with op "max" maximised) over the ranks (a partial result of each rank's heads). Without tensor
+    parallelism, x itself."""
+    return x if tp is None else tp.all_reduce(x, op)
 
 
 def over_heads(tp: TensorParallel | None, x: torch.Tensor, dim: int, op: str = "mean",
                keepdim: bool = False) -> torch.Tensor:
-    """x reduced over its dimension of heads (op: mean or sum), every rank's heads included: what a score that a
+    """x reduced over its dimension of heads (op: mean, sum or max), every rank's heads included: what a score that a
     layer's heads share is made of. The ranks hold equal shares of the heads, so the mean is the mean of the ranks'
     means."""
+    if op == "max":
+        return reduce(tp, x.amax(dim, keepdim=keepdim), "max")
     out = reduce(tp, x.mean(dim, keepdim=keepdim) if op == "mean" else x.sum(dim, keepdim=keepdim))
     return out / tp.size if op == "mean" and tp is not None else out
 

@@ -61,6 +61,7 @@ from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summar
 from semkv.methods.state import key_channels
 from semkv.methods.state.rows import RowHolder
 from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_range, working_set_slots
+from semkv.models.parallel import over_heads
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHANNEL_WINDOW = 32  # score_keys="channels": the prompt's last queries the key channels are chosen for
@@ -619,6 +620,8 @@ class DynSplitKV(RowHolder, KVMethod):
         tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
         bound = kernels.page_bound(q, summaries.data["min"], summaries.data["max"], tables, n, size,
                                    self.group_reduce, k_pool=pool.k)  # [B, kv_heads, W]
+        if self.tp is not None:  # every rank keeps the same pages: the bound over every rank's heads
+            bound = over_heads(self.tp, bound, 1, "max", keepdim=True)  # [B, 1, W]
         count = min(tables.shape[-1], -(-int(self.superset * width) // size) + 2)
         _, pages, _ = kernels.page_candidates(bound, split.n_sink, n - split.n_recent, tables, size, count)
         return torch.zeros(tables.shape, dtype=torch.uint8, device=q.device).scatter_(1, pages, 1)

@@ -79,7 +79,7 @@ from semkv.methods.state.key_sketch import KeySketch
 from semkv.methods.state.page_summaries import PageSummaries
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers, split_parts
-from semkv.models.parallel import cosine
+from semkv.models.parallel import cosine, over_heads
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
 
@@ -154,9 +154,6 @@ class TokenSelect(KVMethod):
 
     def bind(self, model, tokenizer, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
-        if self.score_keys == "pages" and self.tp is not None:
-            raise SemkvError("score_keys='pages' cannot be used with tensor parallelism (each rank would bound its own "
-                             "KV heads' pages, and the vote adds over the ranks); use score_keys='exact'")
         if self.extrapolate and self.budget is not None and self.budget >= model.max_position_embeddings:
             raise SemkvError(f"budget={self.budget} must be below the model's context of "
                              f"{model.max_position_embeddings} tokens for extrapolation")
@@ -302,6 +299,8 @@ class TokenSelect(KVMethod):
         tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
         bound = kernels.page_bound(q, summaries.data["min"], summaries.data["max"], tables, n, size, "max",
                                    k_pool=pool.k)  # [B, kv_heads, W]
+        if self.tp is not None:  # every rank keeps the same pages: the bound over every rank's heads
+            bound = over_heads(self.tp, bound, 1, "max", keepdim=True)  # [B, 1, W]
         k = self.split(out_width)[1]
         count = min(tables.shape[-1], -(-int(self.superset * k) // size) + 2)  # + the two part-candidate pages
         compact, pages, span = kernels.page_candidates(bound, parts[:, 0], n - parts[:, 2], tables, size, count)
