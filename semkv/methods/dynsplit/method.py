@@ -61,7 +61,6 @@ from semkv.methods.dynsplit.v2f import DynSplitState, block_scores, block_summar
 from semkv.methods.state import key_channels
 from semkv.methods.state.rows import RowHolder
 from semkv.methods.state.working_set import WorkingSets, move_tail, record_traffic, slot_range, working_set_slots
-from semkv.models.parallel import over_heads
 
 MIN_OCCURRENCES = 5  # scored positions a delimiter token needs before its calibrated weight is trusted
 CHANNEL_WINDOW = 32  # score_keys="channels": the prompt's last queries the key channels are chosen for
@@ -612,19 +611,13 @@ class DynSplitKV(RowHolder, KVMethod):
 
     def _kept_pages(self, layer: int, batch: DecodeBatch, q: torch.Tensor, n: torch.Tensor, split: SplitStep,
                     width: int) -> torch.Tensor:
-        """score_keys="pages": the pages whose tokens a step scores, uint8 [B, W] (1: kept): those with the highest
-        Quest bound holding about `superset` times the widest budget's tokens between the sinks and the recent
-        window (`kernels.page_candidates`; the bound kernel folds the current key into its page's summary)."""
-        pool, size = batch.pool, batch.pool.page_size
-        summaries = self._rows.page_summaries
-        tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
-        bound = kernels.page_bound(q, summaries.data["min"], summaries.data["max"], tables, n, size,
-                                   self.group_reduce, k_pool=pool.k)  # [B, kv_heads, W]
-        if self.tp is not None:  # every rank keeps the same pages: the bound over every rank's heads
-            bound = over_heads(self.tp, bound, 1, "max", keepdim=True)  # [B, 1, W]
-        count = min(tables.shape[-1], -(-int(self.superset * width) // size) + 2)
-        _, pages, _ = kernels.page_candidates(bound, split.n_sink, n - split.n_recent, tables, size, count)
-        return torch.zeros(tables.shape, dtype=torch.uint8, device=q.device).scatter_(1, pages, 1)
+        """score_keys="pages": the pages whose tokens a step scores, uint8 [B, max_pages] (1: kept): those with the
+        highest Quest bound holding about `superset` times the widest budget's tokens between the sinks and the
+        recent window (`PageSummaries.best_pages`)."""
+        _, pages, _ = self._rows.page_summaries.best_pages(batch, layer, q, n, split.n_sink, n - split.n_recent,
+                                                           int(self.superset * width), self.group_reduce, self.tp)
+        kept = torch.zeros(batch.tables.shape[0], batch.tables.shape[-1], dtype=torch.uint8, device=q.device)
+        return kept.scatter_(1, pages, 1)
 
     def _channel_queries(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
         """score_keys="channels": q [B, heads, D] at each row's key channels of `layer` ([B, heads, channels]). At

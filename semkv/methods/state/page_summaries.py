@@ -10,7 +10,10 @@ from typing import Callable
 
 import torch
 
+from semkv import kernels
+from semkv.engine.hooks import DecodeBatch
 from semkv.engine.kv_cache import KVPool, SeqKV
+from semkv.models.parallel import TensorParallel, over_heads
 
 STATS = ("min", "max", "sum")
 
@@ -106,6 +109,24 @@ class PageSummaries:
             if stat in self.stats:
                 table = self.data[stat]
                 table[page_ids, heads] = torch.where(fresh, keys, op(table[page_ids, heads], keys)).to(table.dtype)
+
+    def best_pages(self, batch: DecodeBatch, layer: int, q: torch.Tensor, n: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor, tokens: int, group_reduce: str,
+                   tp: TensorParallel | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's first stage of score_keys="pages" (TokenSelect, DynSplit-KV): each row's pages with the
+        highest Quest bound for q [B, heads, D] (`kernels.page_bound` over the min / max summaries, `group_reduce`
+        over a KV group; it folds the current key, at slot n - 1 [B], into its page first) that hold about `tokens`
+        slots of [lo, hi) [B], plus the two pages the range may cut. With tensor parallelism every rank keeps the
+        same pages: the bound over every rank's heads. Returns `kernels.page_candidates`' (physical ids, pages,
+        span)."""
+        pool, size = batch.pool, batch.pool.page_size
+        tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
+        bound = kernels.page_bound(q, self.data["min"], self.data["max"], tables, n, size, group_reduce,
+                                   k_pool=pool.k)  # [B, kv_heads, W]
+        if tp is not None:
+            bound = over_heads(tp, bound, 1, "max", keepdim=True)  # [B, 1, W]
+        count = min(tables.shape[-1], -(-tokens // size) + 2)
+        return kernels.page_candidates(bound, lo, hi, tables, size, count)
 
     def gather(self, stat: str, tables: torch.Tensor) -> torch.Tensor:
         """tables [B, n_pages] physical ids -> [B, n_pages, kv_heads, D]."""

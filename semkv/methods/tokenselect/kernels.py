@@ -46,4 +46,3 @@ def prefill_context(q, k_pool, table, sink, hi, start, k, selection, kv_heads, t
 
         return triton_soft_vote.prefill_context(q, k_pool, table, sink, hi, start, k)
     return reference.around(top_slots(q, k_pool, table, sink, hi, k, selection, kv_heads, tp), sink, hi, start)
-

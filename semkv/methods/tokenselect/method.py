@@ -68,7 +68,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from semkv import kernels
 from semkv.engine.hooks import DecodeBatch, KVMethod, Selection, StepPlan, budget_tokens, resolve_budget
 from semkv.engine.kv_cache import KVPool
 from semkv.engine.sequence import Sequence
@@ -79,7 +78,7 @@ from semkv.methods.state.key_sketch import KeySketch
 from semkv.methods.state.page_summaries import PageSummaries
 from semkv.methods.tokenselect import kernels as tokenselect_kernels
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers, split_parts
-from semkv.models.parallel import cosine, over_heads
+from semkv.models.parallel import cosine
 
 SELECTIONS = ("soft_vote", "hard_vote", "top_k")
 
@@ -289,22 +288,14 @@ class TokenSelect(KVMethod):
 
     def candidate_pages(self, layer: int, batch: DecodeBatch, q: torch.Tensor, n: torch.Tensor, parts: torch.Tensor,
                         out_width: int) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]:
-        """score_keys="pages", the first stage: each row's pages with the highest bound that hold about `superset`
-        times the widest top-k (`kernels.page_candidates`; the bound kernel folds the current key into its page's
-        summary). Returns their physical ids [B, count], the width count * page_size of their compact slots, and
-        (pages, span) for `token_select`."""
-        pool, size = batch.pool, batch.pool.page_size
-        summaries = self._summaries
-        summaries.ensure(pool)
-        tables = batch.tables[:, layer, :min(batch.tables.shape[-1], -(-batch.max_slots // size))]  # [B, W]
-        bound = kernels.page_bound(q, summaries.data["min"], summaries.data["max"], tables, n, size, "max",
-                                   k_pool=pool.k)  # [B, kv_heads, W]
-        if self.tp is not None:  # every rank keeps the same pages: the bound over every rank's heads
-            bound = over_heads(self.tp, bound, 1, "max", keepdim=True)  # [B, 1, W]
+        """score_keys="pages", the first stage: each row's pages with the highest bound (the maximum over its heads)
+        that hold about `superset` times the widest top-k (`PageSummaries.best_pages`). Returns their physical ids
+        [B, count], the width count * page_size of their compact slots, and (pages, span) for `token_select`."""
+        self._summaries.ensure(batch.pool)
         k = self.split(out_width)[1]
-        count = min(tables.shape[-1], -(-int(self.superset * k) // size) + 2)  # + the two part-candidate pages
-        compact, pages, span = kernels.page_candidates(bound, parts[:, 0], n - parts[:, 2], tables, size, count)
-        return compact, count * size, (pages, span)
+        compact, pages, span = self._summaries.best_pages(batch, layer, q, n, parts[:, 0], n - parts[:, 2],
+                                                          int(self.superset * k), "max", self.tp)
+        return compact, pages.shape[1] * batch.pool.page_size, (pages, span)
 
     def step_plan(self, batch: DecodeBatch) -> "CacheRows | None":
         """Each sequence's row in the device Selection Cache ([B]; the same object while the batch is the same
