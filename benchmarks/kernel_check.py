@@ -260,6 +260,46 @@ def check_page_bound(gen, bandwidth: float, batch: int = 16, pages: int = 2050) 
                  reference_ms=do_bench(lambda: reference.page_slots(*slot_args)))]
 
 
+def sweep_page_bound(gen, bandwidth: float) -> list[dict]:
+    """`page_bound`'s layouts (pages a program, warps, KV heads a program, programs ordered by row or by page block)
+    at Qwen2.5-0.5B's shape at Full KV's largest batch on an H200 (334 rows of 31,744 tokens, 14 / 2 heads x 64) and
+    Llama-3.1-8B's at 11 rows of 32k, with each row's pages in one run of the pool (as a fresh pool hands them out)
+    and scattered over it; each layout's bounds against the default's. Rows print as kernel "page_bound_sweep"."""
+    from triton.testing import do_bench
+
+    rows = []
+    for shape, batch, pages, heads, kv_heads, dim in [("qwen2.5-0.5b", 334, 1984, 14, 2, 64),
+                                                      ("llama3-8b", 11, 2048, 32, 8, 128)]:
+        a, b = torch.randn(2, batch * pages + 1, kv_heads, dim, device="cuda", generator=gen)
+        kmin, kmax = torch.minimum(a, b).bfloat16(), torch.maximum(a, b).bfloat16()
+        del a, b
+        num_slots = PAGE * pages - torch.arange(batch, device="cuda") * 5
+        q = torch.randn(batch, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        floor_ms = 1e3 * 2 * batch * pages * kv_heads * dim * 2 / bandwidth
+        for tables_kind in ("runs", "scattered"):
+            order = torch.arange(batch * pages, device="cuda")
+            if tables_kind == "scattered":
+                order = torch.randperm(batch * pages, device="cuda", generator=gen)
+            tables = order.view(batch, pages) + 1
+            want = triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, PAGE, "max")
+            for block_w in (32, 64, 128):
+                for num_warps in (4, 8):
+                    for per in sorted({1, triton_page_select.bound_heads(kv_heads, dim), min(kv_heads, 2)}):
+                        for pages_first in (False, True):
+                            layout = dict(block_w=block_w, num_warps=num_warps, heads=per, pages_first=pages_first)
+                            got = triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, PAGE, "max",
+                                                                **layout)
+                            finite = want.isfinite()
+                            same = torch.equal(want[~finite], got[~finite])
+                            rows.append(dict(kernel="page_bound_sweep", shape=shape, batch=batch, tables=tables_kind,
+                                             **layout, err=rel_err(got[finite], want[finite]) if same else float("inf"),
+                                             triton_ms=do_bench(lambda: triton_page_select.page_bound(
+                                                 q, kmin, kmax, tables, num_slots, PAGE, "max", **layout)),
+                                             floor_ms=floor_ms))
+        del kmin, kmax
+    return rows
+
+
 def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32768) -> list[dict]:
     """TokenSelect's decode selection (paper budget 128 + 2048 + 512) for one layer at 32k: the kernels against the
     reference on the same cache state. Votes are float sums in another order, so near-ties at the k-th place may
@@ -719,6 +759,8 @@ def main() -> int:
     parser.add_argument("--window-only", action="store_true", help="check the window's attention mass alone")
     parser.add_argument("--tokenselect-only", action="store_true",
                         help="check TokenSelect's decode selection alone (exact keys and score_keys='pages')")
+    parser.add_argument("--page-bound-sweep", action="store_true",
+                        help="time page_bound's layouts at Qwen2.5-0.5B's and Llama-3.1-8B's shapes alone")
     parser.add_argument("--buckets-only", action="store_true",
                         help="check SentenceKV's and DynSplit-KV's ranking and slot-list kernels alone")
     args = parser.parse_args()
@@ -737,6 +779,8 @@ def main() -> int:
         rows = check_window_mass(gen)
     elif args.tokenselect_only:
         rows = check_token_select(gen, bandwidth)
+    elif args.page_bound_sweep:
+        rows = sweep_page_bound(gen, bandwidth)
     elif args.buckets_only:
         rows = (check_sentence_slots(gen) + check_bucket_best(gen, bandwidth) + check_bucket_take(gen)
                 + check_chunk_slots(gen) + check_chunk_best(gen, bandwidth))
@@ -766,6 +810,10 @@ def main() -> int:
         elif r["kernel"] == "page_bound":
             print(f"| Quest page_bound (one layer) | B={r['batch']} pages={r['pages']} | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
+        elif r["kernel"] == "page_bound_sweep":
+            print(f"| page_bound {r['shape']} | B={r['batch']} {r['tables']}, block_w={r['block_w']} "
+                  f"warps={r['num_warps']} heads={r['heads']} pages_first={r['pages_first']} | {r['err']:.1e} | "
+                  f"{r['triton_ms']:.3f} | - | {r['triton_ms'] / r['floor_ms']:.2f}x floor {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "page_slots":
             print(exact_row("Quest page_slots (one layer)", f"B={r['batch']} k=129 pages", r))
         elif r["kernel"] == "token_select":
