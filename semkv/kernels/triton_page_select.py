@@ -44,25 +44,19 @@ def kth_largest(key, valid, count, BITS: tl.constexpr):
     """The count-th largest of the keys where valid (int64 in [0, 2**32), `ordered_key`; count >= 1 and at most the
     valid keys) and how many of the keys equal to it belong to the top count: a radix select BITS bits a pass from
     the top, each pass one histogram of the keys on the prefix found so far."""
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.full([], 0, tl.int64)
     need = count.to(tl.int32)
     for p in tl.static_range(32 // BITS):
         match = valid & ((key >> (32 - p * BITS)) == prefix)
         digit = ((key >> (32 - (p + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
-        prefix, need = radix_digit(tl.histogram(digit, 1 << BITS, mask=match), prefix, need, BITS)
+        counts = tl.histogram(digit, 1 << BITS, mask=match)
+        above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys on the prefix with a larger digit
+        pick = (above < need) & (above + counts >= need)
+        chosen = tl.max(tl.where(pick, bins, -1), 0)
+        need -= tl.sum(tl.where(bins == chosen, above, 0), 0)
+        prefix = (prefix << BITS) + chosen
     return prefix, need
-
-
-@triton.jit
-def radix_digit(counts, prefix, need, BITS: tl.constexpr):
-    """One pass of a radix select: from counts [2**BITS] of the next digit among the keys on `prefix`, of which the
-    `need` largest belong to the top, the digit of the one ranked need-th appended to the prefix, and how many keys
-    on the longer prefix still belong to the top."""
-    bins = tl.arange(0, 1 << BITS)
-    above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys on the prefix with a larger digit
-    pick = (above < need) & (above + counts >= need)
-    chosen = tl.max(tl.where(pick, bins, -1), 0)
-    return (prefix << BITS) + chosen, need - tl.sum(tl.where(bins == chosen, above, 0), 0)
 
 
 @triton.jit(do_not_specialize=["W", "stride_qb", "stride_tb", "stride_ob"])

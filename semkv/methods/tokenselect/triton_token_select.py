@@ -37,7 +37,7 @@ import triton.language as tl
 
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers
 from semkv.kernels.triton_decode import device_limits
-from semkv.kernels.triton_page_select import kth_largest, ordered_key, radix_digit
+from semkv.kernels.triton_page_select import kth_largest, ordered_key
 from semkv.kernels.triton_paged_dot import key_dots, sketch_dots
 
 RADIX_BITS = 8  # a byte a pass: four passes over the 32-bit ordered votes
@@ -133,7 +133,12 @@ def _radix_prefix(hist_row, k, PASSES: tl.constexpr, BITS: tl.constexpr):
     prefix = tl.full([], 0, tl.int64)
     need = k.to(tl.int32)
     for p in tl.static_range(PASSES):
-        prefix, need = radix_digit(tl.load(hist_row + p * (1 << BITS) + bins), prefix, need, BITS)
+        counts = tl.load(hist_row + p * (1 << BITS) + bins)
+        above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys on the prefix with a larger digit
+        pick = (above < need) & (above + counts >= need)
+        chosen = tl.max(tl.where(pick, bins, -1), 0)
+        need -= tl.sum(tl.where(bins == chosen, above, 0), 0)
+        prefix = (prefix << BITS) + chosen
     return prefix, need
 
 
@@ -219,23 +224,6 @@ def _radix_pass(vote_ptr, n_ptr, parts_ptr, span_ptr, refresh_ptr, hist_ptr, chu
             tl.store(chunk_hist_ptr + (row * CHUNKS + c) * (1 << BITS) + bins, counts)
 
 
-@triton.jit
-def _winners(key, prefix, need, equal_seen, written, i, map_ptr, b, W, top_row, out_row, PAGE_SIZE: tl.constexpr,
-             COMPACT: tl.constexpr):
-    """Write the top-k among slots i (keys, -1 off the candidates) in slot order, into the cache's row and the
-    output from `written` on: the keys above the k-th largest (`prefix`) and, of those equal to it, the first `need`
-    counting the `equal_seen` of earlier slots (ties to the lower slots). With COMPACT, the slots they stand for."""
-    is_equal = (key == prefix).to(tl.int32)
-    take = (key > prefix) | ((is_equal != 0) & (equal_seen + tl.cumsum(is_equal, 0) <= need))
-    at = written + tl.cumsum(take.to(tl.int32), 0) - 1
-    slot = i.to(tl.int64)
-    if COMPACT:  # the slot a compact slot stands for
-        page = tl.load(map_ptr + b * (W // PAGE_SIZE) + i // PAGE_SIZE, mask=take, other=0)
-        slot = page * PAGE_SIZE + i % PAGE_SIZE
-    tl.store(top_row + at, slot, mask=take)
-    tl.store(out_row + at, slot, mask=take)
-
-
 @triton.jit(do_not_specialize=["stride_n", "layer", "CHUNKS", "K_MAX", "OUT_W"])
 def _select(vote_ptr, n_ptr, parts_ptr, span_ptr, map_ptr, rows_ptr, refresh_ptr, hist_ptr, chunk_hist_ptr,
             chunk_above_ptr, top_ptr, out_ptr, W, stride_n, layer, LAYERS, CHUNKS, K_MAX, OUT_W, SETS: tl.constexpr,
@@ -278,8 +266,15 @@ def _select(vote_ptr, n_ptr, parts_ptr, span_ptr, map_ptr, rows_ptr, refresh_ptr
             lo, end = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)
             candidate = (i >= lo) & (i < end)
             key = tl.where(candidate, ordered_key(tl.load(vote_ptr + row * W + i, mask=candidate, other=0.0)), -1)
-            _winners(key, prefix, need, equal_seen, written, i, map_ptr, b, W, top_row, out_row + sink, PAGE_SIZE,
-                     COMPACT)
+            is_equal = (key == prefix).to(tl.int32)
+            take = (key > prefix) | ((is_equal != 0) & (equal_seen + tl.cumsum(is_equal, 0) <= need))
+            at = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            slot = i.to(tl.int64)
+            if COMPACT:  # the slot a compact slot stands for
+                page = tl.load(map_ptr + b * (W // PAGE_SIZE) + i // PAGE_SIZE, mask=take, other=0)
+                slot = page * PAGE_SIZE + i % PAGE_SIZE
+            tl.store(top_row + at, slot, mask=take)
+            tl.store(out_row + sink + at, slot, mask=take)
         else:
             tl.store(out_row + sink + i, tl.load(top_row + i, mask=i < k, other=0), mask=i < k)
         tl.store(out_row + i, i.to(tl.int64), mask=i < sink)
@@ -323,7 +318,15 @@ def _vote_select(scores_ptr, smax_ptr, ssum_ptr, vote_ptr, n_ptr, parts_ptr, spa
             candidate = (t >= lo) & (t < end)
             key = tl.where(candidate, ordered_key(tl.load(vote_ptr + row * W + t, mask=candidate, other=0.0)), -1)
             prefix, need = kth_largest(key, candidate, k, BITS)  # the k-th largest vote's key
-            _winners(key, prefix, need, 0, 0, t, map_ptr, b, W, top_row, out_row + sink, PAGE_SIZE, COMPACT)
+            is_equal = (key == prefix).to(tl.int32)
+            take = (key > prefix) | ((is_equal != 0) & (tl.cumsum(is_equal, 0) <= need))  # ties to the lower slots
+            at = tl.cumsum(take.to(tl.int32), 0) - 1
+            slot = t.to(tl.int64)
+            if COMPACT:  # the slot a compact slot stands for
+                page = tl.load(map_ptr + b * (W // PAGE_SIZE) + t // PAGE_SIZE, mask=take, other=0)
+                slot = page * PAGE_SIZE + t % PAGE_SIZE
+            tl.store(top_row + at, slot, mask=take)
+            tl.store(out_row + sink + at, slot, mask=take)
         else:
             for o in range(0, k, BLOCK_O):
                 i = o + tl.arange(0, BLOCK_O)
