@@ -332,45 +332,40 @@ def check_token_select(gen, bandwidth: float, batch: int = 25, context: int = 32
     hit_ms = do_bench(lambda: triton_token_select.token_select(q, *args, timing_cache, 1, parts, sink + k + recent,
                                                                -2.0, "soft_vote", None))
     key_bytes = float(num_slots.sum()) * HK * D * 2
-    # score_keys="pages": the bound of every page from its keys' min / max, the pages holding 4k (2k) candidates,
-    # the kernels over their compact slots against the reference on the same pages, their votes and select over
-    # chunks (fused_width 0) or in one program a row; the time includes the bound
+    # score_keys="pages": the bound of every page from its keys' min / max, the pages holding 4k candidates, the
+    # kernels over their compact slots against the reference on the same pages; the time includes the bound
     kmin, kmax = k_pool.amin(1).contiguous(), k_pool.amax(1).contiguous()
-    rows_out = [dict(kernel="token_select", batch=batch, context=context, err=differ if state_equal else float("inf"),
-                     miss_ms=miss_ms, hit_ms=hit_ms, floor_ms=1e3 * key_bytes / bandwidth)]
-    for superset, fused_width in ((4, 0), (4, 16384), (2, 0), (2, 16384)):
-        count = -(-superset * k // PAGE) + 2
+    count = -(-4 * k // PAGE) + 2
 
-        def stage(table_width: int = -(-width // PAGE)):
-            bound = triton_page_select.page_bound(q, kmin, kmax, tables[:, :table_width], num_slots, PAGE, "max")
-            ids, chosen, span = triton_page_select.page_candidates(bound, parts[:, 0], num_slots - parts[:, 2],
-                                                                   tables, PAGE, count)
-            return ids, (chosen, span)
+    def stage(table_width: int = -(-width // PAGE)):
+        bound = triton_page_select.page_bound(q, kmin, kmax, tables[:, :table_width], num_slots, PAGE, "max")
+        ids, chosen, span = triton_page_select.page_candidates(bound, parts[:, 0], num_slots - parts[:, 2], tables,
+                                                               PAGE, count)
+        return ids, (chosen, span)
 
+    compact, pages = stage()
+    paged = (k_pool, compact, num_slots, count * PAGE, rows)
+    ref_cache, got_cache = fresh(), fresh()
+    want = tokenselect_reference.token_select(q, *paged, ref_cache, 1, parts, sink + k + recent, 0.9, "soft_vote",
+                                              None, pages=pages)
+    got = triton_token_select.token_select(q, *paged, got_cache, 1, parts, sink + k + recent, 0.9, "soft_vote", None,
+                                           pages=pages)
+    paged_differ = sum(len(set(want[b, 0].tolist()) - set(got[b, 0].tolist())) for b in range(batch)) / (batch * k)
+    exact_kept = sum(len(set(want[b, 0].tolist()) & set(got_exact[b, 0].tolist())) - sink - recent
+                     for b in range(batch)) / (batch * k)
+    paged_state = all(torch.equal(getattr(ref_cache, n), getattr(got_cache, n)) for n in ("q", "valid", "counts"))
+
+    def paged_miss():
         compact, pages = stage()
-        paged = (k_pool, compact, num_slots, count * PAGE, rows)
-        ref_cache, got_cache = fresh(), fresh()
-        want = tokenselect_reference.token_select(q, *paged, ref_cache, 1, parts, sink + k + recent, 0.9,
-                                                  "soft_vote", None, pages=pages)
-        got = triton_token_select.token_select(q, *paged, got_cache, 1, parts, sink + k + recent, 0.9, "soft_vote",
-                                               None, pages=pages, fused_width=fused_width)
-        paged_differ = sum(len(set(want[b, 0].tolist()) - set(got[b, 0].tolist())) for b in range(batch)) / (batch * k)
-        exact_kept = sum(len(set(want[b, 0].tolist()) & set(got_exact[b, 0].tolist())) - sink - recent
-                         for b in range(batch)) / (batch * k)
-        paged_state = all(torch.equal(getattr(ref_cache, n), getattr(got_cache, n)) for n in ("q", "valid", "counts"))
+        return triton_token_select.token_select(q, k_pool, compact, num_slots, count * PAGE, rows, timing_cache, 1,
+                                                parts, sink + k + recent, 1.5, "soft_vote", None, pages=pages)
 
-        def paged_miss():
-            compact, pages = stage()
-            return triton_token_select.token_select(q, k_pool, compact, num_slots, count * PAGE, rows, timing_cache,
-                                                    1, parts, sink + k + recent, 1.5, "soft_vote", None, pages=pages,
-                                                    fused_width=fused_width)
-
-        paged_bytes = float(num_slots.sum()) / PAGE * 2 * HK * D * 2 + batch * count * PAGE * HK * D * 2
-        rows_out.append(dict(kernel="token_select_pages", batch=batch, context=context, pages=count,
-                             fused=fused_width >= count * PAGE, err=paged_differ if paged_state else float("inf"),
-                             exact_kept=exact_kept, miss_ms=do_bench(paged_miss),
-                             floor_ms=1e3 * paged_bytes / bandwidth))
-    return rows_out
+    paged_bytes = float(num_slots.sum()) / PAGE * 2 * HK * D * 2 + batch * count * PAGE * HK * D * 2
+    return [dict(kernel="token_select", batch=batch, context=context, err=differ if state_equal else float("inf"),
+                 miss_ms=miss_ms, hit_ms=hit_ms, floor_ms=1e3 * key_bytes / bandwidth),
+            dict(kernel="token_select_pages", batch=batch, context=context, pages=count,
+                 err=paged_differ if paged_state else float("inf"), exact_kept=exact_kept,
+                 miss_ms=do_bench(paged_miss), floor_ms=1e3 * paged_bytes / bandwidth)]
 
 
 def check_prompt_sums(gen) -> list[dict]:
@@ -826,8 +821,7 @@ def main() -> int:
                   f"(top-k slots that differ) | miss {r['miss_ms']:.3f} / hit {r['hit_ms']:.3f} | - | "
                   f"floor of a miss {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "token_select_pages":
-            print(f"| TokenSelect token_select, score_keys=\"pages\" (bound + {r['pages']} pages, "
-                  f"{'one program a row' if r['fused'] else 'select over chunks'}) | B={r['batch']} "
+            print(f"| TokenSelect token_select, score_keys=\"pages\" (bound + {r['pages']} pages) | B={r['batch']} "
                   f"ctx={r['context']} | {r['err']:.1e} | miss {r['miss_ms']:.3f} | - | exact top-k kept "
                   f"{r['exact_kept']:.3f}; floor {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "plan_slots":

@@ -103,13 +103,10 @@ def test_triton_kernel_equals_reference_in_interpreter(interpreted, heads, kv_he
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("selection, sets, fused_width", [("soft_vote", 1, 0), ("soft_vote", 2, 0), ("top_k", 1, 0),
-                                                         ("soft_vote", 1, 256), ("soft_vote", 2, 256),
-                                                         ("top_k", 1, 256)])
-def test_token_select_kernel_equals_reference_in_interpreter(interpreted, selection, sets, fused_width):
+@pytest.mark.parametrize("selection, sets", [("soft_vote", 1), ("soft_vote", 2), ("top_k", 1)])
+def test_token_select_kernel_equals_reference_in_interpreter(interpreted, selection, sets):
     """Three steps of one layer for a batch (a row below the budget, a padding row, rows that hit, miss and hit
-    again): the kernels return the reference's slots and leave the Selection Cache in the same state, the votes and
-    the select in several kernels over chunks or in one program a row (fused_width 256 covers the 200 slots)."""
+    again): the kernels return the reference's slots and leave the Selection Cache in the same state."""
     kernel = interpreted("semkv.methods.tokenselect.triton_token_select")
     heads, kv_heads, dim, page_size, pages = 8, 2, 16, 4, 80
     gen = torch.Generator().manual_seed(3)
@@ -128,8 +125,7 @@ def test_token_select_kernel_equals_reference_in_interpreter(interpreted, select
             q[1] = torch.randn(heads, dim, generator=gen)
         got = kernel.token_select(q, k_pool, tables, num_slots, width, rows, caches[0], layer, parts, out_width,
                                   0.9, selection, kv_heads if sets > 1 else None, block_n=16, block_t=32,
-                                  num_warps=4, splits=3, vote_splits=3, block_c=2,  # programs loop over blocks
-                                  fused_width=fused_width)
+                                  num_warps=4, splits=3, vote_splits=3, block_c=2)  # programs loop over blocks
         want = tokenselect_reference.token_select(q, k_pool, tables, num_slots, width, rows, caches[1], layer, parts,
                                                   out_width, 0.9, selection, kv_heads if sets > 1 else None)
         for b, n in enumerate(torch.minimum(num_slots, parts.sum(1))[:3].tolist()):
@@ -156,13 +152,11 @@ def test_token_select_kernel_breaks_ties_to_lower_slots(interpreted, selection):
     n_sink, k, n_recent, width = 3, 20, 5, 200
     q = base.expand(1, heads, dim).clone()  # q . key > 0, larger for the strong keys
     want = torch.cat([torch.arange(n_sink, n_sink + k - len(strong)), strong])
-    for block_t, block_c, fused_width in ((16, 2, 0), (32, 4, 0), (64, 32, 0), (64, 32, 256)):
-        # block_c: earlier chunks read a tile at a time; fused_width 256: one program selects over the 200 slots
+    for block_t, block_c in ((16, 2), (32, 4), (64, 32)):  # block_c: earlier chunks read a tile at a time
         cache = tokenselect_reference.SelectionCacheBuffers.allocate(2, 1, heads * dim, 1, k, torch.device("cpu"))
         got = kernel.token_select(q, k_pool, table[None], torch.tensor([190]), width, torch.tensor([1]), cache, 0,
                                   torch.tensor([[n_sink, k, n_recent]]), n_sink + k + n_recent, 0.9, selection, None,
-                                  block_n=16, block_t=block_t, num_warps=4, splits=3, vote_splits=3, block_c=block_c,
-                                  fused_width=fused_width)
+                                  block_n=16, block_t=block_t, num_warps=4, splits=3, vote_splits=3, block_c=block_c)
         assert torch.equal(got[0, 0, n_sink:n_sink + k], want), block_t
         assert torch.equal(cache.top[1, 0, 0], want), block_t
 
@@ -551,12 +545,10 @@ def test_a_covering_page_stage_selects_as_the_exact_keys(selection, sets):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("selection, sets, fused_width", [("soft_vote", 1, 0), ("soft_vote", 2, 0), ("top_k", 1, 0),
-                                                         ("soft_vote", 1, 64), ("soft_vote", 2, 64), ("top_k", 1, 64)])
-def test_token_select_kernel_scores_chosen_pages_as_the_reference(interpreted, selection, sets, fused_width):
+@pytest.mark.parametrize("selection, sets", [("soft_vote", 1), ("soft_vote", 2), ("top_k", 1)])
+def test_token_select_kernel_scores_chosen_pages_as_the_reference(interpreted, selection, sets):
     """score_keys="pages": the kernels score the span of the chosen pages' compact slots and write the slots they
-    stand for, as the reference does, with fewer pages than the candidates hold (the select over chunks, or in one
-    program a row: fused_width 64 covers the 36 compact slots)."""
+    stand for, as the reference does, with fewer pages than the candidates hold."""
     kernel = interpreted("semkv.methods.tokenselect.triton_token_select")
     size = 4
     q, k_pool, tables, n, bound = page_case(seed=6, rows=4)
@@ -568,7 +560,7 @@ def test_token_select_kernel_scores_chosen_pages_as_the_reference(interpreted, s
     rows = torch.tensor([1, 2, 3, 4])
     got = kernel.token_select(q, k_pool, compact, n, 9 * size, rows, caches[0], 0, parts, 28, 0.9, selection,
                               kv_heads, block_n=16, block_t=16, num_warps=4, splits=3, vote_splits=3, block_c=2,
-                              pages=(pages, span), fused_width=fused_width)
+                              pages=(pages, span))
     want = tokenselect_reference.token_select(q, k_pool, compact, n, 9 * size, rows, caches[1], 0, parts, 28, 0.9,
                                               selection, kv_heads, pages=(pages, span))
     for b, length in enumerate(torch.minimum(n, parts.sum(1)).tolist()):

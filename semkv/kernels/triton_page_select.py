@@ -13,8 +13,8 @@ past it -inf, so a top-k over the result always keeps the current token's page. 
 summaries into new tensors first, which writes and reads them twice more.
 
 `page_candidates` (TokenSelect's and DynSplit-KV's score_keys="pages"): one program per row keeps the `count` pages
-with the highest bound (the maximum over KV heads) among those holding a slot of [lo, hi), by a radix select of the
-count-th largest bound (`kth_largest`, four histograms), and writes them ascending with their physical ids.
+with the highest bound (the maximum over KV heads) among those holding a slot of [lo, hi), by a bitwise search for
+the count-th largest bound, and writes them ascending with their physical ids.
 
 `page_slots`: one program per sequence and KV head keeps the best `keep` of the top-k pages (all the row's pages
 when its budget covers it), sorts them and writes their slots and the attended length; it replaces a dozen small
@@ -37,26 +37,6 @@ def ordered_key(x):
     bits = x.to(tl.int32, bitcast=True)
     flipped = bits ^ ((bits >> 31) | -2147483648)
     return flipped.to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def kth_largest(key, valid, count, BITS: tl.constexpr):
-    """The count-th largest of the keys where valid (int64 in [0, 2**32), `ordered_key`; count >= 1 and at most the
-    valid keys) and how many of the keys equal to it belong to the top count: a radix select BITS bits a pass from
-    the top, each pass one histogram of the keys on the prefix found so far."""
-    bins = tl.arange(0, 1 << BITS)
-    prefix = tl.full([], 0, tl.int64)
-    need = count.to(tl.int32)
-    for p in tl.static_range(32 // BITS):
-        match = valid & ((key >> (32 - p * BITS)) == prefix)
-        digit = ((key >> (32 - (p + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
-        counts = tl.histogram(digit, 1 << BITS, mask=match)
-        above = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # keys on the prefix with a larger digit
-        pick = (above < need) & (above + counts >= need)
-        chosen = tl.max(tl.where(pick, bins, -1), 0)
-        need -= tl.sum(tl.where(bins == chosen, above, 0), 0)
-        prefix = (prefix << BITS) + chosen
-    return prefix, need
 
 
 @triton.jit(do_not_specialize=["W", "stride_qb", "stride_tb", "stride_ob"])
@@ -206,9 +186,14 @@ def _page_candidates_kernel(bound_ptr, lo_ptr, hi_ptr, tables_ptr, pages_ptr, id
     # pages holding candidates by their bound (every finite bound's key is above 0), then the others (key 0)
     key = tl.where(holds, ordered_key(best), 0)
     key = tl.where(inside, key, -1)
-    threshold, need = kth_largest(key, inside, C, 8)  # the C-th largest key
+    threshold = tl.full([], 0, tl.int64)  # the C-th largest key, a bit at a time from the top
+    for bit in tl.static_range(31, -1, -1):
+        trial = threshold | (1 << bit)
+        threshold = tl.where(tl.sum((key >= trial).to(tl.int32), 0) >= C, trial, threshold)
+    above = key > threshold
     equal = (key == threshold).to(tl.int32)
-    take = (key > threshold) | ((equal != 0) & (tl.cumsum(equal, 0) <= need))  # ties to the lower pages
+    need = C - tl.sum(above.to(tl.int32), 0)
+    take = above | ((equal != 0) & (tl.cumsum(equal, 0) <= need))  # ties to the lower pages
     at = tl.cumsum(take.to(tl.int32), 0) - 1
     tl.store(pages_ptr + b * C + at, j.to(tl.int64), mask=take)
     physical = tl.load(tables_ptr + b * stride_tb + j, mask=take, other=0)
@@ -222,7 +207,7 @@ def _page_candidates_kernel(bound_ptr, lo_ptr, hi_ptr, tables_ptr, pages_ptr, id
 def page_candidates(bound: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tables: torch.Tensor, page_size: int,
                     count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same arguments and result as `reference.page_candidates`, one program per row holding its W bounds at once:
-    a radix select of the count-th largest bound (ties to the lower pages), the pages written ascending."""
+    a bitwise search for the count-th largest bound (ties to the lower pages), the pages written ascending."""
     batch, kv_heads, width = bound.shape
     pages = torch.empty(batch, count, dtype=torch.long, device=bound.device)
     ids = torch.empty_like(pages)

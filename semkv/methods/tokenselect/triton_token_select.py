@@ -18,8 +18,6 @@ Same arguments and result as `reference.token_select` (selections "soft_vote" an
 5. `_select`: one program per (row, vote set, chunk) writes its chunk's winners in slot order (ties to the lower
    slot) into the cache and the step's slots, and its share of the sinks, the cached top-k of rows that hit and the
    recent slots.
-Candidates that fit one block (up to `fused_width`, as score_keys="pages" has) take steps 3-5 in one program per row
-and vote set (`_vote_select`): the votes, then the radix select with its histograms in registers, then the winners.
 With `pages` (score_keys="pages") the tables are those of a row's chosen pages (`kernels.page_candidates`): kernels
 2-5 read the candidates as the span of compact slots of those pages, and `_select` writes the slot each winner
 stands for.
@@ -37,7 +35,7 @@ import triton.language as tl
 
 from semkv.methods.tokenselect.reference import SelectionCacheBuffers
 from semkv.kernels.triton_decode import device_limits
-from semkv.kernels.triton_page_select import kth_largest, ordered_key
+from semkv.kernels.triton_page_select import ordered_key
 from semkv.kernels.triton_paged_dot import key_dots, sketch_dots
 
 RADIX_BITS = 8  # a byte a pass: four passes over the 32-bit ordered votes
@@ -142,37 +140,6 @@ def _radix_prefix(hist_row, k, PASSES: tl.constexpr, BITS: tl.constexpr):
     return prefix, need
 
 
-@triton.jit
-def _normalisers(smax_ptr, ssum_ptr, b, s, HEADS: tl.constexpr, PER_SET: tl.constexpr, HP: tl.constexpr,
-                 SCORE_SPLITS: tl.constexpr, SCORE_SPLITS_P: tl.constexpr, SOFT: tl.constexpr):
-    """A vote set's heads: their rows in scores [HP], which of them are in the set, and (soft vote) each head's
-    softmax maximum and 1 / normaliser from the scoring splits' maxima and sums."""
-    h = tl.arange(0, HP)
-    heads = b * HEADS + s * PER_SET + h  # rows of this vote set's heads in scores
-    in_set = h < PER_SET
-    peak = tl.zeros([HP], tl.float32)
-    scale = tl.zeros([HP], tl.float32)
-    if SOFT:
-        j = tl.arange(0, SCORE_SPLITS_P)
-        ok = in_set[:, None] & (j < SCORE_SPLITS)[None, :]
-        m = tl.load(smax_ptr + heads[:, None] * SCORE_SPLITS + j[None, :], mask=ok, other=float("-inf"))
-        z = tl.load(ssum_ptr + heads[:, None] * SCORE_SPLITS + j[None, :], mask=ok, other=0.0)
-        peak = tl.where(in_set, tl.max(m, 1), 0.0)
-        total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - peak[:, None])), 1)
-        scale = tl.where(in_set, 1.0 / total, 0.0)
-    return heads, in_set, peak, scale
-
-
-@triton.jit
-def _votes(scores_ptr, heads, in_set, peak, scale, t, candidate, W, SOFT: tl.constexpr):
-    """The votes of slots t [BLOCK] (the candidates') over the set's heads: softmax summed, or logits summed."""
-    inside = in_set[:, None] & candidate[None, :]
-    logits = tl.load(scores_ptr + heads[:, None] * W + t[None, :], mask=inside, other=float("-inf"))
-    if SOFT:
-        return tl.sum(tl.exp(logits - peak[:, None]) * scale[:, None], 0)
-    return tl.sum(tl.where(inside, logits, 0.0), 0)
-
-
 @triton.jit(do_not_specialize=["stride_n"])
 def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, parts_ptr, span_ptr, refresh_ptr, vote_ptr, hist_ptr, W, stride_n,
           HEADS: tl.constexpr, PER_SET: tl.constexpr, HP: tl.constexpr, SETS: tl.constexpr,
@@ -183,14 +150,28 @@ def _vote(scores_ptr, smax_ptr, ssum_ptr, n_ptr, parts_ptr, span_ptr, refresh_pt
     split = tl.program_id(2)  # this program votes on blocks split, split + SPLITS, ...
     sink, hi = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)
     if tl.load(refresh_ptr + b) != 0:
-        heads, in_set, peak, scale = _normalisers(smax_ptr, ssum_ptr, b, s, HEADS, PER_SET, HP, SCORE_SPLITS,
-                                                  SCORE_SPLITS_P, SOFT)
+        h = tl.arange(0, HP)
+        heads = b * HEADS + s * PER_SET + h  # rows of this vote set's heads in scores
+        in_set = h < PER_SET
+        if SOFT:  # each head's softmax normaliser from the scoring splits' maxima and sums
+            j = tl.arange(0, SCORE_SPLITS_P)
+            ok = in_set[:, None] & (j < SCORE_SPLITS)[None, :]
+            m = tl.load(smax_ptr + heads[:, None] * SCORE_SPLITS + j[None, :], mask=ok, other=float("-inf"))
+            z = tl.load(ssum_ptr + heads[:, None] * SCORE_SPLITS + j[None, :], mask=ok, other=0.0)
+            peak = tl.where(in_set, tl.max(m, 1), 0.0)
+            total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - peak[:, None])), 1)
+            scale = tl.where(in_set, 1.0 / total, 0.0)
         bins = tl.arange(0, 1 << BITS)
         counts = tl.zeros([1 << BITS], tl.int32)  # top bytes of this program's candidate votes
         for block in range(split, tl.cdiv(hi, BLOCK_V), SPLITS):
             t = block * BLOCK_V + tl.arange(0, BLOCK_V)
             candidate = (t >= sink) & (t < hi)
-            vote = _votes(scores_ptr, heads, in_set, peak, scale, t, candidate, W, SOFT)
+            inside = in_set[:, None] & candidate[None, :]
+            logits = tl.load(scores_ptr + heads[:, None] * W + t[None, :], mask=inside, other=float("-inf"))
+            if SOFT:
+                vote = tl.sum(tl.exp(logits - peak[:, None]) * scale[:, None], 0)
+            else:
+                vote = tl.sum(tl.where(inside, logits, 0.0), 0)
             tl.store(vote_ptr + (b * SETS + s) * W + t, vote, mask=candidate)
             digit = (ordered_key(vote) >> (32 - BITS)).to(tl.int32)
             counts += tl.histogram(digit, 1 << BITS, mask=candidate)
@@ -281,68 +262,12 @@ def _select(vote_ptr, n_ptr, parts_ptr, span_ptr, map_ptr, rows_ptr, refresh_ptr
         tl.store(out_row + sink + k + i, (hi + i).to(tl.int64), mask=i < recent)
 
 
-@triton.jit(do_not_specialize=["stride_n", "layer", "K_MAX", "OUT_W"])
-def _vote_select(scores_ptr, smax_ptr, ssum_ptr, vote_ptr, n_ptr, parts_ptr, span_ptr, map_ptr, rows_ptr, refresh_ptr,
-                 top_ptr, out_ptr, W, stride_n, layer, LAYERS, K_MAX, OUT_W, HEADS: tl.constexpr,
-                 PER_SET: tl.constexpr, HP: tl.constexpr, SETS: tl.constexpr, SCORE_SPLITS: tl.constexpr,
-                 SCORE_SPLITS_P: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK: tl.constexpr, BLOCK_O: tl.constexpr,
-                 SOFT: tl.constexpr, BITS: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPACT: tl.constexpr):
-    """Steps 3-5 in one program per (row, vote set) for candidates that fit one block (BLOCK >= W): the votes, the
-    radix select of the k-th largest with every histogram in registers, the winners in slot order."""
-    b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    sink = tl.load(parts_ptr + b * 3)
-    k = tl.load(parts_ptr + b * 3 + 1)
-    recent = tl.load(parts_ptr + b * 3 + 2)
-    n = tl.load(n_ptr + b * stride_n)
-    row = b * SETS + s
-    out_row = out_ptr + row * OUT_W
-    if n <= sink + k + recent:  # every stored slot; the caller's lengths cut the list at n
-        for o in range(0, OUT_W, BLOCK_O):
-            i = o + tl.arange(0, BLOCK_O)
-            tl.store(out_row + i, i.to(tl.int64), mask=i < OUT_W)
-    else:
-        hi = n - recent
-        top_row = top_ptr + ((tl.load(rows_ptr + b).to(tl.int64) * LAYERS + layer) * SETS + s) * K_MAX
-        if (tl.load(refresh_ptr + b) != 0) & (k > 0):
-            lo, end = _candidates(n_ptr, parts_ptr, span_ptr, b, stride_n, COMPACT)
-            heads, in_set, peak, scale = _normalisers(smax_ptr, ssum_ptr, b, s, HEADS, PER_SET, HP, SCORE_SPLITS,
-                                                      SCORE_SPLITS_P, SOFT)
-            for block in range(lo // BLOCK_V, tl.cdiv(end, BLOCK_V)):
-                t = block * BLOCK_V + tl.arange(0, BLOCK_V)
-                candidate = (t >= lo) & (t < end)
-                tl.store(vote_ptr + row * W + t, _votes(scores_ptr, heads, in_set, peak, scale, t, candidate, W, SOFT),
-                         mask=candidate)
-            tl.debug_barrier()  # the votes written above, read below by other threads of the program
-            t = tl.arange(0, BLOCK)
-            candidate = (t >= lo) & (t < end)
-            key = tl.where(candidate, ordered_key(tl.load(vote_ptr + row * W + t, mask=candidate, other=0.0)), -1)
-            prefix, need = kth_largest(key, candidate, k, BITS)  # the k-th largest vote's key
-            is_equal = (key == prefix).to(tl.int32)
-            take = (key > prefix) | ((is_equal != 0) & (tl.cumsum(is_equal, 0) <= need))  # ties to the lower slots
-            at = tl.cumsum(take.to(tl.int32), 0) - 1
-            slot = t.to(tl.int64)
-            if COMPACT:  # the slot a compact slot stands for
-                page = tl.load(map_ptr + b * (W // PAGE_SIZE) + t // PAGE_SIZE, mask=take, other=0)
-                slot = page * PAGE_SIZE + t % PAGE_SIZE
-            tl.store(top_row + at, slot, mask=take)
-            tl.store(out_row + sink + at, slot, mask=take)
-        else:
-            for o in range(0, k, BLOCK_O):
-                i = o + tl.arange(0, BLOCK_O)
-                tl.store(out_row + sink + i, tl.load(top_row + i, mask=i < k, other=0), mask=i < k)
-        for o in range(0, tl.maximum(sink, recent), BLOCK_O):
-            i = o + tl.arange(0, BLOCK_O)
-            tl.store(out_row + i, i.to(tl.int64), mask=i < sink)
-            tl.store(out_row + sink + k + i, (hi + i).to(tl.int64), mask=i < recent)
-
-
 def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor, width: int,
                  rows: torch.Tensor, cache: SelectionCacheBuffers, layer: int, parts: torch.Tensor, out_width: int,
                  theta: float, selection: str, kv_heads: int | None, block_n: int = 128, block_t: int = 2048,
                  num_warps: int = 8, splits: int = 32, vote_splits: int = 128, block_c: int = 32,
                  score_warps: int = 4, score_stages: int = 2, scales: torch.Tensor | None = None,
-                 pages: tuple[torch.Tensor, torch.Tensor] | None = None, fused_width: int = 8192) -> torch.Tensor:
+                 pages: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """See `reference.token_select` (selection "soft_vote" or "top_k"). k_pool [pages, page_size, kv_heads, D]
     contiguous; tables and num_slots may be strided views (one layer of the step's tensors). block_t: slots per
     program of the radix passes and the output; splits, vote_splits: programs per row and KV head of the scoring
@@ -351,9 +276,7 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     the device's shared memory), from `benchmarks/decode_kernel_sweep.py` on an H200: 1.46x -> 1.1x its byte floor
     at Qwen2.5-0.5B's shape, 1.05x -> 0.98x at Llama-3.1-8B's. scales: k_pool is an int8 key sketch with these
     scales (`reference.token_select`). pages: (pages [B, count] int64, span [B, 2]) of `kernels.page_candidates`,
-    tables those pages' physical ids and width count * page_size (`reference.token_select`). fused_width: widths up
-    to it vote and select in one program per row and vote set (`_vote_select`: score_keys="pages" at 31k and 10%
-    has 6,384 candidates: one launch a layer for five), wider ones in the steps 3-5 above."""
+    tables those pages' physical ids and width count * page_size (`reference.token_select`)."""
     batch, n_heads, dim = q.shape
     _, page_size, pool_kv_heads, _ = k_pool.shape
     sets, k_max = cache.top.shape[2], cache.top.shape[3]
@@ -392,21 +315,13 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
     per_set = n_heads // sets
     hp = triton.next_power_of_2(per_set)
     block_v = max(4096 // hp, 16)
-    heads_args = dict(HEADS=n_heads, PER_SET=per_set, HP=hp, SETS=sets, SCORE_SPLITS=score_splits,
-                      SCORE_SPLITS_P=triton.next_power_of_2(score_splits), BLOCK_V=block_v, SOFT=soft)
-    out = torch.empty(batch, sets, out_width, dtype=torch.long, device=device)  # [B, S, out_width]
-    if width <= fused_width:
-        block = triton.next_power_of_2(width)
-        _vote_select[(batch, sets)](
-            scores, split_max, split_sum, votes, num_slots, parts, span, page_map, rows, refresh, cache.top, out,
-            width, num_slots.stride(0), layer, layers, k_max, out_width, BLOCK=block, BLOCK_O=1024, BITS=RADIX_BITS,
-            PAGE_SIZE=page_size, COMPACT=compact, num_warps=max(4, min(16, block // 512)), **heads_args)
-        return out
     vote_splits = min(vote_splits, triton.cdiv(width, block_v))
     radix = dict(BITS=RADIX_BITS, PASSES=RADIX_PASSES)
     _vote[(batch, sets, vote_splits)](
         scores, split_max, split_sum, num_slots, parts, span, refresh, votes, hist, width, num_slots.stride(0),
-        SPLITS=vote_splits, COMPACT=compact, **heads_args, **radix)
+        HEADS=n_heads, PER_SET=per_set, HP=hp, SETS=sets, SCORE_SPLITS=score_splits,
+        SCORE_SPLITS_P=triton.next_power_of_2(score_splits), BLOCK_V=block_v, SPLITS=vote_splits, SOFT=soft,
+        COMPACT=compact, **radix)
     chunks = triton.cdiv(width, block_t)
     chunk_hist = torch.empty(batch, sets, chunks, RADIX_BINS, dtype=torch.int32, device=device)
     chunk_above = torch.empty(batch, sets, chunks, dtype=torch.int32, device=device)
@@ -414,6 +329,7 @@ def token_select(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, nu
         _radix_pass[(batch, sets, chunks)](
             votes, num_slots, parts, span, refresh, hist, chunk_hist, chunk_above, width, num_slots.stride(0), chunks,
             SETS=sets, BLOCK_T=block_t, PASS=radix_pass, COMPACT=compact, num_warps=num_warps, **radix)
+    out = torch.empty(batch, sets, out_width, dtype=torch.long, device=device)  # [B, S, out_width]
     _select[(batch, sets, triton.cdiv(max(width, out_width), block_t))](
         votes, num_slots, parts, span, page_map, rows, refresh, hist, chunk_hist, chunk_above, cache.top, out, width,
         num_slots.stride(0), layer, layers, chunks, k_max, out_width, SETS=sets, BLOCK_T=block_t, BLOCK_C=block_c,
