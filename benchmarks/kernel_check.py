@@ -261,10 +261,10 @@ def check_page_bound(gen, bandwidth: float, batch: int = 16, pages: int = 2050) 
 
 
 def sweep_page_bound(gen, bandwidth: float) -> list[dict]:
-    """`page_bound`'s layouts (pages a program, warps, KV heads a program, programs ordered by row or by page block)
-    at Qwen2.5-0.5B's shape at Full KV's largest batch on an H200 (334 rows of 31,744 tokens, 14 / 2 heads x 64) and
-    Llama-3.1-8B's at 11 rows of 32k, with each row's pages in one run of the pool (as a fresh pool hands them out)
-    and scattered over it; each layout's bounds against the default's. Rows print as kernel "page_bound_sweep"."""
+    """`page_bound`'s launch settings (pages a program, warps) at Qwen2.5-0.5B's shape at Full KV's largest batch on
+    an H200 (334 rows of 31,744 tokens, 14 / 2 heads x 64) and Llama-3.1-8B's at 11 rows of 32k, with each row's
+    pages in one run of the pool (as a fresh pool hands them out) and scattered over it; each setting's bounds
+    against the default's. Rows print as kernel "page_bound_sweep"."""
     from triton.testing import do_bench
 
     rows = []
@@ -282,20 +282,18 @@ def sweep_page_bound(gen, bandwidth: float) -> list[dict]:
                 order = torch.randperm(batch * pages, device="cuda", generator=gen)
             tables = order.view(batch, pages) + 1
             want = triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, PAGE, "max")
+            finite = want.isfinite()
             for block_w in (32, 64, 128):
                 for num_warps in (4, 8):
-                    for per in sorted({1, triton_page_select.bound_heads(kv_heads, dim), min(kv_heads, 2)}):
-                        for pages_first in (False, True):
-                            layout = dict(block_w=block_w, num_warps=num_warps, heads=per, pages_first=pages_first)
-                            got = triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, PAGE, "max",
-                                                                **layout)
-                            finite = want.isfinite()
-                            same = torch.equal(want[~finite], got[~finite])
-                            rows.append(dict(kernel="page_bound_sweep", shape=shape, batch=batch, tables=tables_kind,
-                                             **layout, err=rel_err(got[finite], want[finite]) if same else float("inf"),
-                                             triton_ms=do_bench(lambda: triton_page_select.page_bound(
-                                                 q, kmin, kmax, tables, num_slots, PAGE, "max", **layout)),
-                                             floor_ms=floor_ms))
+                    got = triton_page_select.page_bound(q, kmin, kmax, tables, num_slots, PAGE, "max", block_w=block_w,
+                                                        num_warps=num_warps)
+                    same = torch.equal(want[~finite], got[~finite])
+                    rows.append(dict(kernel="page_bound_sweep", shape=shape, batch=batch, tables=tables_kind,
+                                     block_w=block_w, num_warps=num_warps,
+                                     err=rel_err(got[finite], want[finite]) if same else float("inf"),
+                                     triton_ms=do_bench(lambda: triton_page_select.page_bound(
+                                         q, kmin, kmax, tables, num_slots, PAGE, "max", block_w=block_w,
+                                         num_warps=num_warps)), floor_ms=floor_ms))
         del kmin, kmax
     return rows
 
@@ -812,7 +810,7 @@ def main() -> int:
                   f"{r['triton_ms']:.3f} | {r['reference_ms']:.3f} | floor {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "page_bound_sweep":
             print(f"| page_bound {r['shape']} | B={r['batch']} {r['tables']}, block_w={r['block_w']} "
-                  f"warps={r['num_warps']} heads={r['heads']} pages_first={r['pages_first']} | {r['err']:.1e} | "
+                  f"warps={r['num_warps']} | {r['err']:.1e} | "
                   f"{r['triton_ms']:.3f} | - | {r['triton_ms'] / r['floor_ms']:.2f}x floor {r['floor_ms']:.3f} ms |")
         elif r["kernel"] == "page_slots":
             print(exact_row("Quest page_slots (one layer)", f"B={r['batch']} k=129 pages", r))

@@ -197,16 +197,13 @@ def test_fused_rope_store_matches_reference():
     assert all((a.float() - b.float()).abs().max() < 1e-5 for a, b in zip(*pools))
 
 
-@pytest.mark.parametrize("group_reduce, kv_heads, group, dim, dtype, heads, pages_first", [
-    ("mean", 2, 3, 16, torch.float32, None, False), ("max", 3, 2, 24, torch.bfloat16, None, True),
-    ("max", 4, 2, 16, torch.float32, 2, True)])
-def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim, dtype, heads, pages_first):
+@pytest.mark.parametrize("group_reduce, kv_heads, group, dim, dtype", [("mean", 2, 3, 16, torch.float32),
+                                                                     ("max", 3, 2, 24, torch.bfloat16)])
+def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim, dtype):
     """Quest's page scoring: min / max summaries read through each row's page table (a page shared between rows
     included), rows of different lengths (+inf at the last page, -inf past it); dim not a power of two, and queries
     and summaries in bf16 (as decoding a bf16 cache has them), in the second case. With the K pool the current key
-    of each row is folded into its page first, as `PageSummaries.add_tokens` does (one row starts a fresh page).
-    A program reads both KV heads (the default for the first case), one (the second), two of four (the third); the
-    programs ordered by page block in the last two."""
+    of each row is folded into its page first, as `PageSummaries.add_tokens` does (one row starts a fresh page)."""
     from semkv.engine.kv_cache import KVPool
     from semkv.kernels.triton_page_select import page_bound
     from semkv.methods.state.page_summaries import PageSummaries
@@ -225,9 +222,9 @@ def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim,
     by_hand = torch.maximum(q_heads * kmin_page, q_heads * kmax_page).sum(-1)
     assert torch.allclose(want[0, 0, page], by_hand.mean() if group_reduce == "mean" else by_hand.max(), atol=1e-5)
     assert want[1, :, 2].isinf().all() and (want[1, :, 2] > 0).all() and (want[1, :, 3:] == float("-inf")).all()
-    layout = dict(block_w=16, heads=heads, pages_first=pages_first)
-    got = page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce, **layout)
+    got = page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce, block_w=16)
     assert got.shape == (3, kv_heads, 45) and torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(page_bound(q, kmin, kmax, tables, num_slots, 16, group_reduce), want, atol=1e-4)
 
     k_pool = torch.randn(150, 16, kv_heads, dim, generator=gen).to(dtype)
     folded = [(kmin.clone(), kmax.clone()) for _ in range(3)]
@@ -239,7 +236,7 @@ def test_page_bound_kernel_matches_reference(group_reduce, kv_heads, group, dim,
     summaries.data["min"][:], summaries.data["max"][:] = folded[0]
     summaries.add_tokens(pool, tables, (num_slots - 1)[:, None].expand(-1, kv_heads))
     want = reference.page_bound(q, *folded[1], tables, num_slots, 16, group_reduce, k_pool=k_pool)
-    got = page_bound(q, *folded[2], tables, num_slots, 16, group_reduce, k_pool=k_pool, **layout)
+    got = page_bound(q, *folded[2], tables, num_slots, 16, group_reduce, k_pool=k_pool, block_w=16)
     assert torch.equal(folded[1][0], summaries.data["min"]) and torch.equal(folded[1][1], summaries.data["max"])
     assert torch.equal(folded[2][0], folded[1][0]) and torch.equal(folded[2][1], folded[1][1])
     assert not torch.equal(folded[1][0], kmin)  # the fold changed something

@@ -2,15 +2,15 @@
 summaries of its keys (`page_bound`), and the slots of the chosen pages (`page_slots`). Same signatures and results
 as the functions of the same names in `reference`.
 
-`page_bound`: one program handles one sequence, a few KV heads and a block of its pages. It loads the block's
-physical page ids and the min and max summaries [block, heads, D] of those heads (in the cache's dtype; for small
-heads, several heads a program make each page's read one longer run), and for each query head of the group adds
-q+ . kmax + q- . kmin over D in float32 (element-wise products and a row sum; the matrix unit, tried, was no faster:
-the kernel waits on its scattered loads), then takes the mean or the max over the group. Given the K pool, the
-program that holds a row's last page also folds the key just stored into that page's min / max (about ten small
-kernels a layer otherwise); that page's bound is +inf whatever its summary. The row's last page gets +inf and pages
-past it -inf, so a top-k over the result always keeps the current token's page. The reference gathers both
-summaries into new tensors first, which writes and reads them twice more.
+`page_bound`: one program handles one sequence, one KV head and a block of its pages. It loads the block's physical
+page ids and the min and max summaries [block, D] of that head (in the cache's dtype), and for each query head of
+the group adds q+ . kmax + q- . kmin over D in float32 (element-wise products and a row sum; the matrix unit, tried,
+was no faster: the kernel waits on its scattered loads; two KV heads a program, one run of 256 bytes a page at
+Qwen2.5-0.5B's 64 dims, neither), then takes the mean or the max over the group. Given the K pool, the program that
+holds a row's last page also folds the key just stored into that page's min / max (about ten small kernels a layer
+otherwise); that page's bound is +inf whatever its summary. The row's last page gets +inf and pages past it -inf, so
+a top-k over the result always keeps the current token's page. The reference gathers both summaries into new
+tensors first, which writes and reads them twice more.
 
 `page_candidates` (TokenSelect's and DynSplit-KV's score_keys="pages"): one program per row keeps the `count` pages
 with the highest bound (the maximum over KV heads) among those holding a slot of [lo, hi), by a bitwise search for
@@ -42,30 +42,24 @@ def ordered_key(x):
 @triton.jit(do_not_specialize=["W", "stride_qb", "stride_tb", "stride_ob"])
 def _page_bound_kernel(q_ptr, kmin_ptr, kmax_ptr, tables_ptr, n_ptr, k_pool_ptr, out_ptr, W, stride_qb, stride_qh,
                        stride_tb, stride_ob, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                       DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HEADS: tl.constexpr,
-                       PAGES_FIRST: tl.constexpr, MEAN: tl.constexpr, FOLD: tl.constexpr):
-    if PAGES_FIRST:  # consecutive programs read consecutive pages of one row
-        block, b = tl.program_id(0), tl.program_id(2).to(tl.int64)
-    else:
-        b, block = tl.program_id(0).to(tl.int64), tl.program_id(2)
-    hh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] the program's KV heads
-    j = block * BLOCK_W + tl.arange(0, BLOCK_W)
+                       DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, MEAN: tl.constexpr,
+                       FOLD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
     n = tl.load(n_ptr + b)
     n_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
     live = j < n_pages
     ids = tl.load(tables_ptr + b * stride_tb + j, mask=live, other=0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    dims = d < DIM
-    head_dims = hh[:, None] * DIM + d[None, :]  # [HEADS, BLOCK_D]
-    rows = ids[:, None, None] * (KV_HEADS * DIM) + head_dims[None, :, :]  # [BLOCK_W, HEADS, BLOCK_D]
-    mask = live[:, None, None] & dims[None, None, :]
+    rows = ids[:, None] * (KV_HEADS * DIM) + h * DIM + d[None, :]  # [BLOCK_W, BLOCK_D]
+    mask = live[:, None] & (d < DIM)[None, :]
     kmax = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
     kmin = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_W, HEADS], tl.float32)
+    acc = tl.zeros([BLOCK_W], tl.float32)
     for g in tl.static_range(GROUP):
-        qg = tl.load(q_ptr + b * stride_qb + (hh[:, None] * GROUP + g) * stride_qh + d[None, :], mask=dims[None, :],
-                     other=0.0).to(tl.float32)  # [HEADS, BLOCK_D]
-        bound = tl.sum(kmax * tl.maximum(qg, 0.0)[None, :, :] + kmin * tl.minimum(qg, 0.0)[None, :, :], 2)
+        qg = tl.load(q_ptr + b * stride_qb + (h * GROUP + g) * stride_qh + d, mask=d < DIM, other=0.0).to(tl.float32)
+        bound = tl.sum(kmax * tl.maximum(qg, 0.0)[None, :] + kmin * tl.minimum(qg, 0.0)[None, :], 1)  # [BLOCK_W]
         if MEAN:
             acc += bound
         elif g == 0:
@@ -76,46 +70,36 @@ def _page_bound_kernel(q_ptr, kmin_ptr, kmax_ptr, tables_ptr, n_ptr, k_pool_ptr,
         acc = acc / GROUP
     last = n_pages - 1
     if FOLD:  # the program holding the row's last page folds the new key into it (its own bound is +inf anyway)
-        if (last >= block * BLOCK_W) & (last < (block + 1) * BLOCK_W):
+        if (last >= tl.program_id(2) * BLOCK_W) & (last < (tl.program_id(2) + 1) * BLOCK_W):
             slot = n - 1
             page = tl.load(tables_ptr + b * stride_tb + last).to(tl.int64)
-            key = tl.load(k_pool_ptr + (page * PAGE_SIZE + slot % PAGE_SIZE) * (KV_HEADS * DIM) + head_dims,
-                          mask=dims[None, :], other=0.0).to(tl.float32)  # [HEADS, BLOCK_D]
-            summary = page * (KV_HEADS * DIM) + head_dims
+            key = tl.load(k_pool_ptr + ((page * PAGE_SIZE + slot % PAGE_SIZE) * KV_HEADS + h) * DIM + d,
+                          mask=d < DIM, other=0.0).to(tl.float32)
+            summary = page * (KV_HEADS * DIM) + h * DIM + d
             fresh = slot % PAGE_SIZE == 0
-            low = tl.load(kmin_ptr + summary, mask=dims[None, :], other=0.0).to(tl.float32)
-            high = tl.load(kmax_ptr + summary, mask=dims[None, :], other=0.0).to(tl.float32)
+            low = tl.load(kmin_ptr + summary, mask=d < DIM, other=0.0).to(tl.float32)
+            high = tl.load(kmax_ptr + summary, mask=d < DIM, other=0.0).to(tl.float32)
             low = tl.where(fresh, key, tl.minimum(low, key))
             high = tl.where(fresh, key, tl.maximum(high, key))
-            tl.store(kmin_ptr + summary, low.to(kmin_ptr.dtype.element_ty), mask=dims[None, :])
-            tl.store(kmax_ptr + summary, high.to(kmax_ptr.dtype.element_ty), mask=dims[None, :])
-    acc = tl.where((j == last)[:, None], float("inf"), acc)
-    acc = tl.where(live[:, None], acc, float("-inf"))
-    tl.store(out_ptr + b * stride_ob + hh[None, :] * W + j[:, None], acc, mask=(j < W)[:, None])
-
-
-def bound_heads(kv_heads: int, dim: int) -> int:
-    """The KV heads one `page_bound` program reads: the most, a power of two dividing kv_heads, whose summary rows
-    span at most 128 elements (both of Qwen2.5-0.5B's heads of 64 dims: one 256-byte run of each summary a page)."""
-    heads = 1
-    while kv_heads % (2 * heads) == 0 and 2 * heads * dim <= 128:
-        heads *= 2
-    return heads
+            tl.store(kmin_ptr + summary, low.to(kmin_ptr.dtype.element_ty), mask=d < DIM)
+            tl.store(kmax_ptr + summary, high.to(kmax_ptr.dtype.element_ty), mask=d < DIM)
+    acc = tl.where(j == last, float("inf"), acc)
+    acc = tl.where(live, acc, float("-inf"))
+    tl.store(out_ptr + b * stride_ob + h * W + j, acc, mask=j < W)
 
 
 def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: torch.Tensor, num_slots: torch.Tensor,
-               page_size: int, group_reduce: str, k_pool: torch.Tensor | None = None, block_w: int = 32,
-               num_warps: int = 4, heads: int | None = None, pages_first: bool = False) -> torch.Tensor:
+               page_size: int, group_reduce: str, k_pool: torch.Tensor | None = None, block_w: int | None = None,
+               num_warps: int = 4) -> torch.Tensor:
     """q [B, heads, D]; kmin / kmax [pool_pages, kv_heads, D] (contiguous, any float dtype, added in float32);
     tables [B, W]; num_slots [B]; k_pool [pool_pages, page_size, kv_heads, D] contiguous, or None: no fold. Returns
-    float32 [B, kv_heads, W] (see `reference.page_bound`). A program takes block_w pages of one row and `heads` KV
-    heads (default `bound_heads`); pages_first orders the programs by page block, then row. The defaults of block_w
-    and num_warps were within 10% of the best of a sweep on an H200 (1.8x the bytes' floor at Llama-3.1-8B's shape;
-    `benchmarks/kernel_check.py --page-bound-sweep` times the others)."""
-    batch, q_heads, dim = q.shape
+    float32 [B, kv_heads, W] (see `reference.page_bound`). block_w: pages a program, by default 4,096 summary
+    elements a program: the best of `benchmarks/kernel_check.py --page-bound-sweep` (block_w x num_warps) on an H200
+    at both shapes it times, 32 pages of Llama-3.1-8B's 128 dims at 11 rows (1.9x the bytes' floor) and 64 of
+    Qwen2.5-0.5B's 64 at 334 (1.9x; 32 pages took 14% longer)."""
+    batch, heads, dim = q.shape
+    block_w = block_w or max(16, 4096 // triton.next_power_of_2(dim))
     kv_heads, width = kmin.shape[1], tables.shape[1]
-    heads = heads or bound_heads(kv_heads, dim)
-    assert kv_heads % heads == 0 and heads & (heads - 1) == 0, f"heads={heads} must be a power of 2 dividing {kv_heads}"
     out = torch.empty(batch, kv_heads, width, dtype=torch.float32, device=q.device)
     if width == 0:
         return out
@@ -123,13 +107,11 @@ def page_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, tables: 
         q = q.contiguous()
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     assert kmin.is_contiguous() and kmax.is_contiguous(), "the summaries are updated in place"
-    blocks = triton.cdiv(width, block_w)
-    grid = (blocks, kv_heads // heads, batch) if pages_first else (batch, kv_heads // heads, blocks)
-    _page_bound_kernel[grid](
+    _page_bound_kernel[(batch, kv_heads, triton.cdiv(width, block_w))](
         q, kmin, kmax, tables, num_slots.contiguous(), kmin if k_pool is None else k_pool, out, width, q.stride(0),
-        q.stride(1), tables.stride(0), out.stride(0), PAGE_SIZE=page_size, KV_HEADS=kv_heads,
-        GROUP=q_heads // kv_heads, DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_W=block_w, HEADS=heads,
-        PAGES_FIRST=pages_first, MEAN=group_reduce == "mean", FOLD=k_pool is not None, num_warps=num_warps,
+        q.stride(1), tables.stride(0), out.stride(0), PAGE_SIZE=page_size, KV_HEADS=kv_heads, GROUP=heads // kv_heads,
+        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_W=block_w, MEAN=group_reduce == "mean",
+        FOLD=k_pool is not None, num_warps=num_warps,
     )
     return out
 
