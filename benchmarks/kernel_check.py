@@ -758,7 +758,7 @@ def main() -> int:
     parser.add_argument("--tokenselect-only", action="store_true",
                         help="check TokenSelect's decode selection alone (exact keys and score_keys='pages')")
     parser.add_argument("--page-bound-sweep", action="store_true",
-                        help="time page_bound's layouts at Qwen2.5-0.5B's and Llama-3.1-8B's shapes alone")
+                        help="time page_bound's launch settings at Qwen2.5-0.5B's and Llama-3.1-8B's shapes alone")
     parser.add_argument("--buckets-only", action="store_true",
                         help="check SentenceKV's and DynSplit-KV's ranking and slot-list kernels alone")
     args = parser.parse_args()

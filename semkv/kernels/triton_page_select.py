@@ -5,8 +5,8 @@ as the functions of the same names in `reference`.
 `page_bound`: one program handles one sequence, one KV head and a block of its pages. It loads the block's physical
 page ids and the min and max summaries [block, D] of that head (in the cache's dtype), and for each query head of
 the group adds q+ . kmax + q- . kmin over D in float32 (element-wise products and a row sum; the matrix unit, tried,
-was no faster: the kernel waits on its scattered loads; two KV heads a program, one run of 256 bytes a page at
-Qwen2.5-0.5B's 64 dims, neither), then takes the mean or the max over the group. Given the K pool, the program that
+was no faster: the kernel waits on its scattered loads; nor were two KV heads a program, one run of 256 bytes a
+page at Qwen2.5-0.5B's 64 dims), then takes the mean or the max over the group. Given the K pool, the program that
 holds a row's last page also folds the key just stored into that page's min / max (about ten small kernels a layer
 otherwise); that page's bound is +inf whatever its summary. The row's last page gets +inf and pages past it -inf, so
 a top-k over the result always keeps the current token's page. The reference gathers both summaries into new

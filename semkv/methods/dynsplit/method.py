@@ -141,7 +141,9 @@ class DynSplitKV(RowHolder, KVMethod):
         largest batch: a measured option, not a recommendation. Or "pages" (opt-in, issue 55, TokenSelect's first
         stage: Quest's bound of every KV page from the min / max of its keys, kept by page beside the pool, 1 /
         page_size of the K/V's memory, keeps the pages holding about `superset` times the budget's tokens, and
-        only their tokens are scored, exactly; a chunk scores its best token among them). Not measured on a GPU yet.
+        only their tokens are scored, exactly; a chunk scores its best token among them). Measured on an H200
+        (benchmarks/results/2026-12-03-h200-pages-quality.md): RULER NIAH 5.8 points under Full KV at 8k and no
+        faster than Full KV (0.66x at 16 rows, 0.92x at its largest batch): a measured option, not a recommendation.
     superset: with score_keys="pages", the kept pages hold about this many times the budget's tokens (at least 1).
     channels: with score_keys="channels", the key channels kept, 16 (even, at most head_dim; Double Sparsity keeps
         16 of 128).
