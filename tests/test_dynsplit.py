@@ -264,18 +264,20 @@ def test_v2f_selection_equals_a_per_block_reference(seed):
     assert torch.equal(mask.sum(-1), k[:, None].expand(-1, 3))
 
 
-@pytest.mark.parametrize("group_reduce, score_keys", [("mean", "exact"), ("max", "exact"), ("mean", "channels"),
-                                                      ("max", "channels"), ("mean", "pages"), ("max", "pages")])
-def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, score_keys):
+@pytest.mark.parametrize("group_reduce, score_keys, reuse_layers", [
+    ("mean", "exact", 1), ("max", "exact", 1), ("mean", "channels", 1), ("max", "channels", 1), ("mean", "pages", 1),
+    ("max", "pages", 1), ("mean", "exact", 2), ("max", "pages", 2)])
+def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, score_keys, reuse_layers):
     """score="tokens": in every layer and KV head of a decode step the attended slots are the sinks, the recent
     window and whole chunks ranked by the best (group-reduced) query . key of their other tokens, as the per-block
     reference takes them; with score_keys="channels" the dot products of the row's key channels of the layer, the
     tokens generated before the current one scored too (n_recent=1: their kept channels are read); with "pages" and
-    a superset covering every page, the same tokens as the exact keys."""
+    a superset covering every page, the same tokens as the exact keys; with reuse_layers=2 a layer after the first of
+    its group attends to the very selection its group's first layer made (its query and keys)."""
     recent = dict(n_recent=1, channels=4) if score_keys == "channels" else {}
     recent |= dict(superset=100.0) if score_keys == "pages" else {}
     method = DynSplitKV(budget=40, chunk_size=6, max_deviation=3, n_sink=2, score="tokens", group_reduce=group_reduce,
-                        score_keys=score_keys, **recent)
+                        score_keys=score_keys, reuse_layers=reuse_layers, **recent)
     method.bind(llm.config, llm.tokenizer, llm.engine.pool.page_size)
     engine, seen = llm.engine, {}
     select = method.select
@@ -297,11 +299,16 @@ def test_token_scores_take_whole_chunks_by_their_best_token(llm, group_reduce, s
     forced = torch.zeros(1, n, dtype=torch.bool)
     forced[0, :2], forced[0, n - method.n_recent:] = True, True
     kv_heads = llm.config.num_kv_heads
-    for layer, (q, selection) in seen.items():
-        keys = seq.kv.gather(layer, seq.kv.all_slots(layer))[0].float()  # [kv_heads, n, D]
+    assert sorted(seen) == list(range(llm.config.num_layers))
+    for layer, (_, selection) in seen.items():
+        first = layer - layer % reuse_layers  # the layer that selected
+        if layer != first:
+            assert selection is seen[first][1]
+        q = seen[first][0]
+        keys = seq.kv.gather(first, seq.kv.all_slots(first))[0].float()  # [kv_heads, n, D]
         q = q[0].float().view(kv_heads, -1, q.shape[-1])  # [kv_heads, group, D]
         if score_keys == "channels":
-            chosen = method._rows.channels[state.row, layer]  # [kv_heads, channels]
+            chosen = method._rows.channels[state.row, first]  # [kv_heads, channels]
             assert chosen.shape == (kv_heads, 4) and chosen.unique().numel() > 1
             keys, q = keys.gather(2, chosen[:, None].expand(-1, n, -1)), q.gather(2, chosen[:, None].expand_as(
                 q[..., :4]))
@@ -402,6 +409,10 @@ def test_token_scores_need_resident_keys():
     for params in (dict(offload=True), dict(pooling="mean")):
         with pytest.raises(semkv.SemkvError, match="score='tokens'"):
             DynSplitKV(budget=40, score="tokens", **params)
+    with pytest.raises(semkv.SemkvError, match="reuse_layers=2 needs score='tokens'"):
+        DynSplitKV(budget=40, reuse_layers=2)
+    with pytest.raises(semkv.SemkvError, match="reuse_layers"):
+        DynSplitKV(budget=40, score="tokens", reuse_layers=0)
 
 
 # -- KV reuse and offload ---------------------------------------------------------------------------------------------

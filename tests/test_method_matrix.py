@@ -46,9 +46,10 @@ MATRIX: dict[str, dict | list[dict]] = {  # the hard configuration(s) of each me
                       offload=True, offload_chunk=1, cache_factor=2.0),
                  dict(chunk_size=6, max_deviation=3, score="tokens", group_reduce="max", n_sink=2),
                  dict(chunk_size=6, max_deviation=3, score="tokens", score_keys="channels", channels=4, n_recent=1),
-                 dict(chunk_size=6, max_deviation=3, score="tokens", score_keys="pages", superset=1.0, n_recent=1)],
+                 dict(chunk_size=6, max_deviation=3, score="tokens", score_keys="pages", superset=1.0, n_recent=1,
+                      reuse_layers=2)],
     "tokenselect": [dict(selection="hard_vote", scope="kv_head", theta=0.5, n_sink=1, prefill="full"),
-                    dict(score_keys="pages", superset=1.0, theta=0.5, n_sink=1, prefill="full")],
+                    dict(score_keys="pages", superset=1.0, theta=0.5, n_sink=1, prefill="full", reuse_layers=2)],
     "chess": dict(block_size=16, chunk_pages=2, grid_chunks=2, recent_pages=1, preset="aggressive", mode="always"),
 }
 HARD = {name: hard if isinstance(hard, list) else [hard] for name, hard in MATRIX.items()}

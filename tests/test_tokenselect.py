@@ -599,3 +599,42 @@ def test_page_summaries_follow_every_stored_key_and_pick_near_the_exact_keys(tin
     covering_gives_full_kv(tiny_llm, "pages")
     with pytest.raises(SemkvError, match="superset"):
         TokenSelect(budget=64, score_keys="pages", superset=0.5)
+
+
+@pytest.mark.parametrize("score_keys", ["exact", "pages"])
+def test_reuse_layers_selects_in_each_groups_first_layer_only(tiny_llm, score_keys):
+    """reuse_layers=2 (3 layers: groups {0, 1} and {2}): a decode step selects in layers 0 and 2 exactly as without
+    reuse, and layer 1 attends to layer 0's selection; the Selection Cache is looked up in the selecting layers only;
+    a budget covering the context gives Full KV's tokens."""
+    cfg = tiny_llm.config
+    method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys=score_keys,
+                         superset=100.0, reuse_layers=2)
+    seqs, batch = stepped(tiny_llm, method)
+    alone = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys=score_keys,
+                        superset=100.0)
+    alone.bind(cfg, tiny_llm.tokenizer, tiny_llm.engine.pool.page_size)
+    alone._cache, alone._summaries = method._cache, method._summaries
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        got = [method.select(layer, batch, torch.randn(len(seqs), cfg.num_heads, cfg.head_dim, generator=gen))
+               for layer in range(cfg.num_layers)]
+        gen.manual_seed(1)
+        want = [alone.select_batched(layer, batch, torch.randn(len(seqs), cfg.num_heads, cfg.head_dim,
+                                                                generator=gen)) for layer in range(cfg.num_layers)]
+    assert got[1] is got[0]
+    for layer in (0, 2):
+        assert torch.equal(got[layer].lengths, want[layer].lengths)
+        for b, n in enumerate(want[layer].lengths[:, 0].tolist()):
+            assert torch.equal(got[layer].slots[b, :, :n], want[layer].slots[b, :, :n])
+    assert not torch.equal(want[1].slots, want[0].slots)  # layer 1 alone would attend elsewhere
+    tiny_llm.engine.end(seqs, method)
+    assert tiny_llm.engine.pool.in_use == 0 and method._reused is None
+    out = tiny_llm.generate(PROMPT, method=TokenSelect(budget=40, reuse_layers=2), max_new_tokens=NEW, chat=False,
+                            ignore_eos=True)
+    assert out[0].stats.extra["selection_cache_lookups"] == 2 * (NEW - 1)  # layers 0 and 2 of each step
+    full = tiny_llm.generate(PROMPT, method="full", max_new_tokens=NEW, chat=False, ignore_eos=True)
+    covering = tiny_llm.generate(PROMPT, method=TokenSelect(budget=4096, reuse_layers=2), max_new_tokens=NEW,
+                                 chat=False, ignore_eos=True)
+    assert covering[0].token_ids == full[0].token_ids
+    with pytest.raises(SemkvError, match="reuse_layers"):
+        TokenSelect(budget=40, reuse_layers=0)

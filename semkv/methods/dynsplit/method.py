@@ -145,6 +145,11 @@ class DynSplitKV(RowHolder, KVMethod):
         (benchmarks/results/2026-12-03-h200-pages-quality.md): RULER NIAH 5.8 points under Full KV at 8k and no
         faster than Full KV (0.66x at 16 rows, 0.92x at its largest batch): a measured option, not a recommendation.
     superset: with score_keys="pages", the kept pages hold about this many times the budget's tokens (at least 1).
+    reuse_layers: N, 1 = off (the paper). Opt-in (issue 55), with score="tokens": a decode step scores and selects in
+        the first layer of each group of N layers only, and the group's other layers attend to the same slots (ChunkKV's
+        layer-wise index reuse, Liu et al., 2025, applied to the decode step as TidalDecode, Yang et al., 2024, reuses
+        token selections across layers; a KV head takes the set of the same-numbered head of the group's first
+        layer): the scoring's cost a step is divided by N. `count_reuse` then counts the selecting layers.
     channels: with score_keys="channels", the key channels kept, 16 (even, at most head_dim; Double Sparsity keeps
         16 of 128).
     group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest):
@@ -182,6 +187,7 @@ class DynSplitKV(RowHolder, KVMethod):
     score_keys: str = "exact"
     channels: int = 16
     superset: float = 4.0
+    reuse_layers: int = 1
     group_reduce: str = "mean"
     n_sink: int = 0
     n_recent: int = 16
@@ -214,6 +220,7 @@ class DynSplitKV(RowHolder, KVMethod):
         check_range("count_reuse", self.count_reuse, types=bool)
         check_range("channels", self.channels, 2, None, int)
         check_range("superset", self.superset, 1.0, None)
+        check_range("reuse_layers", self.reuse_layers, 1, None, int)
         if self.channels % 2:
             raise SemkvError(f"channels={self.channels} must be even: the key channels are kept as rotary pairs")
         for field, allowed in CHOICES.items():
@@ -226,6 +233,9 @@ class DynSplitKV(RowHolder, KVMethod):
         if self.score_keys == "channels" and (self.score != "tokens" or self.n_recent < 1):
             raise SemkvError(f"score_keys='channels' needs score='tokens' and n_recent >= 1 (a step keeps the channels "
                              f"of the token before it; got score={self.score!r}, n_recent={self.n_recent})")
+        if self.reuse_layers > 1 and self.score != "tokens":
+            raise SemkvError(f"reuse_layers={self.reuse_layers} needs score='tokens' (with score='bound' every layer "
+                             f"keeps its own chunk summaries up to date each step; got score={self.score!r})")
         if self.score_keys == "pages" and self.score != "tokens":
             raise SemkvError(f"score_keys='pages' needs score='tokens' (it chooses the tokens a step scores; got "
                              f"score={self.score!r})")
@@ -265,6 +275,12 @@ class DynSplitKV(RowHolder, KVMethod):
         # a copy of the rows' open chunks on its way to the host (`_count_chunks`): the host tensor and its event
         self._counting: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._chosen: torch.Tensor | None = None  # score_keys="channels": the rows' key channels [B, L, H, channels]
+        # reuse_layers > 1: (batch, the selection of the current group's first layer) of the step under way
+        self._reused: tuple[DecodeBatch, Selection] | None = None
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        self._reused = None
 
     def bind(self, model: Any, tokenizer: Any, page_size: int) -> None:
         super().bind(model, tokenizer, page_size)
@@ -540,8 +556,13 @@ class DynSplitKV(RowHolder, KVMethod):
         return ChunkPlan.static(size, device) if self.batched else None
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        if layer % self.reuse_layers and self._reused is not None and self._reused[0] is batch:
+            return self._reused[1]  # the group's first layer selected this step's slots (score="tokens")
         if self.batched:
-            return self._select_rows(layer, batch, q)
+            selection = self._select_rows(layer, batch, q)
+            if self.reuse_layers > 1:
+                self._reused = batch, selection
+            return selection
         seqs, device = batch.seqs, q.device
         for b, seq in enumerate(seqs):
             slot = torch.tensor([[seq.kv.num_slots[layer] - 1]], device=device)  # the host's count: no device read

@@ -60,6 +60,12 @@ score_keys: the keys a decode step scores every candidate with: "exact" (the cac
     6% at 16 tokens a page). Not with `extrapolate`.
 superset: score_keys="pages": the pages scored exactly hold about this many times the top-k's tokens (at least 1;
     4 by default, a third of the candidates at a budget of 10%).
+reuse_layers: N, 1 = off (the paper). Opt-in (issue 55): a decode step selects in the first layer of each group of N
+    layers only, and the group's other layers attend to the same slots (ChunkKV's layer-wise index reuse, Liu et
+    al., 2025, applied to the decode step's selection as TidalDecode, Yang et al., 2024, reuses token selections
+    across layers): the selection's cost a step is divided by N. The cache's tokens are the same in every layer,
+    so slots carry over; with scope="kv_head" a KV head takes the set of the same-numbered head of the group's
+    first layer. Decode only (a sparse prefill selects in every layer).
 """
 from __future__ import annotations
 
@@ -102,6 +108,7 @@ class TokenSelect(KVMethod):
     prefill: str = "sparse"
     score_keys: str = "exact"
     superset: float = 4.0
+    reuse_layers: int = 1
 
     kind = "selection"
     name = "tokenselect"
@@ -119,6 +126,7 @@ class TokenSelect(KVMethod):
         check_choice("prefill", self.prefill, ("sparse", "full"))
         check_choice("score_keys", self.score_keys, ("exact", "int8", "pages"))
         check_range("superset", self.superset, 1.0, None)
+        check_range("reuse_layers", self.reuse_layers, 1, None, int)
         if self.extrapolate and self.score_keys != "exact":
             raise SemkvError(f"score_keys={self.score_keys!r} cannot be used with extrapolate=True (it scores the "
                              f"keys after RoPE); use score_keys='exact'")
@@ -168,11 +176,13 @@ class TokenSelect(KVMethod):
         self._summaries = PageSummaries(("min", "max")) if self.score_keys == "pages" else None
         # the Selection Cache's counts on their way to the host (`_count`): the sequences, the host copy, its event
         self._counting: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
+        # reuse_layers > 1: (batch, the selection of the current group's first layer) of the step under way
+        self._reused: tuple[DecodeBatch, Selection | None] | None = None
 
     def release(self, seq: Sequence) -> None:
         self._count()  # its last counts, if copied already (the statistics may be a step or so behind on a GPU)
         self._rows.pop(id(seq), None)
-        self._plan = self._parts = None
+        self._plan = self._parts = self._reused = None
 
     def new_state(self, seq: Sequence) -> list:
         """Selection Cache per layer: (query [heads * D], top-k slots [S, k]) of the last selection, or None."""
@@ -215,9 +225,9 @@ class TokenSelect(KVMethod):
     # -- prefill --------------------------------------------------------------------------------------------------
     def finish_prefill(self, seq: Sequence) -> None:
         """score_keys="int8": sketch every slot the prefill stored (the same count in every layer), from the
-        device's page table; "pages": summarise every page of every layer."""
+        device's page table; "pages": summarise every page of every layer that selects (`reuse_layers`)."""
         if self._summaries is not None:
-            for layer in range(seq.kv.pool.num_layers):
+            for layer in range(0, seq.kv.pool.num_layers, self.reuse_layers):
                 self._summaries.build(seq.kv, layer)
         if self._sketch is None:
             return
@@ -236,9 +246,15 @@ class TokenSelect(KVMethod):
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
+        if layer % self.reuse_layers and self._reused is not None and self._reused[0] is batch:
+            return self._reused[1]  # the group's first layer selected this step's slots
         if self.graph_safe:
-            return self.select_batched(layer, batch, q)
-        return self.select_per_sequence(layer, batch, q)
+            selection = self.select_batched(layer, batch, q)
+        else:
+            selection = self.select_per_sequence(layer, batch, q)
+        if self.reuse_layers > 1:
+            self._reused = batch, selection
+        return selection
 
     def select_per_sequence(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> Selection | None:
         """Row by row, with per-sequence budgets (fractions) and the Selection Cache."""
