@@ -604,14 +604,22 @@ def test_page_summaries_follow_every_stored_key_and_pick_near_the_exact_keys(tin
 @pytest.mark.parametrize("score_keys", ["exact", "pages"])
 def test_reuse_layers_selects_in_each_groups_first_layer_only(tiny_llm, score_keys):
     """reuse_layers=2 (3 layers: groups {0, 1} and {2}): a decode step selects in layers 0 and 2 exactly as without
-    reuse, and layer 1 attends to layer 0's selection; the Selection Cache is looked up in the selecting layers only;
-    a budget covering the context gives Full KV's tokens."""
+    reuse (with "pages", their summaries kept up to date, at a superset that leaves pages out), and layer 1 attends
+    to layer 0's selection; the Selection Cache is looked up in the selecting layers only; a budget covering the
+    context gives Full KV's tokens."""
     cfg = tiny_llm.config
     method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys=score_keys,
-                         superset=100.0, reuse_layers=2)
+                         superset=1.0, reuse_layers=2)
     seqs, batch = stepped(tiny_llm, method)
+    pool, size = tiny_llm.engine.pool, tiny_llm.engine.pool.page_size
+    for seq in seqs if score_keys == "pages" else []:  # the selecting layers' summaries follow every stored key
+        for layer in (0, 2):
+            n = seq.kv.num_slots[layer] - 1
+            for p in range(-(-n // size)):
+                keys = pool.k[seq.kv.pages[layer, p], : min(size, n - p * size)]
+                assert torch.equal(method._summaries.data["max"][seq.kv.pages[layer, p]], keys.amax(0))
     alone = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys=score_keys,
-                        superset=100.0)
+                        superset=1.0)
     alone.bind(cfg, tiny_llm.tokenizer, tiny_llm.engine.pool.page_size)
     alone._cache, alone._summaries = method._cache, method._summaries
     gen = torch.Generator().manual_seed(1)
