@@ -20,3 +20,8 @@ semkv inspect --device cpu --model qwen.gguf --method dynsplit --budget 0.1 --pa
   --question "What is the special magic number for the blue fox?" \
   --needle "The special magic number for the blue fox is 7391." --answer 7391 --steps 8 --max-new-tokens 16
 # logs: progress bars dropped, gzipped
+# second machine of the session: call 35 (.carry/data, .carry/gguf, .carry/run), calls 36-67 the model's parts again,
+# the last one with (-> ruler_r2/; cut off at its time: 7 tasks at 8k, 6 at 16k and 31k):
+bash benchmarks/vllm_device.sh setup 150 && bash benchmarks/vllm_device.sh ruler 230 --lengths 8192,16384,31744 \
+  --budgets 0.1 --methods "tokenselect[prefill=full,theta=0.95,reuse_layers=2]"
+# call 68: the same ruler stage again for 160 s (to resume); it added no run before its time ran out
