@@ -149,7 +149,9 @@ class DynSplitKV(RowHolder, KVMethod):
         the first layer of each group of N layers only, and the group's other layers attend to the same slots (ChunkKV's
         layer-wise index reuse, Liu et al., 2025, applied to the decode step as TidalDecode, Yang et al., 2024, reuses
         token selections across layers; a KV head takes the set of the same-numbered head of the group's first
-        layer): the scoring's cost a step is divided by N. `count_reuse` then counts the selecting layers.
+        layer): the scoring's cost a step is divided by N. `count_reuse` then counts the selecting layers. At N = 3
+        on an H200 (benchmarks/results/2026-12-03-h200-layer-reuse.md) 1.18x Full KV's tokens/s at 16 x 31k rows,
+        1.37x on the Llama-3.1-8B shape, but RULER NIAH 17-22 points under Full KV: a measured option.
     channels: with score_keys="channels", the key channels kept, 16 (even, at most head_dim; Double Sparsity keeps
         16 of 128).
     group_reduce: "mean" or "max" over the query heads of a KV group (GQA; the paper does not say; "mean" as Quest):
