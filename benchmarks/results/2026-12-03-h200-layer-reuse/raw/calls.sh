@@ -25,3 +25,6 @@ semkv inspect --device cpu --model qwen.gguf --method dynsplit --budget 0.1 --pa
 bash benchmarks/vllm_device.sh setup 150 && bash benchmarks/vllm_device.sh ruler 230 --lengths 8192,16384,31744 \
   --budgets 0.1 --methods "tokenselect[prefill=full,theta=0.95,reuse_layers=2]"
 # call 68: the same ruler stage again for 160 s (to resume); it added no run before its time ran out
+# here, on the CPU (section 3; qwen.gguf as above, ../shared/data the evaluation data):
+PYTHONPATH=$PWD python benchmarks/studies/tokenselect_layer_reuse.py --model qwen.gguf --data ../shared/data \
+  --context 8192 --prompts 2 --steps 8 --out benchmarks/results/tokenselect_layer_reuse.json
