@@ -473,6 +473,21 @@ def shared_share(llm, got: TokenSelect, batch: DecodeBatch) -> float:
     return same / total
 
 
+def summaries_follow_keys(method: TokenSelect, seqs: list[Sequence], layers) -> None:
+    """score_keys="pages": in `layers`, each page's summaries are the min / max of the keys it stored before the
+    planned step."""
+    pool, size = seqs[0].kv.pool, seqs[0].kv.pool.page_size
+    summaries = method._summaries.data
+    for seq in seqs:
+        for layer in layers:
+            n = seq.kv.num_slots[layer] - 1  # not the planned step's own slot
+            for p in range(-(-n // size)):
+                page = seq.kv.pages[layer, p]
+                keys = pool.k[page, : min(size, n - p * size)]  # [filled, kv_heads, D]
+                assert torch.equal(summaries["min"][page], keys.amin(0))
+                assert torch.equal(summaries["max"][page], keys.amax(0))
+
+
 def covering_gives_full_kv(llm, score_keys: str) -> None:
     """A budget covering the context gives Full KV's tokens with these keys; they refuse extrapolation."""
     full = llm.generate(PROMPT, method="full", max_new_tokens=NEW, chat=False, ignore_eos=True)
@@ -577,15 +592,7 @@ def test_page_summaries_follow_every_stored_key_and_pick_near_the_exact_keys(tin
     method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, score_keys="pages", prefill="full")
     seqs, batch = stepped(tiny_llm, method)
     pool, size = engine.pool, engine.pool.page_size
-    summaries = method._summaries.data
-    for seq in seqs:
-        for layer in range(cfg.num_layers):
-            n = seq.kv.num_slots[layer] - 1  # the keys stored before the planned step
-            for p in range(-(-n // size)):
-                page = seq.kv.pages[layer, p]
-                keys = pool.k[page, : min(size, n - p * size)]  # [filled, kv_heads, D]
-                assert torch.equal(summaries["min"][page], keys.amin(0))
-                assert torch.equal(summaries["max"][page], keys.amax(0))
+    summaries_follow_keys(method, seqs, range(cfg.num_layers))
     for superset, share in ((4.0, 0.9), (100.0, 1.0)):
         paged = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys="pages",
                             superset=superset)
@@ -611,13 +618,8 @@ def test_reuse_layers_selects_in_each_groups_first_layer_only(tiny_llm, score_ke
     method = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys=score_keys,
                          superset=1.0, reuse_layers=2)
     seqs, batch = stepped(tiny_llm, method)
-    pool, size = tiny_llm.engine.pool, tiny_llm.engine.pool.page_size
-    for seq in seqs if score_keys == "pages" else []:  # the selecting layers' summaries follow every stored key
-        for layer in (0, 2):
-            n = seq.kv.num_slots[layer] - 1
-            for p in range(-(-n // size)):
-                keys = pool.k[seq.kv.pages[layer, p], : min(size, n - p * size)]
-                assert torch.equal(method._summaries.data["max"][seq.kv.pages[layer, p]], keys.amax(0))
+    if score_keys == "pages":
+        summaries_follow_keys(method, seqs, (0, 2))  # the selecting layers'
     alone = TokenSelect(budget=40, n_sink=4, n_recent=8, theta=1.0, prefill="full", score_keys=score_keys,
                         superset=1.0)
     alone.bind(cfg, tiny_llm.tokenizer, tiny_llm.engine.pool.page_size)

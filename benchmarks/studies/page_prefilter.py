@@ -44,16 +44,12 @@ class Recorder(KVMethod):
     graph_safe = False  # eager steps, with the batch's sequences
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor):
-        pool = batch.pool
-        k_flat = pool.flat()[0]  # [rows, kv_heads, D]
-        group = q.shape[1] // pool.num_kv_heads
+        kv_heads = batch.pool.num_kv_heads
+        group = q.shape[1] // kv_heads
         for b, seq in enumerate(batch.seqs):
-            n = seq.kv.num_slots[layer]
-            slots = torch.arange(n)
-            rows = seq.kv.table[layer][slots // pool.page_size] * pool.page_size + slots % pool.page_size
-            keys = k_flat[rows].float()  # [n, kv_heads, D]
-            for h in range(pool.num_kv_heads):
-                self.rows.append(dict(layer=layer, **measure(q[b, h * group:(h + 1) * group].float(), keys[:, h],
+            keys = seq.kv.keys(layer).float()  # [kv_heads, n, D]
+            for h in range(kv_heads):
+                self.rows.append(dict(layer=layer, **measure(q[b, h * group:(h + 1) * group].float(), keys[h],
                                                             self.share, self.page, self.multiples)))
         return None
 
@@ -89,26 +85,38 @@ def prompt(data: Path, tokenizer, context: int, seed: int) -> str:
     return tokenizer.decode(ids[:at]) + " " + NEEDLE + " " + tokenizer.decode(ids[at:]) + "\n\n" + QUESTION
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a study that records a Full-KV generation on needle prompts (`generate`)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded model)")
     p.add_argument("--data", default="../shared/data", help="folder with paul_graham/ruler_PaulGrahamEssays.json")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="decode steps recorded per prompt")
     p.add_argument("--budget", type=float, default=0.1)
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--multiples", default="1,1.5,2,3,4")
     p.add_argument("--out", default=None, help="JSON of the summary (and the command's settings)")
-    args = p.parse_args()
+    return p
+
+
+def generate(args: argparse.Namespace, recorder: KVMethod) -> list[str]:
+    """`args.prompts` needle prompts (`prompt`) generated on the CPU with the recording method: their answers."""
     llm = semkv.LLM(args.model, device="cpu")
-    multiples = tuple(float(m) for m in args.multiples.split(","))
-    recorder = Recorder(share=args.budget, page=args.page, multiples=multiples)
     answers = []
     for i in range(args.prompts):
         out = llm.generate(prompt(Path(args.data), llm.tokenizer, args.context, i), method=recorder,
                            max_new_tokens=args.steps, allow_overlong=True)
         answers.append(out[0].text)
+    return answers
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--multiples", default="1,1.5,2,3,4")
+    args = p.parse_args()
+    multiples = tuple(float(m) for m in args.multiples.split(","))
+    recorder = Recorder(share=args.budget, page=args.page, multiples=multiples)
+    answers = generate(args, recorder)
     rows = recorder.rows
     summary = dict(settings=vars(args), measurements=len(rows), answers=answers, by_multiple={})
     for m in multiples:

@@ -15,17 +15,15 @@ layer's group's first layer). Nothing in the engine changes: the recording metho
 """
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-import semkv
 from semkv.engine.hooks import DecodeBatch, KVMethod
 from semkv.methods.tokenselect.reference import split_parts
-from page_prefilter import prompt
+from page_prefilter import generate, parser
 
 GROUPS = (2, 3)  # the reuse_layers measured besides 1
 
@@ -44,13 +42,11 @@ class Recorder(KVMethod):
     graph_safe = False  # eager steps, with the batch's sequences
 
     def select(self, layer: int, batch: DecodeBatch, q: torch.Tensor):
-        pool, seq = batch.pool, batch.seqs[0]
+        seq = batch.seqs[0]
         n = seq.kv.num_slots[layer]
-        slots = torch.arange(n)
-        rows = seq.kv.table[layer][slots // pool.page_size] * pool.page_size + slots % pool.page_size
-        keys = pool.flat()[0][rows].float()  # [n, kv_heads, D]
+        keys = seq.kv.keys(layer).float()  # [kv_heads, n, D]
         heads, dim = q.shape[1], q.shape[2]
-        keys = keys.repeat_interleave(heads // pool.num_kv_heads, dim=1).transpose(0, 1)  # [heads, n, D]
+        keys = keys.repeat_interleave(heads // keys.shape[0], dim=0)  # [heads, n, D]
         logits = torch.einsum("hd,hnd->hn", q[0].float(), keys)  # [heads, n]
         sink, k, recent = split_parts(torch.tensor([int(self.share * n)]), self.n_sink, self.n_recent)[0].tolist()
         vote = torch.softmax(logits[:, sink:n - recent], dim=-1).sum(0)  # Eq. 7 over the candidates
@@ -76,22 +72,9 @@ class Recorder(KVMethod):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded model)")
-    p.add_argument("--data", default="../shared/data", help="folder with paul_graham/ruler_PaulGrahamEssays.json")
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="decode steps recorded per prompt")
-    p.add_argument("--budget", type=float, default=0.1)
-    p.add_argument("--out", default=None, help="JSON of the summary (and the command's settings)")
-    args = p.parse_args()
-    llm = semkv.LLM(args.model, device="cpu")
+    args = parser(__doc__.splitlines()[0]).parse_args()
     recorder = Recorder(share=args.budget)
-    answers = []
-    for i in range(args.prompts):
-        out = llm.generate(prompt(Path(args.data), llm.tokenizer, args.context, i), method=recorder,
-                           max_new_tokens=args.steps, allow_overlong=True)
-        answers.append(out[0].text)
+    answers = generate(args, recorder)
     rows = recorder.rows
     keys = ["own", "previous"] + [f"reuse_{g}" for g in GROUPS]
     by_layer = {key: [sum(r[key][layer] for r in rows) / len(rows) for layer in range(len(rows[0]["own"]))]
